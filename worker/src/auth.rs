@@ -1,0 +1,332 @@
+//! Connection authentication: an HMAC-SHA256 challenge-response (HMAC: RFC 2104; SHA-256:
+//! FIPS 180-4) that proves both ends hold the per-job key, for this job, this generation and
+//! these two ranks.
+//!
+//! Owns the handshake over one already-connected byte stream and the refusal counters; it does
+//! not open or accept sockets (the communicator does) and never sees collective data.
+//!
+//! ```text
+//! initiator (higher rank)                       acceptor (lower rank)
+//!   Hello{job_uid, gen, world, from, to, Ni}  →   checks job (WrongJob), gen (StaleGeneration),
+//!                                                 world and ranks (Protocol)
+//!                                           ←   Challenge{Na, MAC(key, T ‖ "A")}
+//!   verifies the acceptor's tag (AuthFailed)
+//!   Proof{MAC(key, T ‖ "I")}                  →   verifies the initiator's tag (AuthFailed)
+//!                                           ←   Accept
+//! T = "diphoma-ring-auth-v1" ‖ len(job_uid) ‖ job_uid ‖ gen ‖ world ‖ from ‖ to ‖ Ni ‖ Na
+//! ```
+//!
+//! Both nonces are 32 fresh bytes from the OS-seeded CSPRNG (`rand::rng()`), so a recorded
+//! handshake cannot be replayed, and the role byte keeps one side's tag from serving as the
+//! other's. Tags are compared in constant time (`hmac::Mac::verify_slice`). Either side that
+//! refuses sends a `Reject` with its reason before closing, so the other gets a typed error
+//! rather than an EOF.
+
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use hmac::{Hmac, Mac};
+use rand::RngCore;
+use sha2::Sha256;
+
+use crate::error::{CommError, ProtocolError};
+use crate::frame::{
+    self, Challenge, HEADER_LEN, Header, Hello, Kind, MAC_LEN, MAX_HANDSHAKE_PAYLOAD, NONCE_LEN,
+    Proof, Reject, RejectReason,
+};
+
+const DOMAIN: &[u8] = b"diphoma-ring-auth-v1";
+
+/// What both ends of a ring connection must agree on.
+#[derive(Clone, Copy)]
+pub struct AuthParams<'a> {
+    /// The per-job HMAC key.
+    pub key: &'a [u8],
+    /// The job's UID.
+    pub job_uid: &'a str,
+    /// The ring generation.
+    pub generation: u64,
+    /// The world size of the generation.
+    pub world: u32,
+}
+
+impl std::fmt::Debug for AuthParams<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuthParams")
+            .field("key", &"<redacted>")
+            .field("job_uid", &self.job_uid)
+            .field("generation", &self.generation)
+            .field("world", &self.world)
+            .finish()
+    }
+}
+
+/// Counts of refused connections, by cause. Shared (`Arc`) between the communicator, its
+/// listener and whoever exports metrics.
+#[derive(Debug, Default)]
+pub struct RefusalCounters {
+    /// A proof did not verify (wrong key), on either side.
+    pub auth_failed: AtomicU64,
+    /// The peer announced another job UID.
+    pub wrong_job: AtomicU64,
+    /// The peer announced another generation.
+    pub stale_generation: AtomicU64,
+    /// Garbage, truncated or out-of-place frames, impossible ranks.
+    pub protocol: AtomicU64,
+}
+
+impl RefusalCounters {
+    /// Counts `err` under its cause (errors that are not refusals are not counted).
+    pub fn record(&self, err: &CommError) {
+        let c = match err {
+            CommError::AuthFailed { .. } => &self.auth_failed,
+            CommError::WrongJob { .. } => &self.wrong_job,
+            CommError::StaleGeneration { .. } => &self.stale_generation,
+            CommError::Protocol(_) => &self.protocol,
+            _ => return,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Total refusals of every cause.
+    pub fn total(&self) -> u64 {
+        [&self.auth_failed, &self.wrong_job, &self.stale_generation, &self.protocol]
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum()
+    }
+}
+
+fn tag(p: &AuthParams<'_>, from: u32, to: u32, ni: &[u8], na: &[u8], role: u8) -> Hmac<Sha256> {
+    // HMAC accepts keys of any length (RFC 2104 §2), so this cannot fail.
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(p.key).expect("HMAC takes any key length");
+    let uid = &p.job_uid.as_bytes()[..p.job_uid.len().min(frame::MAX_JOB_UID)];
+    m.update(DOMAIN);
+    m.update(&[uid.len() as u8]);
+    m.update(uid);
+    m.update(&p.generation.to_le_bytes());
+    m.update(&p.world.to_le_bytes());
+    m.update(&from.to_le_bytes());
+    m.update(&to.to_le_bytes());
+    m.update(ni);
+    m.update(na);
+    m.update(&[role]);
+    m
+}
+
+fn nonce() -> [u8; NONCE_LEN] {
+    let mut n = [0u8; NONCE_LEN];
+    rand::rng().fill_bytes(&mut n);
+    n
+}
+
+fn io_err(e: std::io::Error, have: usize, need: usize) -> CommError {
+    match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => {
+            CommError::Protocol(ProtocolError::Truncated { need, have })
+        }
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            CommError::Timeout { op: "handshake", after: std::time::Duration::ZERO }
+        }
+        _ => CommError::Io { op: "handshake", source: e },
+    }
+}
+
+/// Reads one handshake frame into `buf`; returns its header and payload length.
+fn read_frame<S: Read>(
+    s: &mut S,
+    buf: &mut [u8; MAX_HANDSHAKE_PAYLOAD],
+) -> Result<(Header, usize), CommError> {
+    let mut h = [0u8; HEADER_LEN];
+    s.read_exact(&mut h).map_err(|e| io_err(e, 0, HEADER_LEN))?;
+    let header = Header::decode(&h)?;
+    if header.kind == Kind::Data {
+        return Err(ProtocolError::Unexpected { got: Kind::Data, expected: Kind::Hello }.into());
+    }
+    let n = header.len as usize; // ≤ MAX_HANDSHAKE_PAYLOAD, checked by decode
+    s.read_exact(&mut buf[..n]).map_err(|e| io_err(e, HEADER_LEN, HEADER_LEN + n))?;
+    Ok((header, n))
+}
+
+fn expect(got: Kind, expected: Kind) -> Result<(), CommError> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(ProtocolError::Unexpected { got, expected }.into())
+    }
+}
+
+fn reject_error(r: &Reject, p: &AuthParams<'_>, peer: &str) -> CommError {
+    match r.reason {
+        RejectReason::Auth => CommError::AuthFailed { peer: peer.into(), reason: "peer refused our proof" },
+        RejectReason::WrongJob => CommError::WrongJob { theirs: "<refused by peer>".into() },
+        RejectReason::Generation => {
+            CommError::StaleGeneration { ours: p.generation, theirs: r.generation }
+        }
+        RejectReason::Protocol => ProtocolError::Malformed("peer refused our hello").into(),
+    }
+}
+
+/// Runs the initiator's side on a connected stream: rank `from` reaching rank `to`.
+///
+/// # Errors
+/// [`CommError::AuthFailed`] when the acceptor's tag does not verify or it refused ours,
+/// [`CommError::StaleGeneration`] / [`CommError::WrongJob`] when it refused our hello,
+/// [`CommError::Protocol`] on malformed frames, `Timeout`/`Io` from the stream (whose read
+/// timeout bounds each read).
+pub fn initiate<S: Read + Write>(
+    s: &mut S,
+    p: &AuthParams<'_>,
+    from: u32,
+    to: u32,
+) -> Result<(), CommError> {
+    let peer = format!("rank {to}");
+    let ni = nonce();
+    let hello = Hello { job_uid: p.job_uid, generation: p.generation, world: p.world, from, to, nonce: ni };
+    s.write_all(hello.encode().as_bytes()).map_err(|e| io_err(e, 0, 0))?;
+    let mut buf = [0u8; MAX_HANDSHAKE_PAYLOAD];
+    let (h, n) = read_frame(s, &mut buf)?;
+    if h.kind == Kind::Reject {
+        return Err(reject_error(&Reject::decode(&buf[..n])?, p, &peer));
+    }
+    expect(h.kind, Kind::Challenge)?;
+    let ch = Challenge::decode(&buf[..n])?;
+    if tag(p, from, to, &ni, &ch.nonce, b'A').verify_slice(&ch.mac).is_err() {
+        let _ = s.write_all(Reject { reason: RejectReason::Auth, generation: p.generation }.encode().as_bytes());
+        return Err(CommError::AuthFailed { peer, reason: "acceptor's proof does not verify" });
+    }
+    let mut mac = [0u8; MAC_LEN];
+    mac.copy_from_slice(&tag(p, from, to, &ni, &ch.nonce, b'I').finalize().into_bytes());
+    s.write_all(Proof { mac }.encode().as_bytes()).map_err(|e| io_err(e, 0, 0))?;
+    let (h, n) = read_frame(s, &mut buf)?;
+    if h.kind == Kind::Reject {
+        return Err(reject_error(&Reject::decode(&buf[..n])?, p, &peer));
+    }
+    expect(h.kind, Kind::Accept)?;
+    if n != 0 {
+        return Err(ProtocolError::Malformed("accept").into());
+    }
+    Ok(())
+}
+
+/// Runs the acceptor's side for rank `me`; `wanted(from)` says whether rank `from` is a peer
+/// this rank still expects. Returns the authenticated peer's rank.
+///
+/// On refusal a `Reject` is sent (best effort) and the error returned; the caller counts it
+/// ([`RefusalCounters::record`]) and keeps listening.
+///
+/// # Errors
+/// [`CommError::WrongJob`], [`CommError::StaleGeneration`], [`CommError::AuthFailed`],
+/// [`CommError::Protocol`] (garbage, truncated frames, unexpected ranks), `Timeout`/`Io`.
+pub fn accept<S: Read + Write>(
+    s: &mut S,
+    p: &AuthParams<'_>,
+    me: u32,
+    wanted: impl Fn(u32) -> bool,
+) -> Result<u32, CommError> {
+    let refuse = |s: &mut S, reason| {
+        let _ = s.write_all(Reject { reason, generation: p.generation }.encode().as_bytes());
+    };
+    let mut buf = [0u8; MAX_HANDSHAKE_PAYLOAD];
+    let (h, n) = read_frame(s, &mut buf)?;
+    expect(h.kind, Kind::Hello)?;
+    let hello = Hello::decode(&buf[..n])?;
+    if hello.job_uid != p.job_uid {
+        refuse(s, RejectReason::WrongJob);
+        return Err(CommError::WrongJob { theirs: hello.job_uid.to_string() });
+    }
+    if hello.generation != p.generation {
+        refuse(s, RejectReason::Generation);
+        return Err(CommError::StaleGeneration { ours: p.generation, theirs: hello.generation });
+    }
+    if hello.world != p.world || hello.to != me || hello.from >= p.world || !wanted(hello.from) {
+        refuse(s, RejectReason::Protocol);
+        return Err(ProtocolError::Malformed("hello: ranks do not fit this ring").into());
+    }
+    let from = hello.from;
+    let ni = hello.nonce;
+    let na = nonce();
+    let mut mac = [0u8; MAC_LEN];
+    mac.copy_from_slice(&tag(p, from, me, &ni, &na, b'A').finalize().into_bytes());
+    s.write_all(Challenge { nonce: na, mac }.encode().as_bytes()).map_err(|e| io_err(e, 0, 0))?;
+    let (h, n) = read_frame(s, &mut buf)?;
+    if h.kind == Kind::Reject {
+        // The initiator could not verify our tag: it holds another key.
+        return Err(CommError::AuthFailed {
+            peer: format!("rank {from}"),
+            reason: "initiator refused our proof",
+        });
+    }
+    expect(h.kind, Kind::Proof)?;
+    let proof = Proof::decode(&buf[..n])?;
+    if tag(p, from, me, &ni, &na, b'I').verify_slice(&proof.mac).is_err() {
+        refuse(s, RejectReason::Auth);
+        return Err(CommError::AuthFailed {
+            peer: format!("rank {from}"),
+            reason: "initiator's proof does not verify",
+        });
+    }
+    s.write_all(frame::accept_frame().as_bytes()).map_err(|e| io_err(e, 0, 0))?;
+    Ok(from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{TcpListener, TcpStream};
+    use std::time::Duration;
+
+    fn run_pair(
+        ip: AuthParams<'static>,
+        ap: AuthParams<'static>,
+    ) -> (Result<(), CommError>, Result<u32, CommError>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            accept(&mut s, &ap, 0, |r| r == 1)
+        });
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let i = initiate(&mut c, &ip, 1, 0);
+        (i, t.join().unwrap())
+    }
+
+    const GOOD: AuthParams<'static> =
+        AuthParams { key: b"0123456789abcdef0123456789abcdef", job_uid: "job-a", generation: 4, world: 2 };
+
+    #[test]
+    fn same_key_job_generation_succeeds() {
+        let (i, a) = run_pair(GOOD, GOOD);
+        assert!(i.is_ok(), "{i:?}");
+        assert_eq!(a.unwrap(), 1);
+    }
+
+    #[test]
+    fn wrong_key_fails_on_both_sides() {
+        let bad = AuthParams { key: b"another key, same length, 32 b!!", ..GOOD };
+        let (i, a) = run_pair(bad, GOOD);
+        assert!(matches!(i, Err(CommError::AuthFailed { .. })), "{i:?}");
+        assert!(matches!(a, Err(CommError::AuthFailed { .. })), "{a:?}");
+    }
+
+    #[test]
+    fn wrong_job_and_stale_generation_are_typed() {
+        let (i, a) = run_pair(AuthParams { job_uid: "job-b", ..GOOD }, GOOD);
+        assert!(matches!(i, Err(CommError::WrongJob { .. })), "{i:?}");
+        assert!(matches!(a, Err(CommError::WrongJob { ref theirs }) if theirs == "job-b"), "{a:?}");
+        let (i, a) = run_pair(AuthParams { generation: 3, ..GOOD }, GOOD);
+        assert!(matches!(i, Err(CommError::StaleGeneration { ours: 3, theirs: 4 })), "{i:?}");
+        assert!(matches!(a, Err(CommError::StaleGeneration { ours: 4, theirs: 3 })), "{a:?}");
+    }
+
+    #[test]
+    fn counters_count_by_cause() {
+        let c = RefusalCounters::default();
+        c.record(&CommError::WrongJob { theirs: "x".into() });
+        c.record(&CommError::Poisoned);
+        assert_eq!(c.wrong_job.load(Ordering::Relaxed), 1);
+        assert_eq!(c.total(), 1);
+    }
+}

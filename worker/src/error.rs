@@ -1,0 +1,146 @@
+//! The one error type of the ring runtime, [`CommError`].
+//!
+//! Every fallible call of the communicator returns it; each variant names what failed so the
+//! worker can decide between "re-form the ring" (`PeerLost`, `Timeout`) and "this peer is not one
+//! of us" (`AuthFailed`, `WrongJob`, `StaleGeneration`). This module owns no I/O.
+
+use std::time::Duration;
+
+/// A failure of a communicator call (connect, allreduce, broadcast, barrier).
+///
+/// After any error other than a refusal during connect, the communicator is poisoned: its sockets
+/// are shut down (so the failure cascades to the other ranks promptly) and every later call returns
+/// [`CommError::Poisoned`]. Drop it and form a new generation.
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    /// The connection to `rank` ended (EOF, reset, broken pipe) before the operation completed.
+    #[error("peer rank {rank} lost during {op}")]
+    PeerLost {
+        /// Rank of the peer whose connection broke.
+        rank: usize,
+        /// The operation in flight (`connect`, `allreduce`, `broadcast`, `barrier`).
+        op: &'static str,
+    },
+    /// The operation did not complete within the communicator's timeout.
+    #[error("{op} timed out after {after:?}")]
+    Timeout {
+        /// The operation in flight.
+        op: &'static str,
+        /// How long it ran before giving up.
+        after: Duration,
+    },
+    /// The peer belongs to another ring generation.
+    #[error("generation mismatch: ours {ours}, peer's {theirs}")]
+    StaleGeneration {
+        /// Our generation.
+        ours: u64,
+        /// The peer's generation.
+        theirs: u64,
+    },
+    /// The peer could not prove knowledge of the per-job key (or refused our proof).
+    #[error("authentication failed with {peer}: {reason}")]
+    AuthFailed {
+        /// Who the peer claimed to be, or its socket address.
+        peer: String,
+        /// What did not verify.
+        reason: &'static str,
+    },
+    /// The peer belongs to another job (different job UID).
+    #[error("peer belongs to another job (job UID {theirs:?})")]
+    WrongJob {
+        /// The job UID the peer announced.
+        theirs: String,
+    },
+    /// A frame was malformed, oversized, out of sequence or of an unexpected kind.
+    #[error("protocol error: {0}")]
+    Protocol(#[from] ProtocolError),
+    /// The configuration is unusable (rank out of range, wrong number of addresses, …).
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The collective was aborted through an [`crate::AbortHandle`].
+    #[error("aborted")]
+    Aborted,
+    /// A previous call failed; this communicator can no longer be used.
+    #[error("communicator poisoned by an earlier failure")]
+    Poisoned,
+    /// Any other socket error.
+    #[error("I/O error during {op}")]
+    Io {
+        /// The operation in flight.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What was wrong with a frame or a handshake message (see `frame.rs`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolError {
+    /// The first bytes are not the frame magic: not a Diphoma peer, or garbage.
+    #[error("bad magic {0:02x?}")]
+    BadMagic([u8; 2]),
+    /// Unsupported protocol version.
+    #[error("unsupported version {0}")]
+    BadVersion(u8),
+    /// Unknown frame kind.
+    #[error("unknown frame kind {0}")]
+    BadKind(u8),
+    /// Declared payload larger than allowed for its kind.
+    #[error("frame of {len} bytes exceeds the limit of {max}")]
+    Oversized {
+        /// Declared payload length.
+        len: u64,
+        /// Limit for that frame kind.
+        max: u64,
+    },
+    /// The input ended inside a frame.
+    #[error("truncated frame: need {need} bytes, have {have}")]
+    Truncated {
+        /// Bytes needed.
+        need: usize,
+        /// Bytes available.
+        have: usize,
+    },
+    /// A frame of another kind than the protocol step expects.
+    #[error("unexpected frame kind {got:?}, expected {expected:?}")]
+    Unexpected {
+        /// Kind received.
+        got: crate::frame::Kind,
+        /// Kind expected.
+        expected: crate::frame::Kind,
+    },
+    /// A data frame with the wrong sequence number or length.
+    #[error("data frame out of step: seq {seq} len {len}, expected seq {want_seq} len {want_len}")]
+    OutOfStep {
+        /// Sequence received.
+        seq: u64,
+        /// Length received.
+        len: u32,
+        /// Sequence expected.
+        want_seq: u64,
+        /// Length expected.
+        want_len: u32,
+    },
+    /// A handshake payload whose fields do not parse.
+    #[error("malformed {0} message")]
+    Malformed(&'static str),
+}
+
+impl CommError {
+    /// A bounded label for metrics (`peer_lost`, `timeout`, …).
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            CommError::PeerLost { .. } => "peer_lost",
+            CommError::Timeout { .. } => "timeout",
+            CommError::StaleGeneration { .. } => "stale_generation",
+            CommError::AuthFailed { .. } => "auth_failed",
+            CommError::WrongJob { .. } => "wrong_job",
+            CommError::Protocol(_) => "protocol",
+            CommError::Config(_) => "config",
+            CommError::Poisoned => "poisoned",
+            CommError::Aborted => "aborted",
+            CommError::Io { .. } => "io",
+        }
+    }
+}

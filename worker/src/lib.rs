@@ -1,0 +1,43 @@
+//! Diphoma's worker runtime: allreduce, broadcast and barrier over authenticated TCP, for one
+//! ring generation at a time.
+//!
+//! ```no_run
+//! use diphoma_worker::{Communicator, Config, ReduceOp};
+//! # fn main() -> Result<(), diphoma_worker::CommError> {
+//! let addrs = vec!["10.0.0.1:29500".parse().unwrap(), "10.0.0.2:29500".parse().unwrap()];
+//! let cfg = Config::new(0, 2, addrs, 1, "job-uid", vec![7u8; 32]);
+//! let mut comm = Communicator::bind_and_connect(cfg)?;
+//! let mut grads = vec![1.0f32; 1 << 20];
+//! comm.allreduce(&mut grads, ReduceOp::Avg)?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Layout
+//!
+//! | module | owns | must not |
+//! |---|---|---|
+//! | [`contract`] | the operator/worker contract: env names, ports, labels, membership JSON, key file | do I/O |
+//! | [`plan`] | the collective schedules as pure step lists (ring, recursive doubling, trees, chains) | touch sockets |
+//! | [`reduce`] | element types and the f32-accumulating reduction kernels | touch sockets |
+//! | [`frame`] | the wire format: 16-byte headers, handshake messages, validating decoders | touch sockets, allocate while decoding |
+//! | [`auth`] | the HMAC-SHA256 challenge-response on one stream, refusal counters | open sockets, see data |
+//! | [`comm`] | the [`Communicator`]: connecting a generation, running plans over non-blocking TCP | choose schedules by itself beyond size thresholds |
+//! | [`error`] | [`CommError`], the one error type | do I/O |
+//! | `main.rs` (binary) | the `diphoma-worker` CLI: `bench`, its hidden `bench-rank` | hold runtime logic |
+
+#[cfg(target_endian = "big")]
+compile_error!("the wire format is little-endian and buffers travel as raw bytes");
+
+pub mod auth;
+pub mod comm;
+pub mod contract;
+pub mod error;
+pub mod frame;
+pub mod plan;
+pub mod reduce;
+
+pub use auth::RefusalCounters;
+pub use comm::{AbortHandle, Communicator, Config};
+pub use error::{CommError, ProtocolError};
+pub use half::{bf16, f16};
+pub use reduce::{DType, Element, ReduceOp};

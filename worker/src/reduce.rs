@@ -1,0 +1,182 @@
+//! Element types and reduction kernels.
+//!
+//! Owns the arithmetic only (no I/O): `dst = (dst + src)·scale` over slices of one element type.
+//! `f32` adds in `f32`; `f16` and `bf16` travel on the wire in their own 2-byte formats (half the
+//! bytes of `f32`) and are widened to `f32`, added, and rounded back to nearest-even once per
+//! reduction. The loops work on fixed blocks so the compiler vectorises them; `f16` uses the
+//! `half` crate's slice conversions (F16C when the CPU has it).
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+/// The reduction applied by `allreduce`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise sum divided by the world size (the division is applied once, in `f32`,
+    /// at the last reduction of each element).
+    Avg,
+}
+
+/// Data types on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    /// IEEE binary32.
+    F32,
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// An element type `allreduce` accepts: `f32`, `half::f16`, `half::bf16` (sealed).
+///
+/// Every bit pattern is a valid value and the types have no padding, so buffers can be moved
+/// over the wire as raw little-endian bytes.
+pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
+    /// Wire type.
+    const DTYPE: DType;
+    /// `dst[i] = dst[i] + src[i]`, and then `·scale` when `scale` is given, accumulating in f32.
+    /// `dst` and `src` have the same length.
+    fn reduce(dst: &mut [Self], src: &[Self], scale: Option<f32>);
+    /// Converts from f32 (round to nearest even).
+    fn from_f32(x: f32) -> Self;
+    /// Converts to f32 (exact).
+    fn to_f32(self) -> f32;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn reduce(dst: &mut [f32], src: &[f32], scale: Option<f32>) {
+        assert_eq!(dst.len(), src.len());
+        match scale {
+            None => dst.iter_mut().zip(src).for_each(|(d, s)| *d += *s),
+            Some(k) => dst.iter_mut().zip(src).for_each(|(d, s)| *d = (*d + *s) * k),
+        }
+    }
+    fn from_f32(x: f32) -> f32 {
+        x
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+const BLOCK: usize = 512;
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    fn reduce(dst: &mut [f16], src: &[f16], scale: Option<f32>) {
+        assert_eq!(dst.len(), src.len());
+        let mut a = [0f32; BLOCK];
+        let mut b = [0f32; BLOCK];
+        for (d, s) in dst.chunks_mut(BLOCK).zip(src.chunks(BLOCK)) {
+            let (a, b) = (&mut a[..d.len()], &mut b[..d.len()]);
+            d.convert_to_f32_slice(a);
+            s.convert_to_f32_slice(b);
+            f32::reduce(a, b, scale);
+            d.convert_from_f32_slice(a);
+        }
+    }
+    fn from_f32(x: f32) -> f16 {
+        f16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+#[inline(always)]
+fn bf16_widen(x: u16) -> f32 {
+    f32::from_bits((x as u32) << 16)
+}
+
+#[inline(always)]
+fn bf16_round(f: f32) -> u16 {
+    let b = f.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let quiet_nan = ((b >> 16) as u16) | 0x0040;
+    if f.is_nan() { quiet_nan } else { rounded }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn reduce(dst: &mut [bf16], src: &[bf16], scale: Option<f32>) {
+        assert_eq!(dst.len(), src.len());
+        // Straight-line widen/add/round on bit patterns: vectorises without intrinsics.
+        let k = scale.unwrap_or(1.0);
+        for (d, s) in dst.iter_mut().zip(src) {
+            let sum = (bf16_widen(d.to_bits()) + bf16_widen(s.to_bits())) * k;
+            *d = bf16::from_bits(bf16_round(sum));
+        }
+    }
+    fn from_f32(x: f32) -> bf16 {
+        bf16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+/// Views a slice of elements as its bytes.
+pub fn as_bytes<T: Element>(v: &[T]) -> &[u8] {
+    // SAFETY: T is f32/f16/bf16 (sealed): no padding, alignment ≥ 1, size_of_val bytes valid.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+/// Views a mutable slice of elements as its bytes.
+pub fn as_bytes_mut<T: Element>(v: &mut [T]) -> &mut [u8] {
+    // SAFETY: as above, and every bit pattern written through the bytes is a valid T.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn bf16_rounding_matches_half() {
+        for x in [0.0f32, -0.0, 1.0, 1.00390625, 1.01171875, 3.4e38, f32::INFINITY, -7.5e-39, 1e-45] {
+            assert_eq!(bf16_round(x), bf16::from_f32(x).to_bits(), "{x}");
+        }
+        assert!(bf16::from_bits(bf16_round(f32::NAN)).is_nan());
+    }
+
+    fn check<T: Element + PartialEq + std::fmt::Debug>(a: &[f32], b: &[f32], scale: Option<f32>) {
+        let mut d: Vec<T> = a.iter().map(|&x| T::from_f32(x)).collect();
+        let s: Vec<T> = b.iter().map(|&x| T::from_f32(x)).collect();
+        let want: Vec<T> = d
+            .iter()
+            .zip(&s)
+            .map(|(x, y)| T::from_f32((x.to_f32() + y.to_f32()) * scale.unwrap_or(1.0)))
+            .collect();
+        T::reduce(&mut d, &s, scale);
+        for (i, (g, w)) in d.iter().zip(&want).enumerate() {
+            assert!(g == w || (g.to_f32().is_nan() && w.to_f32().is_nan()), "{i}: {g:?} != {w:?}");
+        }
+    }
+
+    proptest! {
+        /// Each kernel equals the scalar definition: widen, add in f32, scale, round once.
+        #[test]
+        fn kernels_match_scalar_reference(
+            v in proptest::collection::vec((-7e4f32..7e4, -7e4f32..7e4), 0..1500),
+            avg in any::<bool>(),
+        ) {
+            let (a, b): (Vec<f32>, Vec<f32>) = v.into_iter().unzip();
+            let scale = avg.then_some(0.25);
+            check::<f32>(&a, &b, scale);
+            check::<f16>(&a, &b, scale);
+            check::<bf16>(&a, &b, scale);
+        }
+    }
+}
