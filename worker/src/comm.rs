@@ -52,6 +52,12 @@ pub struct Config {
     /// small-message latency roughly in half, but wastes CPU when ranks outnumber cores, so the
     /// default is 50 µs when `world` ≤ available cores and zero otherwise.
     pub spin: Duration,
+    /// While spinning, call `sched_yield` between polls of the sockets (right when ranks
+    /// outnumber cores: the peer we wait for may need this core). Default: world > cores.
+    pub yield_spin: bool,
+    /// `SO_SNDBUF`/`SO_RCVBUF` requested for data connections, in bytes (capped by the kernel's
+    /// `wmem_max`/`rmem_max`); 0 keeps the kernel's autotuning.
+    pub socket_buffer: usize,
     /// Allreduce buffers up to this many bytes use recursive doubling; larger ones use the ring.
     pub small_bytes: usize,
     /// Size of the scratch segment received data is reduced from, in bytes (rounded down to a
@@ -72,6 +78,8 @@ impl std::fmt::Debug for Config {
             .field("key", &"<redacted>")
             .field("timeout", &self.timeout)
             .field("spin", &self.spin)
+            .field("yield_spin", &self.yield_spin)
+            .field("socket_buffer", &self.socket_buffer)
             .field("small_bytes", &self.small_bytes)
             .field("segment_bytes", &self.segment_bytes)
             .finish()
@@ -82,6 +90,8 @@ impl std::fmt::Debug for Config {
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default recursive-doubling threshold, in bytes.
 pub const DEFAULT_SMALL_BYTES: usize = 64 << 10;
+/// Default socket buffer request, in bytes.
+pub const DEFAULT_SOCKET_BUFFER: usize = 4 << 20;
 /// Default scratch segment, in bytes.
 pub const DEFAULT_SEGMENT_BYTES: usize = 256 << 10;
 
@@ -104,7 +114,9 @@ impl Config {
             job_uid: job_uid.into(),
             key: key.into(),
             timeout: DEFAULT_TIMEOUT,
-            spin: if world <= cores { Duration::from_micros(50) } else { Duration::ZERO },
+            spin: Duration::from_micros(if world <= cores { 50 } else { 200 }),
+            yield_spin: world > cores,
+            socket_buffer: DEFAULT_SOCKET_BUFFER,
             small_bytes: DEFAULT_SMALL_BYTES,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             counters: Arc::default(),
@@ -163,6 +175,7 @@ pub struct Communicator {
     generation: u64,
     timeout: Duration,
     spin: Duration,
+    yield_spin: bool,
     small_bytes: usize,
     segment_bytes: usize,
     links: Vec<Option<TcpStream>>,
@@ -247,6 +260,9 @@ impl Communicator {
         for (p, s) in con?.into_iter().chain(acc?) {
             s.set_nodelay(true).map_err(|source| CommError::Io { op: "connect", source })?;
             s.set_nonblocking(true).map_err(|source| CommError::Io { op: "connect", source })?;
+            if config.socket_buffer > 0 {
+                set_buffers(&s, config.socket_buffer);
+            }
             links[p] = Some(s);
         }
         let clones = links
@@ -263,6 +279,7 @@ impl Communicator {
             generation: config.generation,
             timeout: config.timeout,
             spin: config.spin,
+            yield_spin: config.yield_spin,
             small_bytes: config.small_bytes,
             segment_bytes,
             links,
@@ -396,6 +413,7 @@ impl Communicator {
                 start,
                 deadline,
                 spin: self.spin,
+                yield_spin: self.yield_spin,
                 kern,
                 scale,
             };
@@ -428,6 +446,23 @@ impl Drop for Communicator {
         // Abort handles hold clones of the sockets: shut them down so peers see the end now.
         for s in self.links.iter().flatten() {
             let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// Best effort: a refused request leaves the kernel's default, which only costs speed.
+fn set_buffers(s: &TcpStream, bytes: usize) {
+    let v = bytes.min(i32::MAX as usize) as libc::c_int;
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: valid fd, option value is a c_int of the stated size.
+        unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
         }
     }
 }
@@ -487,6 +522,7 @@ struct StepCtx<'a> {
     start: Instant,
     deadline: Instant,
     spin: Duration,
+    yield_spin: bool,
     kern: Kernel,
     scale: Option<f32>,
 }
@@ -753,7 +789,11 @@ impl StepCtx<'_> {
                     continue;
                 }
                 Some(t) if now - t < self.spin => {
-                    std::hint::spin_loop();
+                    if self.yield_spin {
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
                     continue;
                 }
                 _ => {}

@@ -60,6 +60,12 @@ struct Common {
     /// Busy-poll budget in µs before sleeping (default: 50 if ranks ≤ cores, else 0).
     #[arg(long)]
     spin_us: Option<u64>,
+    /// Yield while spinning (default: when ranks > cores).
+    #[arg(long)]
+    yield_spin: Option<bool>,
+    /// SO_SNDBUF/SO_RCVBUF request in bytes (0 = kernel autotuning).
+    #[arg(long)]
+    socket_buffer: Option<usize>,
     /// Recursive-doubling threshold in bytes.
     #[arg(long)]
     small_bytes: Option<usize>,
@@ -146,6 +152,8 @@ fn common_args(c: &Common) -> Vec<String> {
         format!("--op-timeout-s={}", c.op_timeout_s),
     ];
     v.extend(c.spin_us.map(|x| format!("--spin-us={x}")));
+    v.extend(c.yield_spin.map(|x| format!("--yield-spin={x}")));
+    v.extend(c.socket_buffer.map(|x| format!("--socket-buffer={x}")));
     v.extend(c.small_bytes.map(|x| format!("--small-bytes={x}")));
     v.extend(c.segment_bytes.map(|x| format!("--segment-bytes={x}")));
     v.extend(c.soak.as_ref().map(|x| format!("--soak={x}")));
@@ -257,6 +265,12 @@ fn bench_rank(a: RankArgs) -> Result<ExitCode, AnyErr> {
     cfg.timeout = Duration::from_secs(c.op_timeout_s);
     if let Some(us) = c.spin_us {
         cfg.spin = Duration::from_micros(us);
+    }
+    if let Some(y) = c.yield_spin {
+        cfg.yield_spin = y;
+    }
+    if let Some(b) = c.socket_buffer {
+        cfg.socket_buffer = b;
     }
     if let Some(b) = c.small_bytes {
         cfg.small_bytes = b;
