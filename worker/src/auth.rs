@@ -90,10 +90,15 @@ impl RefusalCounters {
 
     /// Total refusals of every cause.
     pub fn total(&self) -> u64 {
-        [&self.auth_failed, &self.wrong_job, &self.stale_generation, &self.protocol]
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed))
-            .sum()
+        [
+            &self.auth_failed,
+            &self.wrong_job,
+            &self.stale_generation,
+            &self.protocol,
+        ]
+        .iter()
+        .map(|c| c.load(Ordering::Relaxed))
+        .sum()
     }
 }
 
@@ -125,10 +130,14 @@ fn io_err(e: std::io::Error, have: usize, need: usize) -> CommError {
         std::io::ErrorKind::UnexpectedEof => {
             CommError::Protocol(ProtocolError::Truncated { need, have })
         }
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-            CommError::Timeout { op: "handshake", after: std::time::Duration::ZERO }
-        }
-        _ => CommError::Io { op: "handshake", source: e },
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => CommError::Timeout {
+            op: "handshake",
+            after: std::time::Duration::ZERO,
+        },
+        _ => CommError::Io {
+            op: "handshake",
+            source: e,
+        },
     }
 }
 
@@ -141,10 +150,15 @@ fn read_frame<S: Read>(
     s.read_exact(&mut h).map_err(|e| io_err(e, 0, HEADER_LEN))?;
     let header = Header::decode(&h)?;
     if header.kind == Kind::Data {
-        return Err(ProtocolError::Unexpected { got: Kind::Data, expected: Kind::Hello }.into());
+        return Err(ProtocolError::Unexpected {
+            got: Kind::Data,
+            expected: Kind::Hello,
+        }
+        .into());
     }
     let n = header.len as usize; // ≤ MAX_HANDSHAKE_PAYLOAD, checked by decode
-    s.read_exact(&mut buf[..n]).map_err(|e| io_err(e, HEADER_LEN, HEADER_LEN + n))?;
+    s.read_exact(&mut buf[..n])
+        .map_err(|e| io_err(e, HEADER_LEN, HEADER_LEN + n))?;
     Ok((header, n))
 }
 
@@ -158,11 +172,17 @@ fn expect(got: Kind, expected: Kind) -> Result<(), CommError> {
 
 fn reject_error(r: &Reject, p: &AuthParams<'_>, peer: &str) -> CommError {
     match r.reason {
-        RejectReason::Auth => CommError::AuthFailed { peer: peer.into(), reason: "peer refused our proof" },
-        RejectReason::WrongJob => CommError::WrongJob { theirs: "<refused by peer>".into() },
-        RejectReason::Generation => {
-            CommError::StaleGeneration { ours: p.generation, theirs: r.generation }
-        }
+        RejectReason::Auth => CommError::AuthFailed {
+            peer: peer.into(),
+            reason: "peer refused our proof",
+        },
+        RejectReason::WrongJob => CommError::WrongJob {
+            theirs: "<refused by peer>".into(),
+        },
+        RejectReason::Generation => CommError::StaleGeneration {
+            ours: p.generation,
+            theirs: r.generation,
+        },
         RejectReason::Protocol => ProtocolError::Malformed("peer refused our hello").into(),
     }
 }
@@ -182,8 +202,16 @@ pub fn initiate<S: Read + Write>(
 ) -> Result<(), CommError> {
     let peer = format!("rank {to}");
     let ni = nonce();
-    let hello = Hello { job_uid: p.job_uid, generation: p.generation, world: p.world, from, to, nonce: ni };
-    s.write_all(hello.encode().as_bytes()).map_err(|e| io_err(e, 0, 0))?;
+    let hello = Hello {
+        job_uid: p.job_uid,
+        generation: p.generation,
+        world: p.world,
+        from,
+        to,
+        nonce: ni,
+    };
+    s.write_all(hello.encode().as_bytes())
+        .map_err(|e| io_err(e, 0, 0))?;
     let mut buf = [0u8; MAX_HANDSHAKE_PAYLOAD];
     let (h, n) = read_frame(s, &mut buf)?;
     if h.kind == Kind::Reject {
@@ -191,13 +219,31 @@ pub fn initiate<S: Read + Write>(
     }
     expect(h.kind, Kind::Challenge)?;
     let ch = Challenge::decode(&buf[..n])?;
-    if tag(p, from, to, &ni, &ch.nonce, b'A').verify_slice(&ch.mac).is_err() {
-        let _ = s.write_all(Reject { reason: RejectReason::Auth, generation: p.generation }.encode().as_bytes());
-        return Err(CommError::AuthFailed { peer, reason: "acceptor's proof does not verify" });
+    if tag(p, from, to, &ni, &ch.nonce, b'A')
+        .verify_slice(&ch.mac)
+        .is_err()
+    {
+        let _ = s.write_all(
+            Reject {
+                reason: RejectReason::Auth,
+                generation: p.generation,
+            }
+            .encode()
+            .as_bytes(),
+        );
+        return Err(CommError::AuthFailed {
+            peer,
+            reason: "acceptor's proof does not verify",
+        });
     }
     let mut mac = [0u8; MAC_LEN];
-    mac.copy_from_slice(&tag(p, from, to, &ni, &ch.nonce, b'I').finalize().into_bytes());
-    s.write_all(Proof { mac }.encode().as_bytes()).map_err(|e| io_err(e, 0, 0))?;
+    mac.copy_from_slice(
+        &tag(p, from, to, &ni, &ch.nonce, b'I')
+            .finalize()
+            .into_bytes(),
+    );
+    s.write_all(Proof { mac }.encode().as_bytes())
+        .map_err(|e| io_err(e, 0, 0))?;
     let (h, n) = read_frame(s, &mut buf)?;
     if h.kind == Kind::Reject {
         return Err(reject_error(&Reject::decode(&buf[..n])?, p, &peer));
@@ -225,7 +271,14 @@ pub fn accept<S: Read + Write>(
     wanted: impl Fn(u32) -> bool,
 ) -> Result<u32, CommError> {
     let refuse = |s: &mut S, reason| {
-        let _ = s.write_all(Reject { reason, generation: p.generation }.encode().as_bytes());
+        let _ = s.write_all(
+            Reject {
+                reason,
+                generation: p.generation,
+            }
+            .encode()
+            .as_bytes(),
+        );
     };
     let mut buf = [0u8; MAX_HANDSHAKE_PAYLOAD];
     let (h, n) = read_frame(s, &mut buf)?;
@@ -233,11 +286,16 @@ pub fn accept<S: Read + Write>(
     let hello = Hello::decode(&buf[..n])?;
     if hello.job_uid != p.job_uid {
         refuse(s, RejectReason::WrongJob);
-        return Err(CommError::WrongJob { theirs: hello.job_uid.to_string() });
+        return Err(CommError::WrongJob {
+            theirs: hello.job_uid.to_string(),
+        });
     }
     if hello.generation != p.generation {
         refuse(s, RejectReason::Generation);
-        return Err(CommError::StaleGeneration { ours: p.generation, theirs: hello.generation });
+        return Err(CommError::StaleGeneration {
+            ours: p.generation,
+            theirs: hello.generation,
+        });
     }
     if hello.world != p.world || hello.to != me || hello.from >= p.world || !wanted(hello.from) {
         refuse(s, RejectReason::Protocol);
@@ -248,7 +306,8 @@ pub fn accept<S: Read + Write>(
     let na = nonce();
     let mut mac = [0u8; MAC_LEN];
     mac.copy_from_slice(&tag(p, from, me, &ni, &na, b'A').finalize().into_bytes());
-    s.write_all(Challenge { nonce: na, mac }.encode().as_bytes()).map_err(|e| io_err(e, 0, 0))?;
+    s.write_all(Challenge { nonce: na, mac }.encode().as_bytes())
+        .map_err(|e| io_err(e, 0, 0))?;
     let (h, n) = read_frame(s, &mut buf)?;
     if h.kind == Kind::Reject {
         // The initiator could not verify our tag: it holds another key.
@@ -259,14 +318,18 @@ pub fn accept<S: Read + Write>(
     }
     expect(h.kind, Kind::Proof)?;
     let proof = Proof::decode(&buf[..n])?;
-    if tag(p, from, me, &ni, &na, b'I').verify_slice(&proof.mac).is_err() {
+    if tag(p, from, me, &ni, &na, b'I')
+        .verify_slice(&proof.mac)
+        .is_err()
+    {
         refuse(s, RejectReason::Auth);
         return Err(CommError::AuthFailed {
             peer: format!("rank {from}"),
             reason: "initiator's proof does not verify",
         });
     }
-    s.write_all(frame::accept_frame().as_bytes()).map_err(|e| io_err(e, 0, 0))?;
+    s.write_all(frame::accept_frame().as_bytes())
+        .map_err(|e| io_err(e, 0, 0))?;
     Ok(from)
 }
 
@@ -293,8 +356,12 @@ mod tests {
         (i, t.join().unwrap())
     }
 
-    const GOOD: AuthParams<'static> =
-        AuthParams { key: b"0123456789abcdef0123456789abcdef", job_uid: "job-a", generation: 4, world: 2 };
+    const GOOD: AuthParams<'static> = AuthParams {
+        key: b"0123456789abcdef0123456789abcdef",
+        job_uid: "job-a",
+        generation: 4,
+        world: 2,
+    };
 
     #[test]
     fn same_key_job_generation_succeeds() {
@@ -305,7 +372,10 @@ mod tests {
 
     #[test]
     fn wrong_key_fails_on_both_sides() {
-        let bad = AuthParams { key: b"another key, same length, 32 b!!", ..GOOD };
+        let bad = AuthParams {
+            key: b"another key, same length, 32 b!!",
+            ..GOOD
+        };
         let (i, a) = run_pair(bad, GOOD);
         assert!(matches!(i, Err(CommError::AuthFailed { .. })), "{i:?}");
         assert!(matches!(a, Err(CommError::AuthFailed { .. })), "{a:?}");
@@ -313,12 +383,33 @@ mod tests {
 
     #[test]
     fn wrong_job_and_stale_generation_are_typed() {
-        let (i, a) = run_pair(AuthParams { job_uid: "job-b", ..GOOD }, GOOD);
+        let (i, a) = run_pair(
+            AuthParams {
+                job_uid: "job-b",
+                ..GOOD
+            },
+            GOOD,
+        );
         assert!(matches!(i, Err(CommError::WrongJob { .. })), "{i:?}");
-        assert!(matches!(a, Err(CommError::WrongJob { ref theirs }) if theirs == "job-b"), "{a:?}");
-        let (i, a) = run_pair(AuthParams { generation: 3, ..GOOD }, GOOD);
-        assert!(matches!(i, Err(CommError::StaleGeneration { ours: 3, theirs: 4 })), "{i:?}");
-        assert!(matches!(a, Err(CommError::StaleGeneration { ours: 4, theirs: 3 })), "{a:?}");
+        assert!(
+            matches!(a, Err(CommError::WrongJob { ref theirs }) if theirs == "job-b"),
+            "{a:?}"
+        );
+        let (i, a) = run_pair(
+            AuthParams {
+                generation: 3,
+                ..GOOD
+            },
+            GOOD,
+        );
+        assert!(
+            matches!(i, Err(CommError::StaleGeneration { ours: 3, theirs: 4 })),
+            "{i:?}"
+        );
+        assert!(
+            matches!(a, Err(CommError::StaleGeneration { ours: 4, theirs: 3 })),
+            "{a:?}"
+        );
     }
 
     #[test]

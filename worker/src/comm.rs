@@ -27,7 +27,8 @@ use std::time::{Duration, Instant};
 use crate::auth::{self, AuthParams, RefusalCounters};
 use crate::error::{CommError, ProtocolError};
 use crate::frame::{HEADER_LEN, Header, Kind, MAX_DATA_PAYLOAD};
-use crate::plan::{self, Action, Algorithm, Step};
+pub use crate::plan::Algorithm;
+use crate::plan::{self, Action, Step};
 use crate::reduce::{self, Element, ReduceOp};
 
 /// Everything needed to join one ring generation.
@@ -49,17 +50,22 @@ pub struct Config {
     /// Bound on every call: connect, each collective.
     pub timeout: Duration,
     /// How long a collective busy-polls its sockets before sleeping in `poll(2)`. Spinning cuts
-    /// small-message latency roughly in half, but wastes CPU when ranks outnumber cores, so the
-    /// default is 50 µs when `world` ≤ available cores and zero otherwise.
+    /// small-message latency roughly in half (no wake-up); default 50 µs when `world` ≤ available
+    /// cores, 200 µs (yielding) when ranks outnumber cores and a wake-up costs a time slice.
     pub spin: Duration,
-    /// While spinning, call `sched_yield` between polls of the sockets (right when ranks
-    /// outnumber cores: the peer we wait for may need this core). Default: world > cores.
+    /// While spinning, call `sched_yield` between polls of the sockets, so a peer (or any other
+    /// process) that needs this core gets it: nearly free on an idle core, essential when ranks
+    /// outnumber cores. Default: true.
     pub yield_spin: bool,
     /// `SO_SNDBUF`/`SO_RCVBUF` requested for data connections, in bytes (capped by the kernel's
     /// `wmem_max`/`rmem_max`); 0 keeps the kernel's autotuning.
     pub socket_buffer: usize,
     /// Allreduce buffers up to this many bytes use recursive doubling; larger ones use the ring.
     pub small_bytes: usize,
+    /// Forces one allreduce algorithm for every size (benchmarks, tests); `None` chooses by
+    /// size: recursive doubling up to `small_bytes`, then the halving-doubling algorithm when
+    /// `world` is a power of two above 2, else the ring.
+    pub algorithm: Option<Algorithm>,
     /// Size of the scratch segment received data is reduced from, in bytes (rounded down to a
     /// multiple of 8, at least 4096).
     pub segment_bytes: usize,
@@ -82,6 +88,7 @@ impl std::fmt::Debug for Config {
             .field("socket_buffer", &self.socket_buffer)
             .field("small_bytes", &self.small_bytes)
             .field("segment_bytes", &self.segment_bytes)
+            .field("algorithm", &self.algorithm)
             .finish()
     }
 }
@@ -115,10 +122,11 @@ impl Config {
             key: key.into(),
             timeout: DEFAULT_TIMEOUT,
             spin: Duration::from_micros(if world <= cores { 50 } else { 200 }),
-            yield_spin: world > cores,
+            yield_spin: true,
             socket_buffer: DEFAULT_SOCKET_BUFFER,
             small_bytes: DEFAULT_SMALL_BYTES,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
+            algorithm: None,
             counters: Arc::default(),
         }
     }
@@ -129,13 +137,20 @@ impl Config {
             return bad(format!("rank {} not in 0..{}", self.rank, self.world));
         }
         if self.addresses.len() != self.world {
-            return bad(format!("{} addresses for world {}", self.addresses.len(), self.world));
+            return bad(format!(
+                "{} addresses for world {}",
+                self.addresses.len(),
+                self.world
+            ));
         }
         if self.job_uid.is_empty() || self.job_uid.len() > crate::frame::MAX_JOB_UID {
             return bad("job_uid must be 1..=128 bytes".into());
         }
         if self.key.len() < crate::contract::MIN_KEY_LEN {
-            return bad(format!("key must be at least {} bytes", crate::contract::MIN_KEY_LEN));
+            return bad(format!(
+                "key must be at least {} bytes",
+                crate::contract::MIN_KEY_LEN
+            ));
         }
         if self.world > u32::MAX as usize {
             return bad("world too large".into());
@@ -178,6 +193,7 @@ pub struct Communicator {
     yield_spin: bool,
     small_bytes: usize,
     segment_bytes: usize,
+    algorithm: Option<Algorithm>,
     links: Vec<Option<TcpStream>>,
     counters: Arc<RefusalCounters>,
     scratch: Vec<u64>,
@@ -206,7 +222,10 @@ fn clamp_timeout(deadline: Instant) -> Option<Duration> {
 }
 
 fn timeout_err(op: &'static str, start: Instant) -> CommError {
-    CommError::Timeout { op, after: start.elapsed() }
+    CommError::Timeout {
+        op,
+        after: start.elapsed(),
+    }
 }
 
 impl Communicator {
@@ -248,18 +267,30 @@ impl Communicator {
         let counters = &config.counters;
         let (acc, con) = std::thread::scope(|sc| {
             let acc = sc.spawn(|| {
-                accept_peers(&listener, &params, rank, &higher, start, deadline, &stop, counters)
+                accept_peers(
+                    &listener, &params, rank, &higher, start, deadline, &stop, counters,
+                )
             });
             let con = connect_peers(&config, &params, &lower, start, deadline, counters);
             if con.is_err() {
                 stop.store(true, Ordering::SeqCst);
             }
-            (acc.join().unwrap_or(Err(CommError::Config("accept thread panicked".into()))), con)
+            (
+                acc.join()
+                    .unwrap_or(Err(CommError::Config("accept thread panicked".into()))),
+                con,
+            )
         });
         let mut links: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         for (p, s) in con?.into_iter().chain(acc?) {
-            s.set_nodelay(true).map_err(|source| CommError::Io { op: "connect", source })?;
-            s.set_nonblocking(true).map_err(|source| CommError::Io { op: "connect", source })?;
+            s.set_nodelay(true).map_err(|source| CommError::Io {
+                op: "connect",
+                source,
+            })?;
+            s.set_nonblocking(true).map_err(|source| CommError::Io {
+                op: "connect",
+                source,
+            })?;
             if config.socket_buffer > 0 {
                 set_buffers(&s, config.socket_buffer);
             }
@@ -270,7 +301,10 @@ impl Communicator {
             .flatten()
             .map(|s| s.try_clone())
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|source| CommError::Io { op: "connect", source })?;
+            .map_err(|source| CommError::Io {
+                op: "connect",
+                source,
+            })?;
         let segment_bytes = (config.segment_bytes / 8 * 8).max(4096);
         let scratch_bytes = segment_bytes.max(config.small_bytes);
         Ok(Communicator {
@@ -282,13 +316,17 @@ impl Communicator {
             yield_spin: config.yield_spin,
             small_bytes: config.small_bytes,
             segment_bytes,
+            algorithm: config.algorithm,
             links,
             counters: config.counters.clone(),
             scratch: vec![0u64; scratch_bytes.div_ceil(8)],
             steps: Vec::with_capacity(64),
             seq: 0,
             poisoned: false,
-            abort: AbortHandle { streams: Arc::new(clones), aborted: Arc::default() },
+            abort: AbortHandle {
+                streams: Arc::new(clones),
+                aborted: Arc::default(),
+            },
         })
     }
 
@@ -329,10 +367,13 @@ impl Communicator {
             return Ok(());
         }
         let bytes = std::mem::size_of_val(buf);
-        let alg = if bytes <= self.small_bytes || buf.len() < self.world {
-            Algorithm::RecursiveDoubling
-        } else {
-            Algorithm::Ring
+        let alg = match self.algorithm {
+            Some(a) => a,
+            None if bytes <= self.small_bytes || buf.len() < self.world => {
+                Algorithm::RecursiveDoubling
+            }
+            None if self.world > 2 && self.world.is_power_of_two() => Algorithm::Halving,
+            None => Algorithm::Ring,
         };
         self.steps.clear();
         plan::allreduce(alg, self.world, self.rank, buf.len(), &mut self.steps);
@@ -357,7 +398,10 @@ impl Communicator {
     pub fn broadcast_bytes(&mut self, buf: &mut [u8], root: usize) -> Result<(), CommError> {
         self.check()?;
         if root >= self.world {
-            return Err(CommError::Config(format!("root {root} not in 0..{}", self.world)));
+            return Err(CommError::Config(format!(
+                "root {root} not in 0..{}",
+                self.world
+            )));
         }
         if self.world == 1 || buf.is_empty() {
             return Ok(());
@@ -382,7 +426,13 @@ impl Communicator {
             return Ok(());
         }
         self.steps.clear();
-        plan::allreduce(Algorithm::RecursiveDoubling, self.world, self.rank, 0, &mut self.steps);
+        plan::allreduce(
+            Algorithm::RecursiveDoubling,
+            self.world,
+            self.rank,
+            0,
+            &mut self.steps,
+        );
         self.run("barrier", &mut [], Kernel::bytes(), None)
     }
 
@@ -393,14 +443,23 @@ impl Communicator {
         Ok(())
     }
 
-    fn run(&mut self, op: &'static str, buf: &mut [u8], kern: Kernel, scale: Option<f32>) -> Result<(), CommError> {
+    fn run(
+        &mut self,
+        op: &'static str,
+        buf: &mut [u8],
+        kern: Kernel,
+        scale: Option<f32>,
+    ) -> Result<(), CommError> {
         self.seq += 1;
         let start = Instant::now();
         let deadline = start + self.timeout;
         let steps = std::mem::take(&mut self.steps);
         let mut result = Ok(());
         for step in &steps {
-            let overlap_len = step.recv.as_ref().map_or(0, |(r, _)| r.range.len() * kern.esize);
+            let overlap_len = step
+                .recv
+                .as_ref()
+                .map_or(0, |(r, _)| r.range.len() * kern.esize);
             if self.scratch.len() * 8 < overlap_len && overlaps(step) {
                 self.scratch.resize(overlap_len.div_ceil(8), 0);
             }
@@ -503,13 +562,19 @@ impl Kernel {
             };
             T::reduce(d, s, k);
         }
-        Kernel { esize: std::mem::size_of::<T>(), reduce: red::<T> }
+        Kernel {
+            esize: std::mem::size_of::<T>(),
+            reduce: red::<T>,
+        }
     }
     fn bytes() -> Kernel {
         fn never(_: &mut [u8], _: &[u8], _: Option<f32>) {
             unreachable!("byte plans only copy")
         }
-        Kernel { esize: 1, reduce: never }
+        Kernel {
+            esize: 1,
+            reduce: never,
+        }
     }
 }
 
@@ -558,14 +623,21 @@ impl Tx<'_> {
         }
         if self.hdr_off == HEADER_LEN && self.pos == self.frame_end {
             let flen = (self.len - self.pos).min(MAX_DATA_PAYLOAD);
-            self.hdr = Header { kind: Kind::Data, len: flen as u32, seq }.encode();
+            self.hdr = Header {
+                kind: Kind::Data,
+                len: flen as u32,
+                seq,
+            }
+            .encode();
             self.hdr_off = 0;
             self.frame_end = self.pos + flen;
             self.started = true;
         }
         // SAFETY: data..data+len is the step's send range of the caller's buffer, alive and not
         // written during the step (writes go to disjoint ranges or to scratch).
-        let data = unsafe { std::slice::from_raw_parts(self.data.add(self.pos), self.frame_end - self.pos) };
+        let data = unsafe {
+            std::slice::from_raw_parts(self.data.add(self.pos), self.frame_end - self.pos)
+        };
         let r = if self.hdr_off < HEADER_LEN {
             let bufs = [IoSlice::new(&self.hdr[self.hdr_off..]), IoSlice::new(data)];
             (&mut &*self.s).write_vectored(&bufs)
@@ -573,7 +645,10 @@ impl Tx<'_> {
             (&mut &*self.s).write(data)
         };
         match r {
-            Ok(0) => Err(CommError::PeerLost { rank: self.peer, op }),
+            Ok(0) => Err(CommError::PeerLost {
+                rank: self.peer,
+                op,
+            }),
             Ok(mut n) => {
                 let h = n.min(HEADER_LEN - self.hdr_off);
                 self.hdr_off += h;
@@ -626,7 +701,12 @@ impl Rx<'_> {
         if self.hdr_off < HEADER_LEN {
             let r = (&mut &*self.s).read(&mut self.hdr[self.hdr_off..]);
             let n = match r {
-                Ok(0) => return Err(CommError::PeerLost { rank: self.peer, op: c.op }),
+                Ok(0) => {
+                    return Err(CommError::PeerLost {
+                        rank: self.peer,
+                        op: c.op,
+                    });
+                }
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => return Ok(true),
@@ -636,7 +716,11 @@ impl Rx<'_> {
             if self.hdr_off == HEADER_LEN {
                 let h = Header::decode(&self.hdr)?;
                 if h.kind != Kind::Data {
-                    return Err(ProtocolError::Unexpected { got: h.kind, expected: Kind::Data }.into());
+                    return Err(ProtocolError::Unexpected {
+                        got: h.kind,
+                        expected: Kind::Data,
+                    }
+                    .into());
                 }
                 let want = (self.len - self.pos).min(MAX_DATA_PAYLOAD);
                 if h.seq != c.seq || h.len as usize != want {
@@ -673,7 +757,12 @@ impl Rx<'_> {
             Sink::Deferred => &mut c.scratch[self.pos..self.pos + room],
         };
         let n = match (&mut &*self.s).read(dst) {
-            Ok(0) => return Err(CommError::PeerLost { rank: self.peer, op: c.op }),
+            Ok(0) => {
+                return Err(CommError::PeerLost {
+                    rank: self.peer,
+                    op: c.op,
+                });
+            }
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => return Ok(true),
@@ -685,7 +774,9 @@ impl Rx<'_> {
             let seg_len = c.segment.min(self.len - self.seg_start);
             if self.pos == self.seg_start + seg_len {
                 // SAFETY: as for Direct; the segment lies inside the receive range.
-                let d = unsafe { std::slice::from_raw_parts_mut(self.dst.add(self.seg_start), seg_len) };
+                let d = unsafe {
+                    std::slice::from_raw_parts_mut(self.dst.add(self.seg_start), seg_len)
+                };
                 self.apply(c, d, 0, seg_len);
                 self.seg_start = self.pos;
             }
@@ -705,17 +796,20 @@ impl Rx<'_> {
         let src = &c.scratch[from..from + len];
         match self.action {
             Action::Copy => d.copy_from_slice(src),
-            Action::Reduce { finalize } => (c.kern.reduce)(d, src, if finalize { c.scale } else { None }),
+            Action::Reduce { finalize } => {
+                (c.kern.reduce)(d, src, if finalize { c.scale } else { None })
+            }
         }
     }
 }
 
 fn link(links: &[Option<TcpStream>], peer: usize) -> Result<&TcpStream, CommError> {
-    links[peer].as_ref().ok_or_else(|| CommError::Config(format!("no connection to rank {peer}")))
+    links[peer]
+        .as_ref()
+        .ok_or_else(|| CommError::Config(format!("no connection to rank {peer}")))
 }
 
 impl StepCtx<'_> {
-
     fn run(mut self, buf: &mut [u8], step: &Step) -> Result<(), CommError> {
         let e = self.kern.esize;
         let base = buf.as_mut_ptr();
@@ -759,8 +853,16 @@ impl StepCtx<'_> {
             }),
             None => None,
         };
-        debug_assert!(step.send.as_ref().is_none_or(|t| t.range.end * e <= buf.len()));
-        debug_assert!(step.recv.as_ref().is_none_or(|(t, _)| t.range.end * e <= buf.len()));
+        debug_assert!(
+            step.send
+                .as_ref()
+                .is_none_or(|t| t.range.end * e <= buf.len())
+        );
+        debug_assert!(
+            step.recv
+                .as_ref()
+                .is_none_or(|(t, _)| t.range.end * e <= buf.len())
+        );
         let mut idle_since: Option<Instant> = None;
         loop {
             let mut progress = false;
@@ -798,12 +900,24 @@ impl StepCtx<'_> {
                 }
                 _ => {}
             }
-            let mut fds = [libc::pollfd { fd: -1, events: 0, revents: 0 }; 2];
+            let mut fds = [libc::pollfd {
+                fd: -1,
+                events: 0,
+                revents: 0,
+            }; 2];
             if let Some(t) = tx.as_ref().filter(|t| !t.done) {
-                fds[0] = libc::pollfd { fd: t.s.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+                fds[0] = libc::pollfd {
+                    fd: t.s.as_raw_fd(),
+                    events: libc::POLLOUT,
+                    revents: 0,
+                };
             }
             if let Some(r) = rx.as_ref().filter(|r| !r.done) {
-                fds[1] = libc::pollfd { fd: r.s.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                fds[1] = libc::pollfd {
+                    fd: r.s.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
             }
             let left = self.deadline.saturating_duration_since(now);
             let ms = left.as_millis().clamp(1, 1000) as libc::c_int;
@@ -812,7 +926,10 @@ impl StepCtx<'_> {
             if rc < 0 {
                 let err = std::io::Error::last_os_error();
                 if err.kind() != std::io::ErrorKind::Interrupted {
-                    return Err(CommError::Io { op: self.op, source: err });
+                    return Err(CommError::Io {
+                        op: self.op,
+                        source: err,
+                    });
                 }
             }
         }
@@ -840,7 +957,12 @@ fn accept_peers(
     if higher.is_empty() {
         return Ok(got);
     }
-    listener.set_nonblocking(true).map_err(|source| CommError::Io { op: "connect", source })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|source| CommError::Io {
+            op: "connect",
+            source,
+        })?;
     while got.len() < higher.len() {
         if stop.load(Ordering::SeqCst) || Instant::now() >= deadline {
             return Err(timeout_err("connect", start));
@@ -848,14 +970,23 @@ fn accept_peers(
         let (mut s, _) = match listener.accept() {
             Ok(x) => x,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                let mut fd = libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                let mut fd = libc::pollfd {
+                    fd: listener.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
                 // SAFETY: one valid pollfd.
                 unsafe { libc::poll(&mut fd, 1, 20) };
                 continue;
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => continue,
-            Err(source) => return Err(CommError::Io { op: "connect", source }),
+            Err(source) => {
+                return Err(CommError::Io {
+                    op: "connect",
+                    source,
+                });
+            }
         };
         let prepared = s
             .set_nonblocking(false)
@@ -864,7 +995,9 @@ fn accept_peers(
         if prepared.is_err() {
             continue;
         }
-        match auth::accept(&mut s, params, rank as u32, |f| higher.contains(&(f as usize))) {
+        match auth::accept(&mut s, params, rank as u32, |f| {
+            higher.contains(&(f as usize))
+        }) {
             Ok(from) => {
                 got.retain(|(p, _)| *p != from as usize);
                 got.push((from as usize, s));
@@ -891,13 +1024,14 @@ fn connect_peers(
                 return Err(timeout_err("connect", start));
             }
             let retry = || std::thread::sleep(Duration::from_millis(10).min(left));
-            let mut s = match TcpStream::connect_timeout(&config.addresses[p], left.min(HANDSHAKE_MAX)) {
-                Ok(s) => s,
-                Err(_) => {
-                    retry();
-                    continue;
-                }
-            };
+            let mut s =
+                match TcpStream::connect_timeout(&config.addresses[p], left.min(HANDSHAKE_MAX)) {
+                    Ok(s) => s,
+                    Err(_) => {
+                        retry();
+                        continue;
+                    }
+                };
             let prepared = s
                 .set_read_timeout(clamp_timeout(deadline))
                 .and_then(|_| s.set_write_timeout(clamp_timeout(deadline)))

@@ -123,7 +123,10 @@ impl Membership {
     /// [`ContractError::Invalid`] naming the offending field.
     pub fn validate(&self) -> Result<(), ContractError> {
         let bad = |field: String, problem: &str| {
-            Err(ContractError::Invalid { field, problem: problem.to_string() })
+            Err(ContractError::Invalid {
+                field,
+                problem: problem.to_string(),
+            })
         };
         if self.members.is_empty() {
             return bad("members".into(), "must not be empty");
@@ -153,7 +156,10 @@ impl Membership {
 
     /// The members' socket addresses, indexed by rank.
     pub fn addresses(&self) -> Vec<std::net::SocketAddr> {
-        self.members.iter().map(|m| std::net::SocketAddr::new(m.address, m.port)).collect()
+        self.members
+            .iter()
+            .map(|m| std::net::SocketAddr::new(m.address, m.port))
+            .collect()
     }
 }
 
@@ -180,14 +186,23 @@ mod tests {
         let m = Membership::parse(json).unwrap();
         assert_eq!(m.rank_of("j-1"), Some(1));
         assert_eq!(m.addresses()[0].to_string(), "127.0.0.2:29500");
-        assert_eq!(Membership::parse(&serde_json::to_string(&m).unwrap()).unwrap(), m);
+        assert_eq!(
+            Membership::parse(&serde_json::to_string(&m).unwrap()).unwrap(),
+            m
+        );
         let swapped = json.replace(r#""rank":1"#, r#""rank":5"#);
         match Membership::parse(&swapped) {
             Err(ContractError::Invalid { field, .. }) => assert_eq!(field, "members[1].rank"),
             other => panic!("{other:?}"),
         }
-        assert!(matches!(Membership::parse("{"), Err(ContractError::Json(_))));
-        assert!(matches!(parse_key(vec![0; 5]), Err(ContractError::KeyTooShort(5))));
+        assert!(matches!(
+            Membership::parse("{"),
+            Err(ContractError::Json(_))
+        ));
+        assert!(matches!(
+            parse_key(vec![0; 5]),
+            Err(ContractError::KeyTooShort(5))
+        ));
         assert_eq!(membership_configmap_name("demo"), "demo-ring");
     }
 }

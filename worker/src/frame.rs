@@ -113,7 +113,10 @@ impl Header {
         let kind = Kind::from_u8(h[3])?;
         let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
         if len as usize > kind.max_payload() {
-            return Err(ProtocolError::Oversized { len: len as u64, max: kind.max_payload() as u64 });
+            return Err(ProtocolError::Oversized {
+                len: len as u64,
+                max: kind.max_payload() as u64,
+            });
         }
         let seq = u64::from_le_bytes([h[8], h[9], h[10], h[11], h[12], h[13], h[14], h[15]]);
         Ok(Header { kind, len, seq })
@@ -127,12 +130,18 @@ impl Header {
 /// Any header error, or [`ProtocolError::Truncated`] when `bytes` ends inside the frame.
 pub fn decode_frame(bytes: &[u8]) -> Result<(Header, &[u8], usize), ProtocolError> {
     let Some(h) = bytes.first_chunk::<HEADER_LEN>() else {
-        return Err(ProtocolError::Truncated { need: HEADER_LEN, have: bytes.len() });
+        return Err(ProtocolError::Truncated {
+            need: HEADER_LEN,
+            have: bytes.len(),
+        });
     };
     let header = Header::decode(h)?;
     let end = HEADER_LEN + header.len as usize;
     if bytes.len() < end {
-        return Err(ProtocolError::Truncated { need: end, have: bytes.len() });
+        return Err(ProtocolError::Truncated {
+            need: end,
+            have: bytes.len(),
+        });
     }
     Ok((header, &bytes[HEADER_LEN..end], end))
 }
@@ -145,8 +154,18 @@ pub struct SmallFrame {
 
 impl SmallFrame {
     fn new(kind: Kind) -> SmallFrame {
-        let mut f = SmallFrame { buf: [0; HEADER_LEN + MAX_HANDSHAKE_PAYLOAD], len: HEADER_LEN };
-        f.buf[..HEADER_LEN].copy_from_slice(&Header { kind, len: 0, seq: 0 }.encode());
+        let mut f = SmallFrame {
+            buf: [0; HEADER_LEN + MAX_HANDSHAKE_PAYLOAD],
+            len: HEADER_LEN,
+        };
+        f.buf[..HEADER_LEN].copy_from_slice(
+            &Header {
+                kind,
+                len: 0,
+                seq: 0,
+            }
+            .encode(),
+        );
         f
     }
     fn put(&mut self, b: &[u8]) {
@@ -192,7 +211,11 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(self.array()?))
     }
     fn end(self) -> Result<(), ProtocolError> {
-        if self.b.is_empty() { Ok(()) } else { Err(ProtocolError::Malformed(self.what)) }
+        if self.b.is_empty() {
+            Ok(())
+        } else {
+            Err(ProtocolError::Malformed(self.what))
+        }
     }
 }
 
@@ -234,7 +257,10 @@ impl<'a> Hello<'a> {
     /// # Errors
     /// [`ProtocolError::Malformed`] on a short, long or non-UTF-8 payload.
     pub fn decode(p: &'a [u8]) -> Result<Hello<'a>, ProtocolError> {
-        let mut r = Reader { b: p, what: "hello" };
+        let mut r = Reader {
+            b: p,
+            what: "hello",
+        };
         let n = r.array::<1>()?[0] as usize;
         if n > MAX_JOB_UID {
             return Err(ProtocolError::Malformed("hello"));
@@ -247,7 +273,14 @@ impl<'a> Hello<'a> {
         let to = r.u32()?;
         let nonce = r.array()?;
         r.end()?;
-        Ok(Hello { job_uid, generation, world, from, to, nonce })
+        Ok(Hello {
+            job_uid,
+            generation,
+            world,
+            from,
+            to,
+            nonce,
+        })
     }
 }
 
@@ -273,8 +306,14 @@ impl Challenge {
     /// # Errors
     /// [`ProtocolError::Malformed`] unless the payload is exactly 64 bytes.
     pub fn decode(p: &[u8]) -> Result<Challenge, ProtocolError> {
-        let mut r = Reader { b: p, what: "challenge" };
-        let c = Challenge { nonce: r.array()?, mac: r.array()? };
+        let mut r = Reader {
+            b: p,
+            what: "challenge",
+        };
+        let c = Challenge {
+            nonce: r.array()?,
+            mac: r.array()?,
+        };
         r.end()?;
         Ok(c)
     }
@@ -299,7 +338,10 @@ impl Proof {
     /// # Errors
     /// [`ProtocolError::Malformed`] unless the payload is exactly 32 bytes.
     pub fn decode(p: &[u8]) -> Result<Proof, ProtocolError> {
-        let mut r = Reader { b: p, what: "proof" };
+        let mut r = Reader {
+            b: p,
+            what: "proof",
+        };
         let m = Proof { mac: r.array()? };
         r.end()?;
         Ok(m)
@@ -342,7 +384,10 @@ impl Reject {
     /// # Errors
     /// [`ProtocolError::Malformed`] on a bad length or an unknown reason.
     pub fn decode(p: &[u8]) -> Result<Reject, ProtocolError> {
-        let mut r = Reader { b: p, what: "reject" };
+        let mut r = Reader {
+            b: p,
+            what: "reject",
+        };
         let reason = match r.array::<1>()?[0] {
             1 => RejectReason::Auth,
             2 => RejectReason::WrongJob,
@@ -369,10 +414,18 @@ pub fn accept_frame() -> SmallFrame {
 pub fn decode_any(bytes: &[u8]) -> Result<usize, ProtocolError> {
     let (h, payload, used) = decode_frame(bytes)?;
     match h.kind {
-        Kind::Hello => drop(Hello::decode(payload)?),
-        Kind::Challenge => drop(Challenge::decode(payload)?),
-        Kind::Proof => drop(Proof::decode(payload)?),
-        Kind::Reject => drop(Reject::decode(payload)?),
+        Kind::Hello => {
+            Hello::decode(payload)?;
+        }
+        Kind::Challenge => {
+            Challenge::decode(payload)?;
+        }
+        Kind::Proof => {
+            Proof::decode(payload)?;
+        }
+        Kind::Reject => {
+            Reject::decode(payload)?;
+        }
         Kind::Accept if !payload.is_empty() => return Err(ProtocolError::Malformed("accept")),
         Kind::Accept | Kind::Data => {}
     }
@@ -386,40 +439,88 @@ mod tests {
 
     #[test]
     fn header_roundtrip() {
-        let h = Header { kind: Kind::Data, len: 12345, seq: 987654321 };
+        let h = Header {
+            kind: Kind::Data,
+            len: 12345,
+            seq: 987654321,
+        };
         assert_eq!(Header::decode(&h.encode()), Ok(h));
     }
 
     #[test]
     fn oversized_and_garbage_are_refused() {
-        let mut h = Header { kind: Kind::Hello, len: 0, seq: 0 }.encode();
+        let mut h = Header {
+            kind: Kind::Hello,
+            len: 0,
+            seq: 0,
+        }
+        .encode();
         h[4..8].copy_from_slice(&(MAX_HANDSHAKE_PAYLOAD as u32 + 1).to_le_bytes());
-        assert!(matches!(Header::decode(&h), Err(ProtocolError::Oversized { .. })));
-        let mut d = Header { kind: Kind::Data, len: 0, seq: 0 }.encode();
+        assert!(matches!(
+            Header::decode(&h),
+            Err(ProtocolError::Oversized { .. })
+        ));
+        let mut d = Header {
+            kind: Kind::Data,
+            len: 0,
+            seq: 0,
+        }
+        .encode();
         d[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(Header::decode(&d), Err(ProtocolError::Oversized { .. })));
-        assert!(matches!(Header::decode(b"GET / HTTP/1.1\r\n"), Err(ProtocolError::BadMagic(_))));
+        assert!(matches!(
+            Header::decode(&d),
+            Err(ProtocolError::Oversized { .. })
+        ));
+        assert!(matches!(
+            Header::decode(b"GET / HTTP/1.1\r\n"),
+            Err(ProtocolError::BadMagic(_))
+        ));
         let mut k = h;
         k[3] = 99;
-        assert!(matches!(Header::decode(&k), Err(ProtocolError::BadKind(99))));
+        assert!(matches!(
+            Header::decode(&k),
+            Err(ProtocolError::BadKind(99))
+        ));
         let mut v = h;
         v[2] = 7;
-        assert!(matches!(Header::decode(&v), Err(ProtocolError::BadVersion(7))));
+        assert!(matches!(
+            Header::decode(&v),
+            Err(ProtocolError::BadVersion(7))
+        ));
     }
 
     #[test]
     fn messages_roundtrip() {
-        let hello = Hello { job_uid: "uid-1", generation: 7, world: 4, from: 3, to: 2, nonce: [9; 32] };
+        let hello = Hello {
+            job_uid: "uid-1",
+            generation: 7,
+            world: 4,
+            from: 3,
+            to: 2,
+            nonce: [9; 32],
+        };
         let f = hello.encode();
         let (h, p, used) = decode_frame(f.as_bytes()).unwrap();
         assert_eq!((h.kind, used), (Kind::Hello, f.as_bytes().len()));
         assert_eq!(Hello::decode(p).unwrap(), hello);
-        let c = Challenge { nonce: [1; 32], mac: [2; 32] };
+        let c = Challenge {
+            nonce: [1; 32],
+            mac: [2; 32],
+        };
         let f = c.encode();
-        assert_eq!(Challenge::decode(decode_frame(f.as_bytes()).unwrap().1).unwrap(), c);
-        let r = Reject { reason: RejectReason::Generation, generation: 5 };
+        assert_eq!(
+            Challenge::decode(decode_frame(f.as_bytes()).unwrap().1).unwrap(),
+            c
+        );
+        let r = Reject {
+            reason: RejectReason::Generation,
+            generation: 5,
+        };
         let f = r.encode();
-        assert_eq!(Reject::decode(decode_frame(f.as_bytes()).unwrap().1).unwrap(), r);
+        assert_eq!(
+            Reject::decode(decode_frame(f.as_bytes()).unwrap().1).unwrap(),
+            r
+        );
         // every truncation of a valid frame is an error, never a panic
         let f = hello.encode();
         for cut in 0..f.as_bytes().len() {

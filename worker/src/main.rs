@@ -10,11 +10,16 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use diphoma_worker::comm::Algorithm;
 use diphoma_worker::{CommError, Communicator, Config, Element, ReduceOp, bf16, f16};
 use rand::RngCore;
 
 #[derive(Parser)]
-#[command(name = "diphoma-worker", version, about = "Diphoma's worker: ring allreduce runtime and tools")]
+#[command(
+    name = "diphoma-worker",
+    version,
+    about = "Diphoma's worker: ring allreduce runtime and tools"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -35,6 +40,13 @@ enum DTypeArg {
     F32,
     F16,
     Bf16,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum AlgArg {
+    Ring,
+    Rd,
+    Halving,
 }
 
 #[derive(Args, Clone)]
@@ -60,7 +72,10 @@ struct Common {
     /// Busy-poll budget in µs before sleeping (default: 50 if ranks ≤ cores, else 0).
     #[arg(long)]
     spin_us: Option<u64>,
-    /// Yield while spinning (default: when ranks > cores).
+    /// Force an allreduce algorithm (default: chosen by size and world).
+    #[arg(long, value_enum)]
+    algorithm: Option<AlgArg>,
+    /// Yield while spinning (default: true).
     #[arg(long)]
     yield_spin: Option<bool>,
     /// SO_SNDBUF/SO_RCVBUF request in bytes (0 = kernel autotuning).
@@ -145,13 +160,24 @@ impl Drop for Ranks {
 fn common_args(c: &Common) -> Vec<String> {
     let mut v = vec![
         format!("--sizes={}", c.sizes),
-        format!("--dtype={}", c.dtype.to_possible_value().map(|p| p.get_name().to_string()).unwrap_or_default()),
+        format!(
+            "--dtype={}",
+            c.dtype
+                .to_possible_value()
+                .map(|p| p.get_name().to_string())
+                .unwrap_or_default()
+        ),
         format!("--warmup={}", c.warmup),
         format!("--samples={}", c.samples),
         format!("--min-sample-ms={}", c.min_sample_ms),
         format!("--op-timeout-s={}", c.op_timeout_s),
     ];
     v.extend(c.spin_us.map(|x| format!("--spin-us={x}")));
+    v.extend(
+        c.algorithm
+            .and_then(|x| x.to_possible_value())
+            .map(|p| format!("--algorithm={}", p.get_name())),
+    );
     v.extend(c.yield_spin.map(|x| format!("--yield-spin={x}")));
     v.extend(c.socket_buffer.map(|x| format!("--socket-buffer={x}")));
     v.extend(c.small_bytes.map(|x| format!("--small-bytes={x}")));
@@ -185,7 +211,11 @@ fn bench(a: BenchArgs) -> Result<ExitCode, AnyErr> {
         let mut out = BufReader::new(c.stdout.take().ok_or("no stdout")?);
         let mut line = String::new();
         out.read_line(&mut line)?;
-        let port: u16 = line.strip_prefix("PORT ").ok_or(format!("bad rank hello {line:?}"))?.trim().parse()?;
+        let port: u16 = line
+            .strip_prefix("PORT ")
+            .ok_or(format!("bad rank hello {line:?}"))?
+            .trim()
+            .parse()?;
         addrs.push(format!("127.0.0.1:{port}"));
         outs.push(out);
     }
@@ -213,7 +243,11 @@ fn bench(a: BenchArgs) -> Result<ExitCode, AnyErr> {
     let deadline = Instant::now() + Duration::from_secs(a.timeout_s);
     let printer = std::thread::spawn(move || {
         let stdout = std::io::stdout();
-        for l in first.into_iter().flat_map(|o| o.lines()).map_while(Result::ok) {
+        for l in first
+            .into_iter()
+            .flat_map(|o| o.lines())
+            .map_while(Result::ok)
+        {
             let mut so = stdout.lock();
             let _ = writeln!(so, "{l}");
             let _ = so.flush();
@@ -240,10 +274,17 @@ fn bench(a: BenchArgs) -> Result<ExitCode, AnyErr> {
     for d in drains {
         let _ = d.join();
     }
-    Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 fn bench_rank(a: RankArgs) -> Result<ExitCode, AnyErr> {
+    // Die with the `bench` parent, whatever kills it.
+    // SAFETY: prctl(PR_SET_PDEATHSIG) takes a signal number and touches no memory.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
     let listener = TcpListener::bind("127.0.0.1:0")?;
     println!("PORT {}", listener.local_addr()?.port());
     std::io::stdout().flush()?;
@@ -252,7 +293,10 @@ fn bench_rank(a: RankArgs) -> Result<ExitCode, AnyErr> {
     for line in stdin.lock().lines() {
         let line = line?;
         if let Some(rest) = line.strip_prefix("ADDRS ") {
-            addrs = rest.split(',').map(|s| s.parse::<SocketAddr>()).collect::<Result<_, _>>()?;
+            addrs = rest
+                .split(',')
+                .map(|s| s.parse::<SocketAddr>())
+                .collect::<Result<_, _>>()?;
         } else if let Some(rest) = line.strip_prefix("KEY ") {
             key = (0..rest.len() / 2)
                 .map(|i| u8::from_str_radix(&rest[2 * i..2 * i + 2], 16))
@@ -266,6 +310,11 @@ fn bench_rank(a: RankArgs) -> Result<ExitCode, AnyErr> {
     if let Some(us) = c.spin_us {
         cfg.spin = Duration::from_micros(us);
     }
+    cfg.algorithm = c.algorithm.map(|a| match a {
+        AlgArg::Ring => Algorithm::Ring,
+        AlgArg::Rd => Algorithm::RecursiveDoubling,
+        AlgArg::Halving => Algorithm::Halving,
+    });
     if let Some(y) = c.yield_spin {
         cfg.yield_spin = y;
     }
@@ -313,7 +362,9 @@ fn max_over_ranks(comm: &mut Communicator, xs: &[f32]) -> Result<Vec<f32>, CommE
     let mut v = vec![0f32; n * m];
     v[r * m..(r + 1) * m].copy_from_slice(xs);
     comm.allreduce(&mut v, ReduceOp::Sum)?;
-    Ok((0..m).map(|i| (0..n).map(|q| v[q * m + i]).fold(f32::MIN, f32::max)).collect())
+    Ok((0..m)
+        .map(|i| (0..n).map(|q| v[q * m + i]).fold(f32::MIN, f32::max))
+        .collect())
 }
 
 fn calibrate(t_us: f32, min_ms: f64) -> usize {
@@ -339,7 +390,9 @@ fn run_table<T: Element>(comm: &mut Communicator, c: &Common, name: &str) -> Res
             c.samples,
             c.min_sample_ms
         );
-        println!("# time = median over samples of max-over-ranks(mean time per op within the sample); GB = 1e9 bytes");
+        println!(
+            "# time = median over samples of max-over-ranks(mean time per op within the sample); GB = 1e9 bytes"
+        );
         println!(
             "#{:>11} {:>11} {:>6} {:>12} {:>12} {:>9} {:>9} {:>7}",
             "size(B)", "count", "k/samp", "time(us)", "min(us)", "algbw", "busbw", "#wrong"
@@ -350,7 +403,9 @@ fn run_table<T: Element>(comm: &mut Communicator, c: &Common, name: &str) -> Res
         let count = (parse_size(tok)? / esize).max(1);
         let nbytes = count * esize;
         // Correctness gate: rank r contributes (r+1) + (i mod 7).
-        let mut buf: Vec<T> = (0..count).map(|i| T::from_f32((rank + 1) as f32 + (i % 7) as f32)).collect();
+        let mut buf: Vec<T> = (0..count)
+            .map(|i| T::from_f32((rank + 1) as f32 + (i % 7) as f32))
+            .collect();
         comm.allreduce(&mut buf, ReduceOp::Sum)?;
         let tol = if esize == 2 { 1e-2 } else { 1e-3 };
         let wrong = buf
@@ -358,7 +413,8 @@ fn run_table<T: Element>(comm: &mut Communicator, c: &Common, name: &str) -> Res
             .enumerate()
             .filter(|(i, x)| {
                 let e = (n * (n + 1) / 2) as f32 + (n * (i % 7)) as f32;
-                !((x.to_f32() - e).abs() <= tol * e.abs() + tol)
+                let close = (x.to_f32() - e).abs() <= tol * e.abs() + tol; // false for NaN
+                !close
             })
             .count();
         let mut w = [wrong as f32];
@@ -378,7 +434,11 @@ fn run_table<T: Element>(comm: &mut Communicator, c: &Common, name: &str) -> Res
         let mut ts = max_over_ranks(comm, &ts)?;
         ts.sort_by(f32::total_cmp);
         let s = ts.len();
-        let med = if s % 2 == 1 { ts[s / 2] as f64 } else { (ts[s / 2 - 1] as f64 + ts[s / 2] as f64) / 2.0 };
+        let med = if s % 2 == 1 {
+            ts[s / 2] as f64
+        } else {
+            (ts[s / 2 - 1] as f64 + ts[s / 2] as f64) / 2.0
+        };
         let algbw = nbytes as f64 / (med * 1e-6) / 1e9;
         // busbw = algbw·2(n−1)/n (nccl-tests, doc/PERFORMANCE.md)
         let busbw = algbw * 2.0 * (n as f64 - 1.0) / n as f64;

@@ -20,6 +20,10 @@ pub enum Algorithm {
     /// Recursive doubling (direct exchange for 2 ranks): `⌈log2 n⌉` exchanges of the whole buffer
     /// (plus a fold and an unfold when `n` is not a power of two), latency-optimal.
     RecursiveDoubling,
+    /// Recursive halving reduce-scatter then recursive doubling all-gather (Rabenseifner):
+    /// `2·log2 p` steps moving `2(p−1)/p` of the buffer like the ring, but in fewer, larger
+    /// steps (plus a fold and an unfold of the whole buffer when `n` is not a power of two).
+    Halving,
 }
 
 /// What to do with received units.
@@ -70,6 +74,7 @@ pub fn allreduce(alg: Algorithm, n: usize, rank: usize, len: usize, out: &mut Ve
     match alg {
         Algorithm::Ring => ring(n, rank, len, out),
         Algorithm::RecursiveDoubling => recursive_doubling(n, rank, len, out),
+        Algorithm::Halving => halving(n, rank, len, out),
     }
 }
 
@@ -80,18 +85,35 @@ fn ring(n: usize, r: usize, len: usize, out: &mut Vec<Step>) {
     // chunk (r+1) fully reduced.
     for k in 0..n - 1 {
         out.push(Step {
-            send: Some(Transfer { peer: right, range: chunk(len, n, (r + n - k) % n) }),
+            send: Some(Transfer {
+                peer: right,
+                range: chunk(len, n, (r + n - k) % n),
+            }),
             recv: Some((
-                Transfer { peer: left, range: chunk(len, n, (r + 2 * n - k - 1) % n) },
-                Action::Reduce { finalize: k == n - 2 },
+                Transfer {
+                    peer: left,
+                    range: chunk(len, n, (r + 2 * n - k - 1) % n),
+                },
+                Action::Reduce {
+                    finalize: k == n - 2,
+                },
             )),
         });
     }
     // All-gather: pass the reduced chunks around the ring.
     for k in 0..n - 1 {
         out.push(Step {
-            send: Some(Transfer { peer: right, range: chunk(len, n, (r + 1 + n - k) % n) }),
-            recv: Some((Transfer { peer: left, range: chunk(len, n, (r + n - k) % n) }, Action::Copy)),
+            send: Some(Transfer {
+                peer: right,
+                range: chunk(len, n, (r + 1 + n - k) % n),
+            }),
+            recv: Some((
+                Transfer {
+                    peer: left,
+                    range: chunk(len, n, (r + n - k) % n),
+                },
+                Action::Copy,
+            )),
         });
     }
 }
@@ -107,17 +129,35 @@ fn recursive_doubling(n: usize, r: usize, len: usize, out: &mut Vec<Step>) {
     let all = 0..len;
     // Fold: of the first 2·rem ranks, the even ones hand their data to the next odd one.
     if r < 2 * rem {
-        if r % 2 == 0 {
-            out.push(Step { send: Some(Transfer { peer: r + 1, range: all.clone() }), recv: None });
+        if r.is_multiple_of(2) {
+            out.push(Step {
+                send: Some(Transfer {
+                    peer: r + 1,
+                    range: all.clone(),
+                }),
+                recv: None,
+            });
             out.push(Step {
                 send: None,
-                recv: Some((Transfer { peer: r + 1, range: all }, Action::Copy)),
+                recv: Some((
+                    Transfer {
+                        peer: r + 1,
+                        range: all,
+                    },
+                    Action::Copy,
+                )),
             });
             return;
         }
         out.push(Step {
             send: None,
-            recv: Some((Transfer { peer: r - 1, range: all.clone() }, Action::Reduce { finalize: false })),
+            recv: Some((
+                Transfer {
+                    peer: r - 1,
+                    range: all.clone(),
+                },
+                Action::Reduce { finalize: false },
+            )),
         });
     }
     let vr = if r < 2 * rem { r / 2 } else { r - rem };
@@ -126,14 +166,140 @@ fn recursive_doubling(n: usize, r: usize, len: usize, out: &mut Vec<Step>) {
     while mask < p {
         let peer = real(vr ^ mask);
         out.push(Step {
-            send: Some(Transfer { peer, range: all.clone() }),
-            recv: Some((Transfer { peer, range: all.clone() }, Action::Reduce { finalize: mask == p / 2 })),
+            send: Some(Transfer {
+                peer,
+                range: all.clone(),
+            }),
+            recv: Some((
+                Transfer {
+                    peer,
+                    range: all.clone(),
+                },
+                Action::Reduce {
+                    finalize: mask == p / 2,
+                },
+            )),
         });
         mask <<= 1;
     }
     // Unfold: give the result back to the folded-in rank.
     if r < 2 * rem {
-        out.push(Step { send: Some(Transfer { peer: r - 1, range: all }), recv: None });
+        out.push(Step {
+            send: Some(Transfer {
+                peer: r - 1,
+                range: all,
+            }),
+            recv: None,
+        });
+    }
+}
+
+/// Folds the first `2·rem` ranks pairwise (even → odd) so that a power of two `p` of ranks
+/// remains; returns this rank's virtual rank among them, or `None` for a folded-out rank
+/// (whose fold and unfold steps have been pushed).
+fn fold(n: usize, r: usize, len: usize, out: &mut Vec<Step>) -> Option<usize> {
+    let rem = n - pow2_floor(n);
+    if r < 2 * rem {
+        if r.is_multiple_of(2) {
+            out.push(Step {
+                send: Some(Transfer {
+                    peer: r + 1,
+                    range: 0..len,
+                }),
+                recv: None,
+            });
+            out.push(Step {
+                send: None,
+                recv: Some((
+                    Transfer {
+                        peer: r + 1,
+                        range: 0..len,
+                    },
+                    Action::Copy,
+                )),
+            });
+            return None;
+        }
+        out.push(Step {
+            send: None,
+            recv: Some((
+                Transfer {
+                    peer: r - 1,
+                    range: 0..len,
+                },
+                Action::Reduce { finalize: false },
+            )),
+        });
+        return Some(r / 2);
+    }
+    Some(r - rem)
+}
+
+fn halving(n: usize, r: usize, len: usize, out: &mut Vec<Step>) {
+    let p = pow2_floor(n);
+    let rem = n - p;
+    let Some(vr) = fold(n, r, len, out) else {
+        return;
+    };
+    let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
+    // Blocks b0..b1 of the p balanced chunks, as a range of units.
+    let blocks = |b0: usize, b1: usize| chunk(len, p, b0).start..chunk(len, p, b1 - 1).end;
+    let (mut lo, mut hi) = (0, p);
+    let mut mask = p / 2;
+    while mask > 0 {
+        let mid = (lo + hi) / 2;
+        let peer = real(vr ^ mask);
+        let (keep, give) = if vr & mask == 0 {
+            ((lo, mid), (mid, hi))
+        } else {
+            ((mid, hi), (lo, mid))
+        };
+        out.push(Step {
+            send: Some(Transfer {
+                peer,
+                range: blocks(give.0, give.1),
+            }),
+            recv: Some((
+                Transfer {
+                    peer,
+                    range: blocks(keep.0, keep.1),
+                },
+                Action::Reduce {
+                    finalize: mask == 1,
+                },
+            )),
+        });
+        (lo, hi) = keep;
+        mask /= 2;
+    }
+    let mut mask = 1;
+    while mask < p {
+        let a = vr & !(mask - 1);
+        let b = a ^ mask;
+        let peer = real(vr ^ mask);
+        out.push(Step {
+            send: Some(Transfer {
+                peer,
+                range: blocks(a, a + mask),
+            }),
+            recv: Some((
+                Transfer {
+                    peer,
+                    range: blocks(b, b + mask),
+                },
+                Action::Copy,
+            )),
+        });
+        mask *= 2;
+    }
+    if r < 2 * rem {
+        out.push(Step {
+            send: Some(Transfer {
+                peer: r - 1,
+                range: 0..len,
+            }),
+            recv: None,
+        });
     }
 }
 
@@ -150,7 +316,13 @@ pub fn broadcast_tree(n: usize, rank: usize, root: usize, len: usize, out: &mut 
         if vr & mask != 0 {
             out.push(Step {
                 send: None,
-                recv: Some((Transfer { peer: real(vr - mask), range: 0..len }, Action::Copy)),
+                recv: Some((
+                    Transfer {
+                        peer: real(vr - mask),
+                        range: 0..len,
+                    },
+                    Action::Copy,
+                )),
             });
             break;
         }
@@ -159,7 +331,13 @@ pub fn broadcast_tree(n: usize, rank: usize, root: usize, len: usize, out: &mut 
     mask >>= 1;
     while mask > 0 {
         if vr + mask < n {
-            out.push(Step { send: Some(Transfer { peer: real(vr + mask), range: 0..len }), recv: None });
+            out.push(Step {
+                send: Some(Transfer {
+                    peer: real(vr + mask),
+                    range: 0..len,
+                }),
+                recv: None,
+            });
         }
         mask >>= 1;
     }
@@ -168,7 +346,14 @@ pub fn broadcast_tree(n: usize, rank: usize, root: usize, len: usize, out: &mut 
 /// Appends rank `rank`'s pipelined chain broadcast plan from `root` (bandwidth-optimal for large
 /// buffers: segments of `seg` units flow root → root+1 → …, each rank forwarding segment j−1
 /// while receiving segment j) to `out`.
-pub fn broadcast_chain(n: usize, rank: usize, root: usize, len: usize, seg: usize, out: &mut Vec<Step>) {
+pub fn broadcast_chain(
+    n: usize,
+    rank: usize,
+    root: usize,
+    len: usize,
+    seg: usize,
+    out: &mut Vec<Step>,
+) {
     if n <= 1 {
         return;
     }
@@ -178,9 +363,19 @@ pub fn broadcast_chain(n: usize, rank: usize, root: usize, len: usize, seg: usiz
     let segs = len.div_ceil(seg).max(1);
     let range = |j: usize| (j * seg).min(len)..((j + 1) * seg).min(len);
     for j in 0..=segs {
-        let recv = (vr > 0 && j < segs)
-            .then(|| (Transfer { peer: left, range: range(j) }, Action::Copy));
-        let send = (vr < n - 1 && j >= 1).then(|| Transfer { peer: right, range: range(j - 1) });
+        let recv = (vr > 0 && j < segs).then(|| {
+            (
+                Transfer {
+                    peer: left,
+                    range: range(j),
+                },
+                Action::Copy,
+            )
+        });
+        let send = (vr < n - 1 && j >= 1).then(|| Transfer {
+            peer: right,
+            range: range(j - 1),
+        });
         if send.is_some() || recv.is_some() {
             out.push(Step { send, recv });
         }
@@ -222,11 +417,14 @@ pub(crate) mod sim {
     use super::*;
     use std::collections::VecDeque;
 
+    type Channel<T> = VecDeque<Vec<T>>;
+    type Reduce<T> = dyn Fn(&mut [T], &[T], bool);
+
     /// Runs `plans[r]` for every rank `r` on `bufs[r]`; `reduce(dst, src, finalize)` applies a
     /// `Reduce` action. Panics on a deadlock, a length mismatch or a self-message.
-    pub fn run<T: Copy>(plans: &[Vec<Step>], bufs: &mut [Vec<T>], reduce: &dyn Fn(&mut [T], &[T], bool)) {
+    pub fn run<T: Copy>(plans: &[Vec<Step>], bufs: &mut [Vec<T>], reduce: &Reduce<T>) {
         let n = plans.len();
-        let mut chan: Vec<VecDeque<Vec<T>>> = vec![VecDeque::new(); n * n];
+        let mut chan: Vec<Channel<T>> = vec![VecDeque::new(); n * n];
         let mut pc = vec![0usize; n];
         let mut sent = vec![false; n];
         loop {
@@ -242,7 +440,9 @@ pub(crate) mod sim {
                         progress = true;
                     }
                     if let Some((t, action)) = &step.recv {
-                        let Some(msg) = chan[t.peer * n + r].pop_front() else { break };
+                        let Some(msg) = chan[t.peer * n + r].pop_front() else {
+                            break;
+                        };
                         assert_eq!(msg.len(), t.range.len(), "rank {r} step {}", pc[r]);
                         let dst = &mut bufs[r][t.range.clone()];
                         match action {
@@ -284,7 +484,11 @@ mod tests {
         for p in &plans {
             for s in p {
                 if let (Some(t), Some((rt, Action::Copy))) = (&s.send, &s.recv) {
-                    assert!(t.range.end <= rt.range.start || rt.range.end <= t.range.start || t.range.is_empty());
+                    assert!(
+                        t.range.end <= rt.range.start
+                            || rt.range.end <= t.range.start
+                            || t.range.is_empty()
+                    );
                 }
             }
         }
@@ -299,9 +503,16 @@ mod tests {
                 }
             }
         });
-        let full = if n == 1 { 1 } else { ((1u64 << n) - 1) | (1 << 63) };
+        let full = if n == 1 {
+            1
+        } else {
+            ((1u64 << n) - 1) | (1 << 63)
+        };
         for (r, b) in bufs.iter().enumerate() {
-            assert!(b.iter().all(|&x| x == full), "alg {alg:?} n {n} len {len} rank {r}: {b:x?}");
+            assert!(
+                b.iter().all(|&x| x == full),
+                "alg {alg:?} n {n} len {len} rank {r}: {b:x?}"
+            );
         }
     }
 
@@ -317,9 +528,18 @@ mod tests {
                 v
             })
             .collect();
-        let mut bufs: Vec<Vec<u32>> =
-            (0..n).map(|r| if r == root { (0..len as u32).collect() } else { vec![u32::MAX; len] }).collect();
-        sim::run(&plans, &mut bufs, &|_, _, _| panic!("broadcast never reduces"));
+        let mut bufs: Vec<Vec<u32>> = (0..n)
+            .map(|r| {
+                if r == root {
+                    (0..len as u32).collect()
+                } else {
+                    vec![u32::MAX; len]
+                }
+            })
+            .collect();
+        sim::run(&plans, &mut bufs, &|_, _, _| {
+            panic!("broadcast never reduces")
+        });
         for b in &bufs {
             assert!(b.iter().copied().eq(0..len as u32));
         }
@@ -331,6 +551,7 @@ mod tests {
             for len in [0, 1, 2, 3, 5, 7, 8, 13, 31, 64, 97] {
                 check_allreduce(Algorithm::Ring, n, len);
                 check_allreduce(Algorithm::RecursiveDoubling, n, len);
+                check_allreduce(Algorithm::Halving, n, len);
                 for root in 0..n {
                     check_broadcast(false, n, root, len, 4);
                     check_broadcast(true, n, root, len, 4);
@@ -366,12 +587,18 @@ mod tests {
                 let mut v = Vec::new();
                 allreduce(Algorithm::Ring, n, r, 10, &mut v);
                 allreduce(Algorithm::RecursiveDoubling, n, r, 10, &mut v);
+                allreduce(Algorithm::Halving, n, r, 10, &mut v);
                 for root in 0..n {
                     broadcast_tree(n, r, root, 10, &mut v);
                     broadcast_chain(n, r, root, 10, 3, &mut v);
                 }
                 for s in &v {
-                    for p in s.send.iter().map(|t| t.peer).chain(s.recv.iter().map(|(t, _)| t.peer)) {
+                    for p in s
+                        .send
+                        .iter()
+                        .map(|t| t.peer)
+                        .chain(s.recv.iter().map(|(t, _)| t.peer))
+                    {
                         assert!(ps.contains(&p), "n {n} rank {r} uses unconnected peer {p}");
                     }
                 }
@@ -382,8 +609,9 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(300))]
         #[test]
-        fn allreduce_plans_reduce_everything_once(n in 1usize..=16, len in 0usize..300, ring in any::<bool>()) {
-            check_allreduce(if ring { Algorithm::Ring } else { Algorithm::RecursiveDoubling }, n, len);
+        fn allreduce_plans_reduce_everything_once(n in 1usize..=16, len in 0usize..300, alg in 0..3) {
+            let alg = [Algorithm::Ring, Algorithm::RecursiveDoubling, Algorithm::Halving][alg as usize];
+            check_allreduce(alg, n, len);
         }
 
         #[test]

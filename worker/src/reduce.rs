@@ -59,7 +59,10 @@ impl Element for f32 {
         assert_eq!(dst.len(), src.len());
         match scale {
             None => dst.iter_mut().zip(src).for_each(|(d, s)| *d += *s),
-            Some(k) => dst.iter_mut().zip(src).for_each(|(d, s)| *d = (*d + *s) * k),
+            Some(k) => dst
+                .iter_mut()
+                .zip(src)
+                .for_each(|(d, s)| *d = (*d + *s) * k),
         }
     }
     fn from_f32(x: f32) -> f32 {
@@ -145,7 +148,17 @@ mod tests {
 
     #[test]
     fn bf16_rounding_matches_half() {
-        for x in [0.0f32, -0.0, 1.0, 1.00390625, 1.01171875, 3.4e38, f32::INFINITY, -7.5e-39, 1e-45] {
+        for x in [
+            0.0f32,
+            -0.0,
+            1.0,
+            1.003_906_2,
+            1.011_718_8,
+            3.4e38,
+            f32::INFINITY,
+            -7.5e-39,
+            1e-45,
+        ] {
             assert_eq!(bf16_round(x), bf16::from_f32(x).to_bits(), "{x}");
         }
         assert!(bf16::from_bits(bf16_round(f32::NAN)).is_nan());
@@ -161,7 +174,10 @@ mod tests {
             .collect();
         T::reduce(&mut d, &s, scale);
         for (i, (g, w)) in d.iter().zip(&want).enumerate() {
-            assert!(g == w || (g.to_f32().is_nan() && w.to_f32().is_nan()), "{i}: {g:?} != {w:?}");
+            assert!(
+                g == w || (g.to_f32().is_nan() && w.to_f32().is_nan()),
+                "{i}: {g:?} != {w:?}"
+            );
         }
     }
 

@@ -21,12 +21,20 @@ fn check<T: Element + PartialEq + std::fmt::Debug>(
         c.allreduce(&mut buf, op).unwrap();
         buf
     });
-    let scale = if op == ReduceOp::Avg { 1.0 / n as f32 } else { 1.0 };
+    let scale = if op == ReduceOp::Avg {
+        1.0 / n as f32
+    } else {
+        1.0
+    };
     for (r, b) in bufs.iter().enumerate() {
         assert_eq!(b.len(), len);
         for (i, x) in b.iter().enumerate() {
             let sum: f32 = (0..n).map(|q| value(q, i)).sum();
-            let want = if n == 1 { T::from_f32(value(0, i)) } else { T::from_f32(sum * scale) };
+            let want = if n == 1 {
+                T::from_f32(value(0, i))
+            } else {
+                T::from_f32(sum * scale)
+            };
             assert_eq!(*x, want, "n {n} len {len} {op:?} rank {r} index {i}");
         }
         assert!(bufs[0] == *b, "ranks disagree");
@@ -75,10 +83,16 @@ fn broadcast_and_barrier() {
             let mut ok = true;
             for &len in &[0usize, 1, 5, 1000, 65_536, 65_537, 3 << 20] {
                 for root in 0..n {
-                    let mut b: Vec<u8> =
-                        if r == root { (0..len).map(|i| (i * 31 + root) as u8).collect() } else { vec![0xEE; len] };
+                    let mut b: Vec<u8> = if r == root {
+                        (0..len).map(|i| (i * 31 + root) as u8).collect()
+                    } else {
+                        vec![0xEE; len]
+                    };
                     c.broadcast_bytes(&mut b, root).unwrap();
-                    ok &= b.iter().enumerate().all(|(i, &x)| x == (i * 31 + root) as u8);
+                    ok &= b
+                        .iter()
+                        .enumerate()
+                        .all(|(i, &x)| x == (i * 31 + root) as u8);
                     c.barrier().unwrap();
                 }
             }

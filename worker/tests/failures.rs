@@ -46,7 +46,10 @@ fn dead_rank_fails_everyone_then_survivors_reform() {
         if r == 2 {
             assert!(matches!(e, CommError::Aborted), "rank {r}: {e:?}");
         } else {
-            assert!(matches!(e, CommError::PeerLost { .. } | CommError::Timeout { .. }), "rank {r}: {e:?}");
+            assert!(
+                matches!(e, CommError::PeerLost { .. } | CommError::Timeout { .. }),
+                "rank {r}: {e:?}"
+            );
         }
     }
     // A poisoned communicator refuses further work.
@@ -74,7 +77,11 @@ fn killed_process_fails_every_other_rank_promptly() {
     let mut kids: Vec<_> = (0..n)
         .map(|r| {
             Command::new(exe)
-                .args(["bench-rank", &format!("--rank={r}"), &format!("--world={n}")])
+                .args([
+                    "bench-rank",
+                    &format!("--rank={r}"),
+                    &format!("--world={n}"),
+                ])
                 .args(["--soak=4M", "--op-timeout-s=10"])
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
@@ -83,7 +90,10 @@ fn killed_process_fails_every_other_rank_promptly() {
                 .unwrap()
         })
         .collect();
-    let mut outs: Vec<_> = kids.iter_mut().map(|k| BufReader::new(k.stdout.take().unwrap())).collect();
+    let mut outs: Vec<_> = kids
+        .iter_mut()
+        .map(|k| BufReader::new(k.stdout.take().unwrap()))
+        .collect();
     let addrs: Vec<String> = outs
         .iter_mut()
         .map(|o| {
@@ -139,20 +149,43 @@ fn intruders_are_refused_typed_and_counted() {
     let addr0 = c0.addresses[0];
     let counters = c0.counters.clone();
     let r0 = std::thread::spawn(move || Communicator::connect(c0, l0));
-    let good = AuthParams { key: common::KEY, job_uid: "job-uid-1", generation: 5, world: 2 };
+    let good = AuthParams {
+        key: common::KEY,
+        job_uid: "job-uid-1",
+        generation: 5,
+        world: 2,
+    };
 
     intrude(addr0, |s| {
-        let p = AuthParams { key: b"not-the-key-not-the-key-not-the-", ..good };
-        assert!(matches!(auth::initiate(s, &p, 1, 0), Err(CommError::AuthFailed { .. })));
+        let p = AuthParams {
+            key: b"not-the-key-not-the-key-not-the-",
+            ..good
+        };
+        assert!(matches!(
+            auth::initiate(s, &p, 1, 0),
+            Err(CommError::AuthFailed { .. })
+        ));
     });
     intrude(addr0, |s| {
-        let p = AuthParams { job_uid: "another-job", ..good };
-        assert!(matches!(auth::initiate(s, &p, 1, 0), Err(CommError::WrongJob { .. })));
+        let p = AuthParams {
+            job_uid: "another-job",
+            ..good
+        };
+        assert!(matches!(
+            auth::initiate(s, &p, 1, 0),
+            Err(CommError::WrongJob { .. })
+        ));
     });
     intrude(addr0, |s| {
-        let p = AuthParams { generation: 4, ..good };
+        let p = AuthParams {
+            generation: 4,
+            ..good
+        };
         let e = auth::initiate(s, &p, 1, 0);
-        assert!(matches!(e, Err(CommError::StaleGeneration { ours: 4, theirs: 5 })), "{e:?}");
+        assert!(
+            matches!(e, Err(CommError::StaleGeneration { ours: 4, theirs: 5 })),
+            "{e:?}"
+        );
     });
     intrude(addr0, |s| {
         s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
@@ -160,14 +193,26 @@ fn intruders_are_refused_typed_and_counted() {
         let _ = s.read_to_end(&mut b); // the acceptor hangs up
     });
     intrude(addr0, |s| {
-        let hello = Hello { job_uid: "job-uid-1", generation: 5, world: 2, from: 1, to: 0, nonce: [1; 32] };
+        let hello = Hello {
+            job_uid: "job-uid-1",
+            generation: 5,
+            world: 2,
+            from: 1,
+            to: 0,
+            nonce: [1; 32],
+        };
         s.write_all(&hello.encode().as_bytes()[..20]).unwrap(); // truncated
         s.shutdown(std::net::Shutdown::Write).unwrap();
         let mut b = Vec::new();
         let _ = s.read_to_end(&mut b);
     });
     intrude(addr0, |s| {
-        let mut h = Header { kind: Kind::Hello, len: 0, seq: 0 }.encode();
+        let mut h = Header {
+            kind: Kind::Hello,
+            len: 0,
+            seq: 0,
+        }
+        .encode();
         h[4..8].copy_from_slice(&(1u32 << 30).to_le_bytes()); // 1 GiB "hello"
         s.write_all(&h).unwrap();
         let mut b = Vec::new();
@@ -197,8 +242,16 @@ fn wrong_key_ring_fails_to_form() {
     cfgs[1].0.key = b"some-other-key-some-other-key-32".to_vec();
     let res = common::connect_all(cfgs);
     // Rank 1 (the initiator) learns it at once; rank 0 never gets a valid peer: timeout.
-    assert!(matches!(res[1], Err(CommError::AuthFailed { .. })), "{:?}", res[1]);
-    assert!(matches!(res[0], Err(CommError::Timeout { .. })), "{:?}", res[0]);
+    assert!(
+        matches!(res[1], Err(CommError::AuthFailed { .. })),
+        "{:?}",
+        res[1]
+    );
+    assert!(
+        matches!(res[0], Err(CommError::Timeout { .. })),
+        "{:?}",
+        res[0]
+    );
 }
 
 #[test]
@@ -207,8 +260,19 @@ fn stale_generation_peer_is_refused() {
     cfgs[1].0.generation = 6; // rank 1 (initiator) is stale; rank 0 is at generation 7
     let counters = cfgs[0].0.counters.clone();
     let res = common::connect_all(cfgs);
-    assert!(matches!(res[1], Err(CommError::StaleGeneration { ours: 6, theirs: 7 })), "{:?}", res[1]);
-    assert!(matches!(res[0], Err(CommError::Timeout { .. })), "{:?}", res[0]);
+    assert!(
+        matches!(
+            res[1],
+            Err(CommError::StaleGeneration { ours: 6, theirs: 7 })
+        ),
+        "{:?}",
+        res[1]
+    );
+    assert!(
+        matches!(res[0], Err(CommError::Timeout { .. })),
+        "{:?}",
+        res[0]
+    );
     assert_eq!(counters.stale_generation.load(Ordering::Relaxed), 1);
 }
 
@@ -225,7 +289,12 @@ fn rogue_peer(send: impl FnOnce(&mut TcpStream) + Send + 'static) -> CommError {
     });
     let mut s = TcpStream::connect(addr0).unwrap();
     s.set_read_timeout(Some(TIMEOUT)).unwrap();
-    let p = AuthParams { key: &c1.key, job_uid: &c1.job_uid, generation: 1, world: 2 };
+    let p = AuthParams {
+        key: &c1.key,
+        job_uid: &c1.job_uid,
+        generation: 1,
+        world: 2,
+    };
     auth::initiate(&mut s, &p, 1, 0).unwrap();
     send(&mut s);
     let e = r0.join().unwrap();
@@ -236,20 +305,65 @@ fn rogue_peer(send: impl FnOnce(&mut TcpStream) + Send + 'static) -> CommError {
 #[test]
 fn malformed_data_frames_are_protocol_errors() {
     let e = rogue_peer(|s| s.write_all(&[0xAB; 64]).unwrap());
-    assert!(matches!(e, CommError::Protocol(ProtocolError::BadMagic(_))), "{e:?}");
+    assert!(
+        matches!(e, CommError::Protocol(ProtocolError::BadMagic(_))),
+        "{e:?}"
+    );
     let e = rogue_peer(|s| {
-        let mut h = Header { kind: Kind::Data, len: 0, seq: 1 }.encode();
+        let mut h = Header {
+            kind: Kind::Data,
+            len: 0,
+            seq: 1,
+        }
+        .encode();
         h[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
         s.write_all(&h).unwrap();
     });
-    assert!(matches!(e, CommError::Protocol(ProtocolError::Oversized { .. })), "{e:?}");
-    let e = rogue_peer(|s| s.write_all(&Header { kind: Kind::Data, len: 8, seq: 1 }.encode()).unwrap());
-    assert!(matches!(e, CommError::Protocol(ProtocolError::OutOfStep { .. })), "{e:?}");
-    let e = rogue_peer(|s| s.write_all(&Header { kind: Kind::Proof, len: 0, seq: 1 }.encode()).unwrap());
-    assert!(matches!(e, CommError::Protocol(ProtocolError::Unexpected { .. })), "{e:?}");
+    assert!(
+        matches!(e, CommError::Protocol(ProtocolError::Oversized { .. })),
+        "{e:?}"
+    );
+    let e = rogue_peer(|s| {
+        s.write_all(
+            &Header {
+                kind: Kind::Data,
+                len: 8,
+                seq: 1,
+            }
+            .encode(),
+        )
+        .unwrap()
+    });
+    assert!(
+        matches!(e, CommError::Protocol(ProtocolError::OutOfStep { .. })),
+        "{e:?}"
+    );
+    let e = rogue_peer(|s| {
+        s.write_all(
+            &Header {
+                kind: Kind::Proof,
+                len: 0,
+                seq: 1,
+            }
+            .encode(),
+        )
+        .unwrap()
+    });
+    assert!(
+        matches!(e, CommError::Protocol(ProtocolError::Unexpected { .. })),
+        "{e:?}"
+    );
     // A frame cut short, then the peer vanishes.
     let e = rogue_peer(|s| {
-        s.write_all(&Header { kind: Kind::Data, len: 4000, seq: 1 }.encode()).unwrap();
+        s.write_all(
+            &Header {
+                kind: Kind::Data,
+                len: 4000,
+                seq: 1,
+            }
+            .encode(),
+        )
+        .unwrap();
         s.write_all(&[0; 100]).unwrap();
         s.shutdown(std::net::Shutdown::Both).unwrap();
     });
@@ -262,8 +376,21 @@ fn malformed_data_frames_are_protocol_errors() {
 #[test]
 fn connect_times_out_without_peers() {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let dead = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap(); // closed at once
-    let mut c = diphoma_worker::Config::new(1, 2, vec![dead, l.local_addr().unwrap()], 1, "j", common::KEY.to_vec());
+    let dead = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap(); // closed at once
+    let mut c = diphoma_worker::Config::new(
+        1,
+        2,
+        vec![dead, l.local_addr().unwrap()],
+        1,
+        "j",
+        common::KEY.to_vec(),
+    );
     c.timeout = Duration::from_millis(500);
-    assert!(matches!(Communicator::connect(c, l), Err(CommError::Timeout { .. })));
+    assert!(matches!(
+        Communicator::connect(c, l),
+        Err(CommError::Timeout { .. })
+    ));
 }

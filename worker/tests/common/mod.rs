@@ -11,7 +11,9 @@ pub const KEY: &[u8; 32] = b"test-key-test-key-test-key-32byt";
 
 /// Bound listeners and configs for `n` ranks of generation `generation`.
 pub fn configs(n: usize, generation: u64, timeout: Duration) -> Vec<(Config, TcpListener)> {
-    let ls: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let ls: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
     let addrs: Vec<_> = ls.iter().map(|l| l.local_addr().unwrap()).collect();
     ls.into_iter()
         .enumerate()
@@ -34,7 +36,10 @@ pub fn connect_all(cfgs: Vec<(Config, TcpListener)>) -> Vec<Result<Communicator,
 
 /// A ready ring of `n` ranks.
 pub fn ring(n: usize) -> Vec<Communicator> {
-    connect_all(configs(n, 1, Duration::from_secs(60))).into_iter().map(|r| r.unwrap()).collect()
+    connect_all(configs(n, 1, Duration::from_secs(60)))
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect()
 }
 
 /// Runs `f(rank, comm)` on every rank concurrently; results by rank.
