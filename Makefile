@@ -1,0 +1,39 @@
+# Diphoma's entry points. `make test` runs every test (the README's test command, and CI's).
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+CLUSTER_DIR ?= $(CURDIR)/.local/cluster
+NODES ?= 4
+GPUS ?= 8
+CARGO ?= cargo
+
+.PHONY: help deps tools build test unit e2e fmt-check bench cluster-up cluster-down demo
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+deps: ## install Debian packages the scripts need (idempotent)
+	@bash scripts/install-deps.sh
+
+tools: deps ## build the pinned control plane, etcd and helm from Go modules (cached outside the repo)
+	@bash e2e/cluster/build-bins.sh >/dev/null
+
+build: deps ## build every binary of the workspace
+	$(CARGO) build --workspace --bins --locked
+
+fmt-check:
+	$(CARGO) fmt --all -- --check
+
+test: tools build fmt-check ## run every test: unit, loopback TCP, and end-to-end on a real control plane
+	DIPHOMA_K8S_BIN=$$(bash e2e/cluster/build-bins.sh 2>/dev/null) $(CARGO) test --workspace --locked
+
+bench: deps ## allreduce benchmark side by side with gloo and Open MPI (prints the merged table)
+	bash worker/bench/run.sh
+
+cluster-up: tools build ## start the control plane and the process kubelet; writes .local/cluster/env
+	@bash e2e/cluster/cluster-up.sh "$(CLUSTER_DIR)" $(NODES) $(GPUS)
+
+cluster-down: ## stop what cluster-up started
+	@bash e2e/cluster/stop.sh "$(CLUSTER_DIR)"
+
+demo: cluster-up ## run a GPU-requesting allreduce job on the local cluster, then tear it down (KEEP=1 keeps it)
+	@bash e2e/cluster/demo.sh "$(CLUSTER_DIR)"; rc=$$?; [[ -n "$(KEEP)" ]] || bash e2e/cluster/stop.sh "$(CLUSTER_DIR)"; exit $$rc

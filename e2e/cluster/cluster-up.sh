@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# cluster-up.sh DIR NODES GPUS — the control plane (start.sh) plus the process kubelet as a
+# daemon, for the shell: writes DIR/env (KUBECONFIG, PATH with kubectl, helm and the workspace
+# binaries, DIPHOMA_KUBELET_SOCKET). Stop with stop.sh DIR (`make cluster-down`).
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+D=${1:?usage: $0 DIR NODES GPUS}; NODES=${2:-4}; GPUS=${3:-8}
+if [[ -f "$D/kube-apiserver.pid" ]] && kill -0 "$(cat "$D/kube-apiserver.pid")" 2>/dev/null; then
+  echo "a cluster is already up in $D (make cluster-down first)" >&2; exit 1
+fi
+rm -rf "$D"; mkdir -p "$D"
+BIN=$(bash "$HERE/build-bins.sh" 2>/dev/null)
+TARGET=$(cd "$ROOT" && cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug
+bash "$HERE/start.sh" "$BIN" "$D" >/dev/null
+"$TARGET/diphoma-kubelet" run --kubeconfig "$D/admin.kubeconfig" --root "$D/kubelet" \
+  --socket "$D/kubelet.sock" --nodes "$NODES" --gpus "$GPUS" --bin-dir "$TARGET" \
+  </dev/null >"$D/logs/kubelet.log" 2>&1 &
+echo $! >"$D/kubelet.pid"
+for _ in $(seq 1 100); do [[ -S "$D/kubelet.sock" ]] && break; sleep 0.1; done
+[[ -S "$D/kubelet.sock" ]] || { echo "the process kubelet did not start; see $D/logs/kubelet.log" >&2; bash "$HERE/stop.sh" "$D" --keep; exit 1; }
+cat >>"$D/env" <<ENV
+export PATH=$TARGET:\$PATH
+export DIPHOMA_KUBELET_SOCKET=$D/kubelet.sock
+ENV
+echo "cluster up: $NODES nodes × $GPUS GPUs. source $D/env; make cluster-down to stop" >&2

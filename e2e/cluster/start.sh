@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# start.sh BIN_DIR [WORK_DIR]
+# Starts etcd + kube-apiserver + kube-controller-manager + kube-scheduler on 127.0.0.1 only,
+# with a throw-away PKI, and writes WORK_DIR/env (KUBECONFIG, ports) and one WORK_DIR/*.pid per process.
+# Stop with: stop.sh WORK_DIR
+# With OWNER_PID set, a watchdog stops the control plane as soon as that process is gone (a test
+# binary that panics or is killed never leaves etcd or the apiserver behind).
+# Flags are taken from envtest, kwok's binary runtime and hack/local-up-cluster.sh
+# (../shared/control-plane/README.md §3); verified with the v1.35.4 binaries (e2e/cluster/README.md).
+set -euo pipefail
+BIN=$(cd "${1:?usage: $0 BIN_DIR [WORK_DIR]}" && pwd)
+W=${2:-$(mktemp -d -t k8s-cp.XXXXXX)}
+HERE=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$W/logs"
+P="$W/pki"
+# any failure below stops what was already started
+trap 'rc=$?; if [[ $rc != 0 ]]; then "$HERE/stop.sh" "$W" --keep; echo "control plane failed to start; logs in $W/logs" >&2; fi' EXIT
+if [[ -n ${OWNER_PID:-} ]]; then
+  (trap '' INT; while kill -0 "$OWNER_PID" 2>/dev/null; do sleep 1; done; "$HERE/stop.sh" "$W") \
+    </dev/null >/dev/null 2>&1 &
+  echo $! >"$W/watchdog.pid"
+fi
+[[ -f "$P/ca.crt" ]] || "$HERE/gen-pki.sh" "$P"
+
+freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+ETCD_PORT=${ETCD_PORT:-$(freeport)}
+API_PORT=${API_PORT:-$(freeport)}
+KCM_PORT=${KCM_PORT:-$(freeport)}
+SCHED_PORT=${SCHED_PORT:-$(freeport)}
+
+kubeconfig() { # file user cert key
+  cat > "$1" <<KC
+apiVersion: v1
+kind: Config
+clusters:
+- name: local
+  cluster:
+    server: https://127.0.0.1:${API_PORT}
+    certificate-authority: ${P}/ca.crt
+users:
+- name: $2
+  user:
+    client-certificate: $3
+    client-key: $4
+contexts:
+- name: local
+  context:
+    cluster: local
+    user: $2
+current-context: local
+KC
+}
+kubeconfig "$W/admin.kubeconfig" admin "$P/admin.crt" "$P/admin.key"
+
+wait_for() { # what timeout_s cmd...
+  local what=$1 t=$2; shift 2
+  for ((i = 0; i < t * 5; i++)); do
+    if "$@" >/dev/null 2>&1; then return 0; fi
+    sleep 0.2
+  done
+  echo "timed out waiting for $what; logs in $W/logs" >&2
+  return 1
+}
+
+# --- etcd (same flags as kubernetes hack/lib/etcd.sh + envtest's --unsafe-no-fsync) ---
+"$BIN/etcd" \
+  --name=default \
+  --data-dir="$W/etcd" \
+  --listen-client-urls="http://127.0.0.1:${ETCD_PORT}" \
+  --advertise-client-urls="http://127.0.0.1:${ETCD_PORT}" \
+  --listen-peer-urls="http://localhost:0" \
+  --unsafe-no-fsync=true \
+  --log-level=warn >"$W/logs/etcd.log" 2>&1 &
+echo $! >"$W/etcd.pid"
+wait_for etcd 30 curl -fsS "http://127.0.0.1:${ETCD_PORT}/health"
+
+# --- kube-apiserver ---
+"$BIN/kube-apiserver" \
+  --etcd-servers="http://127.0.0.1:${ETCD_PORT}" \
+  --bind-address=127.0.0.1 \
+  --secure-port="${API_PORT}" \
+  --advertise-address=127.0.0.1 \
+  --endpoint-reconciler-type=none \
+  --cert-dir="$W/apiserver-certs" \
+  --tls-cert-file="$P/apiserver.crt" \
+  --tls-private-key-file="$P/apiserver.key" \
+  --client-ca-file="$P/ca.crt" \
+  --service-account-issuer=https://kubernetes.default.svc.cluster.local \
+  --service-account-key-file="$P/sa.key" \
+  --service-account-signing-key-file="$P/sa.key" \
+  --service-cluster-ip-range=10.0.0.0/24 \
+  --authorization-mode=Node,RBAC \
+  --allow-privileged=true \
+  ${APISERVER_EXTRA_ARGS:-} \
+  --v="${KLOG_V:-1}" >"$W/logs/kube-apiserver.log" 2>&1 &
+echo $! >"$W/kube-apiserver.pid"
+wait_for kube-apiserver 120 curl -fsS --cacert "$P/ca.crt" --cert "$P/admin.crt" --key "$P/admin.key" \
+  "https://127.0.0.1:${API_PORT}/readyz"
+
+# --- kube-controller-manager (admin identity, like kwok; see recipe for least-privilege variant) ---
+"$BIN/kube-controller-manager" \
+  --kubeconfig="$W/admin.kubeconfig" \
+  --authentication-kubeconfig="$W/admin.kubeconfig" \
+  --authorization-kubeconfig="$W/admin.kubeconfig" \
+  --bind-address=127.0.0.1 \
+  --secure-port="${KCM_PORT}" \
+  --cert-dir="$W/kcm-certs" \
+  --leader-elect=false \
+  --node-monitor-period="${NODE_MONITOR_PERIOD:-1s}" \
+  --node-monitor-grace-period="${NODE_MONITOR_GRACE_PERIOD:-8s}" \
+  --controllers="${KCM_CONTROLLERS:-*}" \
+  --service-account-private-key-file="$P/sa.key" \
+  --root-ca-file="$P/ca.crt" \
+  --use-service-account-credentials=false \
+  ${KCM_EXTRA_ARGS:-} \
+  --v="${KLOG_V:-1}" >"$W/logs/kube-controller-manager.log" 2>&1 &
+echo $! >"$W/kube-controller-manager.pid"
+
+# --- kube-scheduler (kubeconfig must live in the config file when --config is used) ---
+cat >"$W/kube-scheduler.yaml" <<CFG
+apiVersion: kubescheduler.config.k8s.io/v1
+kind: KubeSchedulerConfiguration
+clientConnection:
+  kubeconfig: $W/admin.kubeconfig
+leaderElection:
+  leaderElect: false
+CFG
+"$BIN/kube-scheduler" \
+  --config="$W/kube-scheduler.yaml" \
+  --authentication-kubeconfig="$W/admin.kubeconfig" \
+  --authorization-kubeconfig="$W/admin.kubeconfig" \
+  --bind-address=127.0.0.1 \
+  --secure-port="${SCHED_PORT}" \
+  --cert-dir="$W/scheduler-certs" \
+  --v="${KLOG_V:-1}" >"$W/logs/kube-scheduler.log" 2>&1 &
+echo $! >"$W/kube-scheduler.pid"
+
+wait_for kube-controller-manager 60 curl -fsSk "https://127.0.0.1:${KCM_PORT}/healthz"
+wait_for kube-scheduler 60 curl -fsSk "https://127.0.0.1:${SCHED_PORT}/healthz"
+# proof that controllers run: the serviceaccount controller creates default/default
+wait_for default-serviceaccount 60 "$BIN/kubectl" --kubeconfig="$W/admin.kubeconfig" \
+  -n default get serviceaccount default
+
+cat >"$W/env" <<ENV
+export KUBECONFIG=$W/admin.kubeconfig
+export PATH=$BIN:\$PATH
+export CP_WORKDIR=$W
+export CP_API_URL=https://127.0.0.1:${API_PORT}
+export CP_ETCD_URL=http://127.0.0.1:${ETCD_PORT}
+export CP_KCM_PORT=${KCM_PORT}
+export CP_SCHED_PORT=${SCHED_PORT}
+ENV
+echo "control plane up; source $W/env"

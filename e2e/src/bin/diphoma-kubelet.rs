@@ -1,0 +1,186 @@
+//! `diphoma-kubelet`: the process kubelet as a program.
+//!
+//! - `diphoma-kubelet run --kubeconfig K --root DIR --socket S --nodes 4 --gpus 8` registers the
+//!   nodes and runs their pods until SIGTERM/SIGINT, then kills every pod process it started.
+//! - `diphoma-kubelet fail-node --socket S NODE [--mode kill|freeze]` asks a running kubelet to
+//!   fail a node (heartbeats stop, processes killed or frozen, pods left Running in the API).
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use diphoma_e2e::Error;
+use diphoma_e2e::cluster::client_from_kubeconfig;
+use diphoma_e2e::kubelet::node::NodeConfig;
+use diphoma_e2e::kubelet::{FailMode, Kubelet, KubeletConfig};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "Diphoma's process kubelet: GPU nodes whose pods run as local processes"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Register nodes and run their pods until terminated.
+    Run {
+        /// Kubeconfig with node and pod write access (the admin one of `make cluster-up`).
+        #[arg(long, env = "KUBECONFIG")]
+        kubeconfig: PathBuf,
+        /// Directory for pod directories and container logs.
+        #[arg(long)]
+        root: PathBuf,
+        /// Control socket for `fail-node`.
+        #[arg(long)]
+        socket: PathBuf,
+        /// Number of GPU nodes, named `gpu-node-0` … .
+        #[arg(long, default_value_t = 4)]
+        nodes: u32,
+        /// `nvidia.com/gpu` per node.
+        #[arg(long, default_value_t = 8)]
+        gpus: u32,
+        /// Directory of the workspace binaries the images map to (default: this program's own).
+        #[arg(long)]
+        bin_dir: Option<PathBuf>,
+        /// Extra image mappings, `NAME=PATH` (repeatable).
+        #[arg(long = "image")]
+        images: Vec<String>,
+    },
+    /// Fail a node of a running kubelet.
+    FailNode {
+        /// The kubelet's control socket.
+        #[arg(long)]
+        socket: PathBuf,
+        /// Node name.
+        node: String,
+        /// `kill` (SIGKILL its processes) or `freeze` (SIGSTOP them).
+        #[arg(long, default_value = "freeze")]
+        mode: String,
+    },
+}
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match Cli::parse().cmd {
+        Cmd::Run {
+            kubeconfig,
+            root,
+            socket,
+            nodes,
+            gpus,
+            bin_dir,
+            images,
+        } => run(kubeconfig, root, socket, nodes, gpus, bin_dir, images).await,
+        Cmd::FailNode { socket, node, mode } => fail_node(socket, node, mode).await,
+    };
+    if let Err(e) = result {
+        eprintln!("diphoma-kubelet: {e}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(
+    kubeconfig: PathBuf,
+    root: PathBuf,
+    socket: PathBuf,
+    nodes: u32,
+    gpus: u32,
+    bin_dir: Option<PathBuf>,
+    images: Vec<String>,
+) -> Result<(), Error> {
+    let bin_dir = match bin_dir {
+        Some(d) => d,
+        None => std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent().map(PathBuf::from))
+            .unwrap_or_default(),
+    };
+    let nodes = (0..nodes)
+        .map(|i| NodeConfig::gpu(&format!("gpu-node-{i}"), gpus))
+        .collect();
+    let mut cfg = KubeletConfig::from_kubeconfig(&kubeconfig, nodes, &bin_dir, root)?;
+    for spec in &images {
+        cfg.images.insert_spec(spec)?;
+    }
+    let _ = std::fs::remove_file(&socket);
+    let listener = UnixListener::bind(&socket).map_err(|source| Error::Io {
+        path: socket.clone(),
+        source,
+    })?;
+    let kubelet = Kubelet::start(client_from_kubeconfig(&kubeconfig).await?, cfg).await?;
+    tracing::info!(socket = %socket.display(), "process kubelet running");
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|source| Error::Io {
+            path: "SIGTERM handler".into(),
+            source,
+        })?;
+    loop {
+        tokio::select! {
+            conn = listener.accept() => if let Ok((stream, _)) = conn { control(&kubelet, stream).await },
+            _ = term.recv() => break,
+            _ = tokio::signal::ctrl_c() => break,
+        }
+    }
+    kubelet.shutdown().await;
+    let _ = std::fs::remove_file(&socket);
+    Ok(())
+}
+
+/// One control request: `fail-node NODE MODE` → `ok` or `error: …`.
+async fn control(kubelet: &Kubelet, stream: UnixStream) {
+    let (r, mut w) = stream.into_split();
+    let mut line = String::new();
+    if BufReader::new(r).read_line(&mut line).await.is_err() {
+        return;
+    }
+    let reply = match line.split_whitespace().collect::<Vec<_>>()[..] {
+        ["fail-node", node, mode] => mode
+            .parse()
+            .and_then(|m: FailMode| kubelet.fail_node(node, m)),
+        _ => Err(Error::Config {
+            field: "request".into(),
+            message: format!("{:?} is not `fail-node NODE MODE`", line.trim()),
+        }),
+    };
+    let text = match reply {
+        Ok(()) => "ok\n".to_owned(),
+        Err(e) => format!("error: {e}\n"),
+    };
+    let _ = w.write_all(text.as_bytes()).await;
+}
+
+async fn fail_node(socket: PathBuf, node: String, mode: String) -> Result<(), Error> {
+    mode.parse::<FailMode>()?;
+    let io = |source| Error::Io {
+        path: socket.clone(),
+        source,
+    };
+    let mut stream = UnixStream::connect(&socket).await.map_err(io)?;
+    stream
+        .write_all(format!("fail-node {node} {mode}\n").as_bytes())
+        .await
+        .map_err(io)?;
+    let mut reply = String::new();
+    BufReader::new(stream)
+        .read_line(&mut reply)
+        .await
+        .map_err(io)?;
+    match reply.trim().strip_prefix("error: ") {
+        Some(msg) => Err(Error::Config {
+            field: "fail-node".into(),
+            message: msg.to_owned(),
+        }),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,73 @@
+//! `diphoma-probe`: a small program the e2e tests run as a pod image (`diphoma-probe`). Each flag
+//! is one observation or action, printed as one line on stdout, in this order:
+//! `--env` prints `env NAME=VALUE` for every variable; `--read FILE` prints `read FILE <content>`;
+//! `--get PATH` calls the API server (with `$KUBECONFIG`) and prints `get PATH <http status>`;
+//! `--sleep SECS` sleeps (SIGTERM ends it with exit 0); `--exit CODE` exits with CODE.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(about = "Prints what a pod's process sees; used by the e2e tests")]
+struct Cli {
+    /// Print the environment.
+    #[arg(long)]
+    env: bool,
+    /// Files to print.
+    #[arg(long)]
+    read: Vec<PathBuf>,
+    /// API paths to GET (e.g. /api/v1/namespaces/ns/pods).
+    #[arg(long)]
+    get: Vec<String>,
+    /// Seconds to sleep before exiting.
+    #[arg(long, default_value_t = 0)]
+    sleep: u64,
+    /// Exit code.
+    #[arg(long, default_value_t = 0)]
+    exit: i32,
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    let cli = Cli::parse();
+    if cli.env {
+        for (k, v) in std::env::vars() {
+            println!("env {k}={v}");
+        }
+    }
+    for f in &cli.read {
+        match std::fs::read_to_string(f) {
+            Ok(s) => println!("read {} {}", f.display(), s.trim_end()),
+            Err(e) => println!("read {} error: {e}", f.display()),
+        }
+    }
+    for path in &cli.get {
+        println!("get {path} {}", get(path).await);
+    }
+    if cli.sleep > 0 {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("signal handler");
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_secs(cli.sleep)) => {}
+            _ = term.recv() => { println!("sigterm"); std::process::exit(0) }
+        }
+    }
+    std::process::exit(cli.exit);
+}
+
+/// HTTP status of `GET path` as the pod's identity, or `error: …`.
+async fn get(path: &str) -> String {
+    let client = match kube::Client::try_default().await {
+        Ok(c) => c,
+        Err(e) => return format!("error: {e}"),
+    };
+    let req = http::Request::get(path)
+        .body(Vec::new())
+        .expect("static request");
+    match client.request_text(req).await {
+        Ok(_) => "200".into(),
+        Err(kube::Error::Api(s)) => s.code.to_string(),
+        Err(e) => format!("error: {e}"),
+    }
+}

@@ -1,0 +1,180 @@
+//! The local control plane: etcd, kube-apiserver, kube-controller-manager and kube-scheduler on
+//! 127.0.0.1, started and stopped by the scripts in `e2e/cluster/` (the single implementation that
+//! `make cluster-up` uses too). This module only drives those scripts and reads what they write;
+//! it never starts a Kubernetes component itself.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use kube::api::{DeleteParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client};
+
+use crate::Error;
+
+/// Directory of the control-plane scripts (`build-bins.sh`, `start.sh`, `stop.sh`, `gen-pki.sh`).
+pub fn scripts_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("cluster")
+}
+
+/// Builds the pinned Kubernetes binaries if they are missing (`e2e/cluster/build-bins.sh`) and
+/// returns the directory holding them. `DIPHOMA_K8S_BIN` short-circuits the build.
+///
+/// Errors: [`Error::Script`] when the build fails (its stderr is in the message).
+pub fn k8s_bin_dir() -> Result<PathBuf, Error> {
+    if let Ok(dir) = std::env::var("DIPHOMA_K8S_BIN") {
+        return Ok(PathBuf::from(dir));
+    }
+    let out = run_script(&scripts_dir().join("build-bins.sh"), &[], &[])?;
+    let last = out.lines().last().unwrap_or_default().trim();
+    Ok(PathBuf::from(last))
+}
+
+/// A running control plane. Dropping it stops every process it started (by recorded id) and
+/// removes its work directory; a watchdog does the same if the owning process dies first.
+#[derive(Debug)]
+pub struct ControlPlane {
+    /// Work directory: PKI, kubeconfig, logs, pid files, etcd data. Removed on drop.
+    pub dir: PathBuf,
+    /// Directory of kubectl, kube-apiserver, etcd and helm.
+    pub bin_dir: PathBuf,
+    /// Admin kubeconfig (O=system:masters).
+    pub kubeconfig: PathBuf,
+}
+
+impl ControlPlane {
+    /// Builds what is missing, then starts etcd, kube-apiserver (RBAC on), kube-controller-manager
+    /// and kube-scheduler on 127.0.0.1 with free ports, each waited for on its health endpoint.
+    ///
+    /// Errors: [`Error::Script`] naming the script and carrying its stderr when a component does
+    /// not come up (the logs stay in the reported directory only while the process lives).
+    pub fn start() -> Result<Self, Error> {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let bin_dir = k8s_bin_dir()?;
+        let dir = std::env::temp_dir().join(format!(
+            "diphoma-cp-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let pid = std::process::id().to_string();
+        let dir_s = dir.to_string_lossy().into_owned();
+        let bin_s = bin_dir.to_string_lossy().into_owned();
+        let started = run_script(
+            &scripts_dir().join("start.sh"),
+            &[&bin_s, &dir_s],
+            &[("OWNER_PID", &pid)],
+        );
+        let cp = ControlPlane {
+            kubeconfig: dir.join("admin.kubeconfig"),
+            dir,
+            bin_dir,
+        };
+        started.map(|_| cp)
+    }
+
+    /// A client authenticated as the cluster admin.
+    pub async fn client(&self) -> Result<Client, Error> {
+        client_from_kubeconfig(&self.kubeconfig).await
+    }
+
+    /// `kubectl` with this control plane's admin kubeconfig.
+    pub fn kubectl(&self) -> Command {
+        let mut cmd = Command::new(self.bin_dir.join("kubectl"));
+        cmd.env("KUBECONFIG", &self.kubeconfig);
+        cmd
+    }
+
+    /// The directory the process kubelet should use for pod directories and logs.
+    pub fn kubelet_root(&self) -> PathBuf {
+        self.dir.join("kubelet")
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        let _ = run_script(
+            &scripts_dir().join("stop.sh"),
+            &[&self.dir.to_string_lossy()],
+            &[],
+        );
+    }
+}
+
+/// A client for the cluster a kubeconfig file points at.
+///
+/// Errors: [`Error::Kubeconfig`] naming the file when it cannot be read or used.
+pub async fn client_from_kubeconfig(path: &Path) -> Result<Client, Error> {
+    let bad = |source: Box<dyn std::error::Error + Send + Sync>| Error::Kubeconfig {
+        path: path.to_owned(),
+        source,
+    };
+    let kc = Kubeconfig::read_from(path).map_err(|e| bad(e.into()))?;
+    let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .map_err(|e| bad(e.into()))?;
+    Client::try_from(config).map_err(|e| bad(e.into()))
+}
+
+/// A namespace for one test, deleted (with everything in it) on [`TempNamespace::delete`].
+pub struct TempNamespace {
+    /// The namespace's name, `<prefix>-<random suffix>`.
+    pub name: String,
+    client: Client,
+}
+
+impl TempNamespace {
+    /// Creates `<prefix>-xxxxx` and waits until its `default` ServiceAccount exists, so pods can
+    /// be created in it right away.
+    pub async fn create(client: &Client, prefix: &str) -> Result<Self, Error> {
+        let api: Api<Namespace> = Api::all(client.clone());
+        let ns: Namespace = serde_json::from_value(serde_json::json!({
+            "metadata": {"generateName": format!("{prefix}-")}
+        }))
+        .expect("static namespace object");
+        let ns = api.create(&PostParams::default(), &ns).await?;
+        let name = ns.metadata.name.expect("server sets the name");
+        let sa: Api<ServiceAccount> = Api::namespaced(client.clone(), &name);
+        kube::runtime::wait::await_condition(
+            sa,
+            "default",
+            kube::runtime::conditions::is_created(),
+        )
+        .await
+        .map_err(|e| Error::Wait(e.to_string()))?;
+        Ok(TempNamespace {
+            name,
+            client: client.clone(),
+        })
+    }
+
+    /// Deletes the namespace (background: the namespace controller removes its contents).
+    pub async fn delete(self) -> Result<(), Error> {
+        let api: Api<Namespace> = Api::all(self.client);
+        api.delete(&self.name, &DeleteParams::background()).await?;
+        Ok(())
+    }
+}
+
+/// Runs a bash script, returning its stdout; a non-zero exit is [`Error::Script`] with stderr.
+fn run_script(script: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<String, Error> {
+    let out = Command::new("bash")
+        .arg(script)
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|source| Error::Io {
+            path: script.to_owned(),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(Error::Script {
+            script: script.to_owned(),
+            status: out.status.to_string(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

@@ -1,0 +1,552 @@
+//! One pod worker per pod (as in the real kubelet's `pod_workers.go`): prepare the pod (IP, GPUs,
+//! volumes, env, kubeconfig), run its containers as processes, report status, restart per
+//! `restartPolicy`, and carry out deletion (SIGTERM → grace → SIGKILL → final status → delete with
+//! grace 0 and a UID precondition). On a failed node it kills or freezes its processes and goes
+//! silent, as a dead node would.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitStatus;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{DeleteParams, Patch, PatchParams, Preconditions};
+use kube::{Api, Client};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::node::GPU_RESOURCE;
+use super::process::{self, Launch};
+use super::spec::{self, PodFacts, Sources};
+use super::status::{self, ContainerRecord, RunState};
+use super::volumes;
+use super::{FailMode, NodeState, Shared, pod_key};
+use crate::Error;
+
+/// What the watch loop tells a pod worker.
+#[derive(Debug)]
+pub enum PodEvent {
+    /// The pod object changed (or was seen again).
+    Updated(Box<Pod>),
+    /// The pod is gone from the API.
+    Deleted,
+}
+
+/// Restart back-off: 1 s, 2 s, 4 s, … capped at 10 s (the real kubelet starts at 10 s, capped at
+/// 5 min; shorter here so that tests of crash loops finish).
+fn backoff(restarts: i32) -> Duration {
+    Duration::from_secs(1u64 << restarts.clamp(0, 3)).min(Duration::from_secs(10))
+}
+
+fn now() -> Time {
+    Time(jiff::Timestamp::now())
+}
+
+/// GPUs a pod asks for: the sum of its containers' `nvidia.com/gpu` limits (or requests).
+fn gpus_requested(pod: &Pod) -> u32 {
+    let containers = pod.spec.iter().flat_map(|s| s.containers.iter());
+    containers
+        .filter_map(|c| {
+            let r = c.resources.as_ref()?;
+            let q = r
+                .limits
+                .as_ref()
+                .and_then(|l| l.get(GPU_RESOURCE))
+                .or(r.requests.as_ref()?.get(GPU_RESOURCE))?;
+            q.0.parse::<u32>().ok()
+        })
+        .sum()
+}
+
+/// The directory of a pod's container logs: `<root>/logs/<namespace>_<name>_<uid>/<container>.log`.
+pub fn log_file(
+    root: &std::path::Path,
+    namespace: &str,
+    name: &str,
+    uid: &str,
+    container: &str,
+) -> PathBuf {
+    root.join("logs")
+        .join(format!("{namespace}_{name}_{uid}"))
+        .join(format!("{container}.log"))
+}
+
+struct Worker {
+    sh: Arc<Shared>,
+    node: Arc<NodeState>,
+    pod: Pod,
+    api: Api<Pod>,
+    dir: PathBuf,
+    pod_ip: Option<String>,
+    gpus: Vec<u32>,
+    records: Vec<ContainerRecord>,
+    launches: Vec<Option<Launch>>,
+    restart_at: Vec<Option<Instant>>,
+    start_time: Time,
+    last_patch: Option<serde_json::Value>,
+    exits: mpsc::UnboundedSender<(usize, ExitStatus)>,
+}
+
+type Exits = mpsc::UnboundedReceiver<(usize, ExitStatus)>;
+
+/// Runs the pod until it is deleted, its node fails and it is deleted, or the kubelet shuts down.
+pub(crate) async fn run(
+    sh: Arc<Shared>,
+    node: Arc<NodeState>,
+    pod: Pod,
+    mut rx: mpsc::UnboundedReceiver<PodEvent>,
+) {
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    let ns = pod.metadata.namespace.clone().unwrap_or_default();
+    let (exits, mut exits_rx) = mpsc::unbounded_channel();
+    let mut w = Worker {
+        exits,
+        api: Api::namespaced(sh.client.clone(), &ns),
+        dir: sh.cfg.root.join("pods").join(&uid),
+        node,
+        pod,
+        sh,
+        pod_ip: None,
+        gpus: vec![],
+        records: vec![],
+        launches: vec![],
+        restart_at: vec![],
+        start_time: now(),
+        last_patch: None,
+    };
+    let terminal = matches!(w.phase_in_api(), "Succeeded" | "Failed");
+    if !terminal && w.pod.metadata.deletion_timestamp.is_none() {
+        w.start().await;
+    }
+    w.event_loop(&mut rx, &mut exits_rx).await;
+    w.cleanup();
+}
+
+impl Worker {
+    fn phase_in_api(&self) -> &str {
+        self.pod
+            .status
+            .as_ref()
+            .and_then(|s| s.phase.as_deref())
+            .unwrap_or("Pending")
+    }
+
+    fn key(&self) -> String {
+        pod_key(&self.pod)
+    }
+
+    /// Allocates, prepares and starts every container; a preparation error leaves the
+    /// containers waiting with the reason and a message naming what is wrong.
+    async fn start(&mut self) {
+        let spec = self.pod.spec.clone().unwrap_or_default();
+        self.records = spec
+            .containers
+            .iter()
+            .map(|c| ContainerRecord::creating(&c.name, c.image.as_deref().unwrap_or("")))
+            .collect();
+        self.restart_at = vec![None; spec.containers.len()];
+        match self.prepare().await {
+            Ok(launches) => {
+                self.launches = launches.into_iter().map(Some).collect();
+                for i in 0..self.records.len() {
+                    self.spawn(i);
+                }
+            }
+            Err(e) => {
+                let reason = match e {
+                    Error::UnknownImage { .. } | Error::MissingBinary { .. } => "ErrImagePull",
+                    _ => "CreateContainerConfigError",
+                };
+                tracing::warn!(pod = %self.key(), error = %e, "cannot start pod");
+                for r in &mut self.records {
+                    r.state = RunState::Waiting {
+                        reason: reason.into(),
+                        message: e.to_string(),
+                    };
+                }
+            }
+        }
+        self.report().await;
+    }
+
+    async fn prepare(&mut self) -> Result<Vec<Launch>, Error> {
+        let spec = self.pod.spec.clone().unwrap_or_default();
+        let binaries = spec
+            .containers
+            .iter()
+            .map(|c| self.sh.cfg.images.resolve(c.image.as_deref().unwrap_or("")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let want = gpus_requested(&self.pod);
+        self.gpus = self
+            .node
+            .gpus
+            .lock()
+            .unwrap()
+            .allocate(want)
+            .ok_or_else(|| Error::Unsupported {
+                pod: self.key(),
+                what: format!("{want} {GPU_RESOURCE} requested but the node has fewer free"),
+            })?;
+        let ip = self
+            .node
+            .ips
+            .lock()
+            .unwrap()
+            .allocate()
+            .ok_or_else(|| Error::Unsupported {
+                pod: self.key(),
+                what: "no free pod IP on the node".into(),
+            })?;
+        self.pod_ip = Some(ip.clone());
+        let facts = PodFacts {
+            pod_ip: ip,
+            host_ip: self.node.ip.clone(),
+        };
+        let sources = self.sources().await?;
+        let volume_dirs =
+            volumes::materialize(&self.sh.client, &self.pod, &facts, &sources, &self.dir).await?;
+
+        let mut extra = vec![];
+        if spec.automount_service_account_token != Some(false) {
+            let token = volumes::pod_token(&self.sh.client, &self.pod, None).await?;
+            let kc = self.dir.join("kubeconfig");
+            volumes::write_kubeconfig(&kc, &self.sh.cfg.api_server, &self.sh.cfg.ca_file, &token)?;
+            extra.push(("KUBECONFIG".to_owned(), kc.display().to_string()));
+        }
+        if !self.gpus.is_empty() {
+            let ids = self
+                .gpus
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",");
+            extra.push(("CUDA_VISIBLE_DEVICES".to_owned(), ids.clone()));
+            extra.push(("NVIDIA_VISIBLE_DEVICES".to_owned(), ids));
+        }
+        let (ns, name, uid) = (
+            self.pod.metadata.namespace.clone().unwrap_or_default(),
+            self.pod.metadata.name.clone().unwrap_or_default(),
+            self.pod.metadata.uid.clone().unwrap_or_default(),
+        );
+        spec.containers
+            .iter()
+            .zip(binaries)
+            .map(|(c, binary)| {
+                let mounts: Vec<(String, PathBuf)> = c
+                    .volume_mounts
+                    .iter()
+                    .flatten()
+                    .filter_map(|m| {
+                        let dir = volume_dirs.get(&m.name)?;
+                        let dir = m.sub_path.as_ref().map_or(dir.clone(), |s| dir.join(s));
+                        Some((m.mount_path.clone(), dir))
+                    })
+                    .collect();
+                let env = spec::container_env(&self.pod, c, &facts, &sources, &extra)?;
+                let env: Vec<_> = env
+                    .into_iter()
+                    .map(|(k, v)| (k, spec::rewrite_path(&v, &mounts)))
+                    .collect();
+                let (program, args) = spec::command_line(c, &binary, &env, &mounts);
+                Ok(Launch {
+                    program,
+                    args,
+                    env,
+                    cwd: self.dir.clone(),
+                    log: log_file(&self.sh.cfg.root, &ns, &name, &uid, &c.name),
+                    hostname: name.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// Fetches the ConfigMaps and Secrets the pod references (missing ones are left out; the
+    /// env and volume code decides whether that is an error).
+    async fn sources(&self) -> Result<Sources, Error> {
+        let (cms, secrets) = spec::references(&self.pod);
+        let ns = self.pod.metadata.namespace.clone().unwrap_or_default();
+        let client: &Client = &self.sh.client;
+        let mut out = Sources::default();
+        for name in cms {
+            if let Some(cm) = Api::<ConfigMap>::namespaced(client.clone(), &ns)
+                .get_opt(&name)
+                .await?
+            {
+                let mut m = cm.data.unwrap_or_default();
+                for (k, v) in cm.binary_data.unwrap_or_default() {
+                    m.insert(k, String::from_utf8_lossy(&v.0).into_owned());
+                }
+                out.config_maps.insert(name, m);
+            }
+        }
+        for name in secrets {
+            if let Some(s) = Api::<Secret>::namespaced(client.clone(), &ns)
+                .get_opt(&name)
+                .await?
+            {
+                let mut m: BTreeMap<String, String> = s.string_data.unwrap_or_default();
+                for (k, v) in s.data.unwrap_or_default() {
+                    m.insert(k, String::from_utf8_lossy(&v.0).into_owned());
+                }
+                out.secrets.insert(name, m);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Starts container `i`'s process and a task that reports its exit.
+    fn spawn(&mut self, i: usize) {
+        let Some(launch) = &self.launches[i] else {
+            return;
+        };
+        match process::spawn(launch) {
+            Ok(mut child) => {
+                let pid = child.id().unwrap_or_default();
+                self.records[i].state = RunState::Running {
+                    started: now(),
+                    pid,
+                };
+                self.sh.pids.lock().unwrap().insert(pid);
+                let (exits, sh) = (self.exits.clone(), self.sh.clone());
+                tokio::spawn(async move {
+                    let st = child.wait().await;
+                    sh.pids.lock().unwrap().remove(&pid);
+                    if let Ok(st) = st {
+                        let _ = exits.send((i, st));
+                    }
+                });
+            }
+            Err(e) => {
+                self.records[i].state = RunState::Waiting {
+                    reason: "RunContainerError".into(),
+                    message: e.to_string(),
+                };
+            }
+        }
+    }
+
+    fn pids(&self) -> Vec<u32> {
+        self.records
+            .iter()
+            .filter_map(|r| match r.state {
+                RunState::Running { pid, .. } => Some(pid),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn signal_all(&self, sig: libc::c_int) {
+        for pid in self.pids() {
+            process::signal_group(pid, sig);
+        }
+    }
+
+    /// Records a process exit; schedules a restart when the restart policy says so.
+    fn exited(&mut self, i: usize, st: ExitStatus, deleting: bool) {
+        let RunState::Running { started, .. } = self.records[i].state.clone() else {
+            return;
+        };
+        let (exit_code, reason) = status::termination(st);
+        let term = RunState::Terminated {
+            exit_code,
+            reason: reason.into(),
+            started,
+            finished: now(),
+        };
+        let policy = self
+            .pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.restart_policy.clone())
+            .unwrap_or_else(|| "Always".into());
+        if !deleting && status::should_restart(&policy, exit_code) {
+            let r = &mut self.records[i];
+            r.last = Some(term);
+            r.state = RunState::Waiting {
+                reason: "CrashLoopBackOff".into(),
+                message: format!("back-off restarting failed container {}", r.name),
+            };
+            self.restart_at[i] = Some(Instant::now() + backoff(r.restart_count));
+        } else {
+            self.records[i].state = term;
+        }
+    }
+
+    /// Patches pod status when it differs from the last patch (no self-triggered churn).
+    async fn report(&mut self) {
+        if self.records.is_empty() {
+            return;
+        }
+        let body = status::status_patch(
+            &self.records,
+            self.pod_ip.as_deref(),
+            &self.node.ip,
+            &self.start_time,
+            status::gates_pass(&self.pod),
+            &now(),
+        );
+        let mut comparable = body.clone();
+        for c in comparable["status"]["conditions"]
+            .as_array_mut()
+            .into_iter()
+            .flatten()
+        {
+            c.as_object_mut().map(|o| o.remove("lastTransitionTime"));
+        }
+        if self.last_patch.as_ref() == Some(&comparable) {
+            return;
+        }
+        let name = self.pod.metadata.name.clone().unwrap_or_default();
+        match self
+            .api
+            .patch_status(&name, &PatchParams::default(), &Patch::Strategic(&body))
+            .await
+        {
+            Ok(p) => {
+                self.pod = p;
+                self.last_patch = Some(comparable);
+            }
+            Err(e) => tracing::warn!(pod = %self.key(), error = %e, "status patch failed"),
+        }
+    }
+
+    async fn event_loop(
+        &mut self,
+        rx: &mut mpsc::UnboundedReceiver<PodEvent>,
+        my_exits: &mut Exits,
+    ) {
+        // A node may have failed (or the kubelet stopped) while the pod was starting: look once.
+        let mut failed = self.node.failed.subscribe();
+        failed.mark_changed();
+        let mut shutdown = self.sh.shutdown.subscribe();
+        shutdown.mark_changed();
+        loop {
+            if self.pod.metadata.deletion_timestamp.is_some() {
+                return self.terminate(my_exits).await;
+            }
+            let next_restart = self.restart_at.iter().flatten().min().copied();
+            tokio::select! {
+                ev = rx.recv() => match ev {
+                    Some(PodEvent::Updated(p)) => {
+                        self.pod = *p;
+                        if status::gates_pass(&self.pod) != status::is_ready(&self.pod) && !self.pids().is_empty() {
+                            self.last_patch = None;
+                            self.report().await;
+                        }
+                    }
+                    Some(PodEvent::Deleted) | None => return self.kill_and_reap(my_exits).await,
+                },
+                Some((i, st)) = my_exits.recv() => {
+                    self.exited(i, st, false);
+                    self.report().await;
+                }
+                _ = tokio::time::sleep_until(next_restart.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600))), if next_restart.is_some() => {
+                    let now = Instant::now();
+                    for i in 0..self.restart_at.len() {
+                        if self.restart_at[i].is_some_and(|t| t <= now) {
+                            self.restart_at[i] = None;
+                            self.records[i].restart_count += 1;
+                            self.spawn(i);
+                        }
+                    }
+                    self.report().await;
+                }
+                _ = failed.changed() => {
+                    let mode = *failed.borrow();
+                    if let Some(mode) = mode {
+                        self.signal_all(match mode { FailMode::Kill => libc::SIGKILL, FailMode::Freeze => libc::SIGSTOP });
+                        return self.silent(rx, my_exits).await;
+                    }
+                }
+                _ = shutdown.changed() => if *shutdown.borrow() { return self.kill_and_reap(my_exits).await },
+            }
+        }
+    }
+
+    /// A dead node's pod: no more status, no deletion; only leaves (killing its processes) when
+    /// the pod is removed from the API or the kubelet shuts down.
+    async fn silent(&mut self, rx: &mut mpsc::UnboundedReceiver<PodEvent>, exits: &mut Exits) {
+        let mut shutdown = self.sh.shutdown.subscribe();
+        loop {
+            tokio::select! {
+                ev = rx.recv() => if matches!(ev, Some(PodEvent::Deleted) | None) { break },
+                _ = shutdown.changed() => break,
+            }
+        }
+        self.kill_and_reap(exits).await;
+    }
+
+    /// SIGKILL every process and wait for all of them (no API writes).
+    async fn kill_and_reap(&mut self, exits: &mut Exits) {
+        self.signal_all(libc::SIGKILL);
+        while !self.pids().is_empty() {
+            match exits.recv().await {
+                Some((i, st)) => self.exited(i, st, true),
+                None => break,
+            }
+        }
+    }
+
+    /// Graceful deletion: SIGTERM, wait `deletionGracePeriodSeconds`, SIGKILL, final status, then
+    /// delete with grace 0 and the pod's UID as precondition.
+    async fn terminate(&mut self, exits: &mut Exits) {
+        let grace = self
+            .pod
+            .metadata
+            .deletion_grace_period_seconds
+            .unwrap_or(30)
+            .max(0) as u64;
+        self.restart_at.iter_mut().for_each(|r| *r = None);
+        self.signal_all(libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(grace);
+        while !self.pids().is_empty() {
+            match tokio::time::timeout_at(deadline, exits.recv()).await {
+                Ok(Some((i, st))) => self.exited(i, st, true),
+                Ok(None) => break,
+                Err(_) => {
+                    self.kill_and_reap(exits).await;
+                    break;
+                }
+            }
+        }
+        for r in &mut self.records {
+            if let RunState::Waiting { .. } = r.state {
+                let t = now();
+                r.state = RunState::Terminated {
+                    exit_code: 137,
+                    reason: "Error".into(),
+                    started: t.clone(),
+                    finished: t,
+                };
+            }
+        }
+        self.report().await;
+        let name = self.pod.metadata.name.clone().unwrap_or_default();
+        let dp = DeleteParams {
+            grace_period_seconds: Some(0),
+            preconditions: Some(Preconditions {
+                uid: self.pod.metadata.uid.clone(),
+                resource_version: None,
+            }),
+            ..Default::default()
+        };
+        if let Err(e) = self.api.delete(&name, &dp).await {
+            tracing::debug!(pod = %self.key(), error = %e, "final delete");
+        }
+    }
+
+    /// Frees the IP and GPUs and removes the pod's directory (logs stay).
+    fn cleanup(&mut self) {
+        if let Some(ip) = self.pod_ip.take() {
+            self.node.ips.lock().unwrap().release(&ip);
+        }
+        self.node
+            .gpus
+            .lock()
+            .unwrap()
+            .release(&std::mem::take(&mut self.gpus));
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,605 @@
+//! Acceptance tests of the local control plane and the process kubelet (issue: "Local Kubernetes
+//! control plane and a process kubelet"). One real control plane for the whole binary, one temp
+//! namespace per test; tests run one at a time (the node-failure test runs last, since it takes a
+//! node away for good). The control plane and every pod process are stopped even when a test fails.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use common::*;
+use diphoma_e2e::cluster::{ControlPlane, TempNamespace};
+use diphoma_e2e::kubelet::node::NodeConfig;
+use diphoma_e2e::kubelet::{FailMode, Kubelet};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{DeleteParams, ListParams};
+use kube::{Api, Client};
+use libtest_mimic::{Arguments, Failed, Trial};
+use serde_json::json;
+
+struct Ctx {
+    client: Client,
+    kubelet: Kubelet,
+    cp: ControlPlane,
+}
+
+type TestFn = fn(Arc<Ctx>, String) -> Pin<Box<dyn Future<Output = Result<()>>>>;
+
+macro_rules! tests {
+    ($($name:ident),* $(,)?) => { vec![$((stringify!($name), (|c, ns| Box::pin($name(c, ns))) as TestFn)),*] };
+}
+
+fn main() -> Result<()> {
+    let mut args = Arguments::from_args();
+    args.test_threads = Some(1);
+    let rt = Arc::new(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?,
+    );
+    let cp = ControlPlane::start()?;
+    let ctx = rt.block_on(async {
+        let client = cp.client().await?;
+        let nodes = vec![
+            NodeConfig::gpu("gpu-small", 1),
+            NodeConfig::gpu("gpu-big-0", 4),
+            NodeConfig::gpu("gpu-big-1", 4),
+            NodeConfig::gpu("gpu-doomed", 2),
+        ];
+        let kubelet = start_kubelet(&cp, &client, nodes).await?;
+        anyhow::Ok(Arc::new(Ctx {
+            client,
+            kubelet,
+            cp,
+        }))
+    })?;
+    let list = tests![
+        gpu_pod_is_bound_to_a_node_with_room_and_reports_its_exit_code,
+        pod_asking_for_more_gpus_than_any_node_has_stays_pending,
+        deployment_gets_pods_from_the_controller_manager_and_replicaset_deletion_collects_them,
+        pod_sees_env_downward_api_volumes_and_only_its_serviceaccount_permissions,
+        restart_policy_and_graceful_deletion_are_honoured,
+        bad_requests_name_what_is_wrong,
+        failed_node_turns_notready_while_its_pods_stay_running,
+    ];
+    let trials = list
+        .into_iter()
+        .map(|(name, f)| {
+            let (rt, ctx) = (rt.clone(), ctx.clone());
+            Trial::test(name, move || {
+                let prefix: String = name.chars().take(20).collect::<String>().replace('_', "-");
+                rt.block_on(async {
+                    let ns = TempNamespace::create(&ctx.client, &prefix).await?;
+                    let r = tokio::time::timeout(
+                        Duration::from_secs(240),
+                        f(ctx.clone(), ns.name.clone()),
+                    )
+                    .await;
+                    let _ = ns.delete().await;
+                    r.map_err(|_| anyhow::anyhow!("timed out after 240 s"))?
+                })
+                .map_err(|e| Failed::from(format!("{e:#}")))
+            })
+        })
+        .collect();
+    let conclusion = libtest_mimic::run(&args, trials);
+    let ctx = Arc::into_inner(ctx).context("tests still hold the context")?;
+    rt.block_on(ctx.kubelet.shutdown());
+    drop(ctx.cp);
+    conclusion.exit()
+}
+
+fn log(ctx: &Ctx, pod: &Pod) -> Result<String> {
+    let container = &pod.spec.as_ref().context("pod without spec")?.containers[0].name;
+    let f = ctx.kubelet.log_file(pod, container);
+    std::fs::read_to_string(&f).with_context(|| format!("log {}", f.display()))
+}
+
+fn terminated(p: &Pod) -> Option<(i32, String)> {
+    let cs = p.status.as_ref()?.container_statuses.as_ref()?.first()?;
+    let t = cs.state.as_ref()?.terminated.as_ref()?;
+    Some((t.exit_code, t.reason.clone().unwrap_or_default()))
+}
+
+async fn gpu_pod_is_bound_to_a_node_with_room_and_reports_its_exit_code(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let gpus =
+        json!({"spec": {"containers": [{"resources": {"limits": {"nvidia.com/gpu": "2"}}}]}});
+    create(&ctx.client, &ns, &probe_pod("ok", &["--env"], gpus.clone())).await?;
+    create(
+        &ctx.client,
+        &ns,
+        &probe_pod("fails", &["--exit", "3"], gpus),
+    )
+    .await?;
+
+    let ok = wait_pod(&ctx.client, &ns, "ok", 60, "Succeeded", |p| {
+        phase(p) == "Succeeded"
+    })
+    .await?;
+    let node = ok
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .unwrap_or_default();
+    ensure!(
+        node.starts_with("gpu-big") || node == "gpu-doomed",
+        "2 GPUs need a node with room, got {node}"
+    );
+    ensure!(
+        terminated(&ok) == Some((0, "Completed".into())),
+        "{:?}",
+        terminated(&ok)
+    );
+    let log = log(&ctx, &ok)?;
+    let cuda = log
+        .lines()
+        .find_map(|l| l.strip_prefix("env CUDA_VISIBLE_DEVICES="))
+        .context("no CUDA_VISIBLE_DEVICES")?;
+    ensure!(cuda.split(',').count() == 2, "CUDA_VISIBLE_DEVICES={cuda}");
+
+    let failed = wait_pod(&ctx.client, &ns, "fails", 60, "Failed", |p| {
+        phase(p) == "Failed"
+    })
+    .await?;
+    ensure!(
+        terminated(&failed) == Some((3, "Error".into())),
+        "{:?}",
+        terminated(&failed)
+    );
+    Ok(())
+}
+
+async fn pod_asking_for_more_gpus_than_any_node_has_stays_pending(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let huge =
+        json!({"spec": {"containers": [{"resources": {"limits": {"nvidia.com/gpu": "16"}}}]}});
+    create(&ctx.client, &ns, &probe_pod("huge", &[], huge)).await?;
+    let p = wait_pod(&ctx.client, &ns, "huge", 60, "Unschedulable", |p| {
+        p.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .into_iter()
+            .flatten()
+            .any(|c| c.type_ == "PodScheduled" && c.reason.as_deref() == Some("Unschedulable"))
+    })
+    .await?;
+    let cond = p
+        .status
+        .as_ref()
+        .unwrap()
+        .conditions
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|c| c.type_ == "PodScheduled")
+        .unwrap();
+    let msg = cond.message.clone().unwrap_or_default();
+    ensure!(
+        msg.contains("Insufficient nvidia.com/gpu"),
+        "scheduler message: {msg}"
+    );
+    ensure!(phase(&p) == "Pending" && p.spec.as_ref().unwrap().node_name.is_none());
+    Ok(())
+}
+
+async fn deployment_gets_pods_from_the_controller_manager_and_replicaset_deletion_collects_them(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let out = ctx
+        .cp
+        .kubectl()
+        .args([
+            "-n",
+            &ns,
+            "create",
+            "deployment",
+            "web",
+            "--image=diphoma-probe:dev",
+            "--replicas=2",
+            "--",
+            "diphoma-probe",
+            "--sleep",
+            "3600",
+        ])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "kubectl: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let running = |list: &[Pod]| list.iter().filter(|p| phase(p) == "Running").count();
+    let mut first = vec![];
+    eventually(90, "2 pods Running", async || {
+        first = pods
+            .list(&ListParams::default().labels("app=web"))
+            .await?
+            .items;
+        Ok(running(&first) == 2)
+    })
+    .await?;
+    let uids: BTreeSet<String> = first
+        .iter()
+        .filter_map(|p| p.metadata.uid.clone())
+        .collect();
+    let pids: Vec<u32> = first.iter().map(pid_of).collect::<Result<_>>()?;
+    ensure!(
+        pids.iter().all(|&p| alive(p)),
+        "pod processes are not running"
+    );
+
+    let rs = first[0]
+        .metadata
+        .owner_references
+        .as_ref()
+        .and_then(|o| o.first())
+        .context("pod without owner")?
+        .name
+        .clone();
+    let out = ctx
+        .cp
+        .kubectl()
+        .args(["-n", &ns, "delete", "replicaset", &rs, "--wait=false"])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "kubectl: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eventually(90, "the ReplicaSet's pods garbage-collected", async || {
+        let now = pods.list(&ListParams::default()).await?.items;
+        Ok(!now
+            .iter()
+            .any(|p| uids.contains(p.metadata.uid.as_deref().unwrap_or_default())))
+    })
+    .await?;
+    eventually(10, "their processes gone", async || {
+        Ok(pids.iter().all(|&p| !alive(p)))
+    })
+    .await?;
+    for p in &first {
+        ensure!(
+            log(&ctx, p)?.contains("sigterm"),
+            "pod {:?} was not sent SIGTERM",
+            p.metadata.name
+        );
+    }
+    Ok(())
+}
+
+async fn pod_sees_env_downward_api_volumes_and_only_its_serviceaccount_permissions(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let host_dir = ctx.cp.dir.join(format!("host-{ns}"));
+    std::fs::create_dir_all(&host_dir)?;
+    std::fs::write(host_dir.join("marker"), "from-host")?;
+    let pv_dir = ctx.cp.dir.join(format!("pv-{ns}"));
+    std::fs::create_dir_all(&pv_dir)?;
+    std::fs::write(pv_dir.join("marker"), "from-pv")?;
+    let objects = json!([
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"greeting": "hello"}},
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "sec"}, "stringData": {"token": "s3cret"}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "reader"}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "read-cfg"},
+         "rules": [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["cfg"], "verbs": ["get"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "read-cfg"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "read-cfg"},
+         "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": ns}]},
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": format!("pv-{ns}")},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                  "hostPath": {"path": pv_dir}, "claimRef": {"namespace": ns, "name": "data"}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data"},
+         "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": format!("pv-{ns}"),
+                  "resources": {"requests": {"storage": "1Gi"}}}},
+    ]);
+    let yaml: String = objects
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| format!("{o}\n---\n"))
+        .collect();
+    let mut child = ctx
+        .cp
+        .kubectl()
+        .args(["-n", &ns, "apply", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    std::io::Write::write_all(child.stdin.as_mut().unwrap(), yaml.as_bytes())?;
+    let out = child.wait_with_output()?;
+    ensure!(
+        out.status.success(),
+        "kubectl apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let cm_path = format!("/api/v1/namespaces/{ns}/configmaps/cfg");
+    let pods_path = format!("/api/v1/namespaces/{ns}/pods");
+    let args = [
+        "--env",
+        "--read",
+        "/etc/cfg/greeting",
+        "--read",
+        "/etc/sec/token",
+        "--read",
+        "/host/marker",
+        "--read",
+        "/data/marker",
+        "--read",
+        "/podinfo/labels-app",
+        "--get",
+        &cm_path,
+        "--get",
+        &pods_path,
+    ];
+    let spec = json!({
+        "metadata": {"labels": {"app": "probe"}},
+        "spec": {
+            "serviceAccountName": "reader",
+            "containers": [{
+                "env": [
+                    {"name": "PLAIN", "value": "v"},
+                    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                    {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                    {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                    {"name": "GREETING", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "greeting"}}},
+                    {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "sec", "key": "token"}}},
+                    {"name": "SCRATCH", "value": "/scratch/x"}
+                ],
+                "volumeMounts": [
+                    {"name": "cfg", "mountPath": "/etc/cfg"}, {"name": "sec", "mountPath": "/etc/sec"},
+                    {"name": "host", "mountPath": "/host"}, {"name": "data", "mountPath": "/data"},
+                    {"name": "scratch", "mountPath": "/scratch"}, {"name": "podinfo", "mountPath": "/podinfo"}
+                ]
+            }],
+            "volumes": [
+                {"name": "cfg", "configMap": {"name": "cfg"}}, {"name": "sec", "secret": {"secretName": "sec"}},
+                {"name": "host", "hostPath": {"path": host_dir, "type": "Directory"}},
+                {"name": "data", "persistentVolumeClaim": {"claimName": "data"}},
+                {"name": "scratch", "emptyDir": {}},
+                {"name": "podinfo", "downwardAPI": {"items": [{"path": "labels-app", "fieldRef": {"fieldPath": "metadata.labels['app']"}}]}}
+            ]
+        }
+    });
+    create(&ctx.client, &ns, &probe_pod("probe", &args, spec)).await?;
+    let p = wait_pod(&ctx.client, &ns, "probe", 90, "Succeeded", |p| {
+        phase(p) == "Succeeded"
+    })
+    .await?;
+    let log = log(&ctx, &p)?;
+    let has = |line: &str| log.lines().any(|l| l == line);
+    let ip = p
+        .status
+        .as_ref()
+        .and_then(|s| s.pod_ip.clone())
+        .unwrap_or_default();
+    ensure!(
+        ip.starts_with("127.") && ip != "127.0.0.1",
+        "pod IP {ip} is not its own loopback address"
+    );
+    let node = p
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .unwrap_or_default();
+    for want in [
+        "env PLAIN=v".to_owned(),
+        "env POD_NAME=probe".to_owned(),
+        format!("env POD_NAMESPACE={ns}"),
+        format!("env POD_IP={ip}"),
+        format!("env NODE_NAME={node}"),
+        "env GREETING=hello".to_owned(),
+        "env TOKEN=s3cret".to_owned(),
+        format!("get {cm_path} 200"),
+        format!("get {pods_path} 403"),
+    ] {
+        ensure!(has(&want), "missing {want:?} in the pod's output:\n{log}");
+    }
+    // Mount paths are rewritten to the volume directories: match the file name and content.
+    for (file, content) in [
+        ("greeting", "hello"),
+        ("token", "s3cret"),
+        ("marker", "from-host"),
+        ("marker", "from-pv"),
+        ("labels-app", "probe"),
+    ] {
+        let found = log
+            .lines()
+            .filter_map(|l| l.strip_prefix("read "))
+            .any(|l| {
+                l.split_once(' ')
+                    .is_some_and(|(path, c)| path.ends_with(&format!("/{file}")) && c == content)
+            });
+        ensure!(
+            found,
+            "no read of {file} with {content:?} in the pod's output:\n{log}"
+        );
+    }
+    let scratch = log
+        .lines()
+        .find_map(|l| l.strip_prefix("env SCRATCH="))
+        .context("no SCRATCH")?;
+    ensure!(
+        scratch.ends_with("/volumes/scratch/x"),
+        "emptyDir mount path not rewritten: {scratch}"
+    );
+    ensure!(
+        !log.contains("env KUBERNETES_SERVICE_HOST="),
+        "a ClusterIP service host leaked into the pod"
+    );
+    Ok(())
+}
+
+async fn restart_policy_and_graceful_deletion_are_honoured(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let on_failure = json!({"spec": {"restartPolicy": "OnFailure"}});
+    create(
+        &ctx.client,
+        &ns,
+        &probe_pod("crashy", &["--exit", "7"], on_failure),
+    )
+    .await?;
+    let p = wait_pod(&ctx.client, &ns, "crashy", 60, "restarted twice", |p| {
+        p.status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .is_some_and(|c| c[0].restart_count >= 2)
+    })
+    .await?;
+    let cs = &p
+        .status
+        .as_ref()
+        .unwrap()
+        .container_statuses
+        .as_ref()
+        .unwrap()[0];
+    let last = cs
+        .last_state
+        .as_ref()
+        .and_then(|s| s.terminated.as_ref())
+        .context("no lastState.terminated")?;
+    ensure!(
+        last.exit_code == 7,
+        "lastState exit code {}",
+        last.exit_code
+    );
+    ensure!(phase(&p) == "Running", "OnFailure pod phase {}", phase(&p));
+
+    create(
+        &ctx.client,
+        &ns,
+        &probe_pod("sleeper", &["--sleep", "3600"], json!({})),
+    )
+    .await?;
+    let p = wait_pod(&ctx.client, &ns, "sleeper", 60, "Running", |p| {
+        phase(p) == "Running"
+    })
+    .await?;
+    let pid = pid_of(&p)?;
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    api.delete("sleeper", &DeleteParams::default()).await?;
+    eventually(30, "deleted", async || {
+        Ok(api.get_opt("sleeper").await?.is_none())
+    })
+    .await?;
+    ensure!(!alive(pid), "process {pid} outlived its pod");
+    ensure!(
+        log(&ctx, &p)?.contains("sigterm"),
+        "the process did not get SIGTERM first"
+    );
+    Ok(())
+}
+
+async fn bad_requests_name_what_is_wrong(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    for (name, image, needle) in [
+        ("unknown-image", "busybox:1.36", "busybox:1.36"),
+        (
+            "missing-binary",
+            "diphoma-ghost:1",
+            "/nonexistent/diphoma-ghost",
+        ),
+    ] {
+        let mut pod = probe_pod(name, &[], json!({}));
+        pod.spec.as_mut().unwrap().containers[0].image = Some(image.into());
+        create(&ctx.client, &ns, &pod).await?;
+        let p = wait_pod(&ctx.client, &ns, name, 60, "ErrImagePull", |p| {
+            p.status
+                .as_ref()
+                .and_then(|s| s.container_statuses.as_ref())
+                .and_then(|c| c[0].state.clone())
+                .and_then(|s| s.waiting)
+                .is_some_and(|w| w.reason.as_deref() == Some("ErrImagePull"))
+        })
+        .await?;
+        let msg = p.status.unwrap().container_statuses.unwrap()[0]
+            .state
+            .clone()
+            .unwrap()
+            .waiting
+            .unwrap()
+            .message
+            .unwrap_or_default();
+        ensure!(
+            msg.contains(needle),
+            "message {msg:?} does not name {needle}"
+        );
+    }
+    let err = ctx
+        .kubelet
+        .fail_node("no-such-node", FailMode::Kill)
+        .unwrap_err()
+        .to_string();
+    ensure!(
+        err.contains("no-such-node") && err.contains("gpu-big-0"),
+        "{err}"
+    );
+    let kc = ctx.cp.dir.join("missing.kubeconfig");
+    match diphoma_e2e::cluster::client_from_kubeconfig(&kc).await {
+        Ok(_) => bail!("a missing kubeconfig was accepted"),
+        Err(e) => ensure!(e.to_string().contains("missing.kubeconfig"), "{e}"),
+    }
+    Ok(())
+}
+
+async fn failed_node_turns_notready_while_its_pods_stay_running(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let pin = json!({"spec": {"nodeSelector": {"kubernetes.io/hostname": "gpu-doomed"}}});
+    create(
+        &ctx.client,
+        &ns,
+        &probe_pod("victim", &["--sleep", "3600"], pin),
+    )
+    .await?;
+    let p = wait_pod(&ctx.client, &ns, "victim", 60, "Running", |p| {
+        phase(p) == "Running"
+    })
+    .await?;
+    let pid = pid_of(&p)?;
+    ctx.kubelet.fail_node("gpu-doomed", FailMode::Freeze)?;
+    let nodes: Api<Node> = Api::all(ctx.client.clone());
+    let ready = |n: &Node| {
+        n.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .into_iter()
+            .flatten()
+            .find(|c| c.type_ == "Ready")
+            .map(|c| c.status.clone())
+    };
+    eventually(60, "gpu-doomed NotReady", async || {
+        Ok(ready(&nodes.get("gpu-doomed").await?).as_deref() != Some("True"))
+    })
+    .await?;
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let now = api.get("victim").await?;
+    ensure!(
+        phase(&now) == "Running",
+        "pod phase {} on the lost node",
+        phase(&now)
+    );
+    ensure!(
+        proc_state(pid) == Some('T'),
+        "process {pid} is not frozen: {:?}",
+        proc_state(pid)
+    );
+    Ok(())
+}

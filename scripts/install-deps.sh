@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# install-deps.sh — installs what the build, the tests and the demo need on a fresh Debian machine
+# (root or sudo): Debian packages for the control-plane scripts, and a Rust toolchain check.
+# Go builds of Kubernetes, etcd and helm are done by e2e/cluster/build-bins.sh (cached).
+set -euo pipefail
+need=()
+for cmd_pkg in curl:curl openssl:openssl python3:python3 git:git cc:gcc; do
+  command -v "${cmd_pkg%%:*}" >/dev/null 2>&1 || need+=("${cmd_pkg#*:}")
+done
+if ((${#need[@]})); then
+  sudo=""; [[ $(id -u) == 0 ]] || sudo=sudo
+  echo "installing Debian packages: ${need[*]}" >&2
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}"
+fi
+command -v go >/dev/null || { echo "install-deps: Go (>= 1.25) is required to build the control plane" >&2; exit 1; }
+command -v cargo >/dev/null || { echo "install-deps: a Rust toolchain (>= 1.89, rustup) is required" >&2; exit 1; }
