@@ -17,7 +17,7 @@
 //! read ends at once and the failure cascades around the ring within one hop per rank, far inside
 //! the timeout; the communicator is then poisoned and can only be dropped.
 
-use std::io::{IoSlice, Read, Write};
+use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -698,52 +698,17 @@ impl Rx<'_> {
         if self.done {
             return Ok(false);
         }
-        if self.hdr_off < HEADER_LEN {
-            let r = (&mut &*self.s).read(&mut self.hdr[self.hdr_off..]);
-            let n = match r {
-                Ok(0) => {
-                    return Err(CommError::PeerLost {
-                        rank: self.peer,
-                        op: c.op,
-                    });
-                }
-                Ok(n) => n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => return Ok(true),
-                Err(e) => return Err(link_err(e, self.peer, c.op)),
-            };
-            self.hdr_off += n;
-            if self.hdr_off == HEADER_LEN {
-                let h = Header::decode(&self.hdr)?;
-                if h.kind != Kind::Data {
-                    return Err(ProtocolError::Unexpected {
-                        got: h.kind,
-                        expected: Kind::Data,
-                    }
-                    .into());
-                }
-                let want = (self.len - self.pos).min(MAX_DATA_PAYLOAD);
-                if h.seq != c.seq || h.len as usize != want {
-                    return Err(ProtocolError::OutOfStep {
-                        seq: h.seq,
-                        len: h.len,
-                        want_seq: c.seq,
-                        want_len: want as u32,
-                    }
-                    .into());
-                }
-                self.frame_left = want;
-                if want == 0 {
-                    self.done = true;
-                }
-            }
-            return Ok(true);
-        }
+        // While a header is incomplete, read it together with the payload that should follow
+        // (one readv instead of two reads: the header's length is checked before any of those
+        // payload bytes are accounted, and they land only where the expected frame may go).
+        let in_header = self.hdr_off < HEADER_LEN;
+        let want = (self.len - self.pos).min(MAX_DATA_PAYLOAD);
+        let frame_left = if in_header { want } else { self.frame_left };
         let room = match self.sink {
-            Sink::Direct | Sink::Deferred => self.frame_left,
+            Sink::Direct | Sink::Deferred => frame_left,
             Sink::Segmented => {
                 let seg_len = c.segment.min(self.len - self.seg_start);
-                (self.seg_start + seg_len - self.pos).min(self.frame_left)
+                (self.seg_start + seg_len - self.pos).min(frame_left)
             }
         };
         let dst: &mut [u8] = match self.sink {
@@ -756,7 +721,16 @@ impl Rx<'_> {
             }
             Sink::Deferred => &mut c.scratch[self.pos..self.pos + room],
         };
-        let n = match (&mut &*self.s).read(dst) {
+        let r = if in_header {
+            let mut bufs = [
+                IoSliceMut::new(&mut self.hdr[self.hdr_off..]),
+                IoSliceMut::new(dst),
+            ];
+            (&mut &*self.s).read_vectored(&mut bufs)
+        } else {
+            (&mut &*self.s).read(dst)
+        };
+        let mut n = match r {
             Ok(0) => {
                 return Err(CommError::PeerLost {
                     rank: self.peer,
@@ -768,6 +742,36 @@ impl Rx<'_> {
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => return Ok(true),
             Err(e) => return Err(link_err(e, self.peer, c.op)),
         };
+        if in_header {
+            let h = n.min(HEADER_LEN - self.hdr_off);
+            self.hdr_off += h;
+            n -= h;
+            if self.hdr_off < HEADER_LEN {
+                return Ok(true);
+            }
+            let h = Header::decode(&self.hdr)?;
+            if h.kind != Kind::Data {
+                return Err(ProtocolError::Unexpected {
+                    got: h.kind,
+                    expected: Kind::Data,
+                }
+                .into());
+            }
+            if h.seq != c.seq || h.len as usize != want {
+                return Err(ProtocolError::OutOfStep {
+                    seq: h.seq,
+                    len: h.len,
+                    want_seq: c.seq,
+                    want_len: want as u32,
+                }
+                .into());
+            }
+            self.frame_left = want;
+            if want == 0 {
+                self.done = true;
+                return Ok(true);
+            }
+        }
         self.pos += n;
         self.frame_left -= n;
         if self.sink == Sink::Segmented {
