@@ -57,13 +57,12 @@ impl Element for f32 {
     const DTYPE: DType = DType::F32;
     fn reduce(dst: &mut [f32], src: &[f32], scale: Option<f32>) {
         assert_eq!(dst.len(), src.len());
-        match scale {
-            None => dst.iter_mut().zip(src).for_each(|(d, s)| *d += *s),
-            Some(k) => dst
-                .iter_mut()
-                .zip(src)
-                .for_each(|(d, s)| *d = (*d + *s) * k),
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked above).
+            return unsafe { x86::f32_reduce(dst, src, scale) };
         }
+        f32_reduce_portable(dst, src, scale)
     }
     fn from_f32(x: f32) -> f32 {
         x
@@ -73,21 +72,97 @@ impl Element for f32 {
     }
 }
 
+#[inline(always)]
+fn f32_reduce_portable(dst: &mut [f32], src: &[f32], scale: Option<f32>) {
+    match scale {
+        None => dst.iter_mut().zip(src).for_each(|(d, s)| *d += *s),
+        Some(k) => dst
+            .iter_mut()
+            .zip(src)
+            .for_each(|(d, s)| *d = (*d + *s) * k),
+    }
+}
+
+#[inline(always)]
+fn bf16_reduce_portable(dst: &mut [bf16], src: &[bf16], scale: Option<f32>) {
+    // Straight-line widen/add/round on bit patterns: vectorises without intrinsics.
+    let k = scale.unwrap_or(1.0);
+    for (d, s) in dst.iter_mut().zip(src) {
+        let sum = (bf16_widen(d.to_bits()) + bf16_widen(s.to_bits())) * k;
+        *d = bf16::from_bits(bf16_round(sum));
+    }
+}
+
+fn f16_reduce_portable(dst: &mut [f16], src: &[f16], scale: Option<f32>) {
+    let mut a = [0f32; BLOCK];
+    let mut b = [0f32; BLOCK];
+    for (d, s) in dst.chunks_mut(BLOCK).zip(src.chunks(BLOCK)) {
+        let (a, b) = (&mut a[..d.len()], &mut b[..d.len()]);
+        d.convert_to_f32_slice(a);
+        s.convert_to_f32_slice(b);
+        f32_reduce_portable(a, b, scale);
+        d.convert_from_f32_slice(a);
+    }
+}
+
+/// The same kernels compiled for AVX2 (and F16C for `f16`), chosen at run time: the portable
+/// build targets baseline x86-64 (SSE2, no half-float conversions).
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{bf16, bf16_reduce_portable, f16, f16_reduce_portable, f32_reduce_portable};
+    use std::arch::x86_64::{
+        _MM_FROUND_TO_NEAREST_INT, _mm_loadu_si128, _mm_storeu_si128, _mm256_add_ps,
+        _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_mul_ps, _mm256_set1_ps,
+    };
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn f32_reduce(dst: &mut [f32], src: &[f32], scale: Option<f32>) {
+        f32_reduce_portable(dst, src, scale)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn bf16_reduce(dst: &mut [bf16], src: &[bf16], scale: Option<f32>) {
+        bf16_reduce_portable(dst, src, scale)
+    }
+
+    /// 8 lanes at a time through `vcvtph2ps`/`vcvtps2ph` (round to nearest even, as
+    /// `f16::from_f32`); the tail goes through the portable kernel.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) fn f16_reduce(dst: &mut [f16], src: &[f16], scale: Option<f32>) {
+        let n = dst.len().min(src.len());
+        let k = _mm256_set1_ps(scale.unwrap_or(1.0));
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i+8 ≤ n, so both 16-byte loads and the store stay inside the slices;
+            // unaligned loads/stores are used.
+            unsafe {
+                let a = _mm256_cvtph_ps(_mm_loadu_si128(dst.as_ptr().add(i).cast()));
+                let b = _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().add(i).cast()));
+                let mut sum = _mm256_add_ps(a, b);
+                if scale.is_some() {
+                    sum = _mm256_mul_ps(sum, k);
+                }
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(sum);
+                _mm_storeu_si128(dst.as_mut_ptr().add(i).cast(), h);
+            }
+            i += 8;
+        }
+        f16_reduce_portable(&mut dst[i..n], &src[i..n], scale);
+    }
+}
+
 const BLOCK: usize = 512;
 
 impl Element for f16 {
     const DTYPE: DType = DType::F16;
     fn reduce(dst: &mut [f16], src: &[f16], scale: Option<f32>) {
         assert_eq!(dst.len(), src.len());
-        let mut a = [0f32; BLOCK];
-        let mut b = [0f32; BLOCK];
-        for (d, s) in dst.chunks_mut(BLOCK).zip(src.chunks(BLOCK)) {
-            let (a, b) = (&mut a[..d.len()], &mut b[..d.len()]);
-            d.convert_to_f32_slice(a);
-            s.convert_to_f32_slice(b);
-            f32::reduce(a, b, scale);
-            d.convert_from_f32_slice(a);
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("f16c") {
+            // SAFETY: the CPU has AVX2 and F16C (checked above).
+            return unsafe { x86::f16_reduce(dst, src, scale) };
         }
+        f16_reduce_portable(dst, src, scale)
     }
     fn from_f32(x: f32) -> f16 {
         f16::from_f32(x)
@@ -114,12 +189,12 @@ impl Element for bf16 {
     const DTYPE: DType = DType::BF16;
     fn reduce(dst: &mut [bf16], src: &[bf16], scale: Option<f32>) {
         assert_eq!(dst.len(), src.len());
-        // Straight-line widen/add/round on bit patterns: vectorises without intrinsics.
-        let k = scale.unwrap_or(1.0);
-        for (d, s) in dst.iter_mut().zip(src) {
-            let sum = (bf16_widen(d.to_bits()) + bf16_widen(s.to_bits())) * k;
-            *d = bf16::from_bits(bf16_round(sum));
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked above).
+            return unsafe { x86::bf16_reduce(dst, src, scale) };
         }
+        bf16_reduce_portable(dst, src, scale)
     }
     fn from_f32(x: f32) -> bf16 {
         bf16::from_f32(x)
@@ -193,6 +268,19 @@ mod tests {
             check::<f32>(&a, &b, scale);
             check::<f16>(&a, &b, scale);
             check::<bf16>(&a, &b, scale);
+            // and the portable kernels the SIMD ones are checked against
+            let mut d: Vec<f16> = a.iter().map(|&x| f16::from_f32(x)).collect();
+            let mut d2 = d.clone();
+            let sh: Vec<f16> = b.iter().map(|&x| f16::from_f32(x)).collect();
+            f16::reduce(&mut d, &sh, scale);
+            f16_reduce_portable(&mut d2, &sh, scale);
+            prop_assert!(d.iter().zip(&d2).all(|(x, y)| x == y || (x.is_nan() && y.is_nan())));
+            let mut e: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
+            let mut e2 = e.clone();
+            let sb: Vec<bf16> = b.iter().map(|&x| bf16::from_f32(x)).collect();
+            bf16::reduce(&mut e, &sb, scale);
+            bf16_reduce_portable(&mut e2, &sb, scale);
+            prop_assert!(e.iter().zip(&e2).all(|(x, y)| x == y || (x.is_nan() && y.is_nan())));
         }
     }
 }
