@@ -9,7 +9,7 @@
 # Every benchmark runs in its own process group, which is killed when it ends or times out and
 # on exit, so nothing stays running.
 #
-# Env: SIZES (1K,64K,1M,16M,64M) SAMPLES (20) ROUNDS (3) WORLDS ("2 4") OUT (results dir)
+# Env: SIZES (1K,64K,1M,16M,64M) SAMPLES (20) ROUNDS (5) WORLDS ("2 4") OUT (results dir)
 #      QUIET_WAIT (s to wait for an idle CPU before each run, 30) RUN_TIMEOUT (s per run, 600)
 set -euo pipefail
 repo="$(git rev-parse --show-toplevel)"
@@ -17,7 +17,7 @@ anchors="$repo/../shared/bench/anchors"
 here="$repo/worker/bench"
 CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/diphoma/bench"
 VENV="$CACHE/venv"
-SIZES="${SIZES:-1K,64K,1M,16M,64M}"; SAMPLES="${SAMPLES:-20}"; ROUNDS="${ROUNDS:-3}"
+SIZES="${SIZES:-1K,64K,1M,16M,64M}"; SAMPLES="${SAMPLES:-20}"; ROUNDS="${ROUNDS:-5}"
 WORLDS="${WORLDS:-2 4}"; RUN_TIMEOUT="${RUN_TIMEOUT:-600}"
 OUT="${OUT:-$CACHE/results/$(date -u +%Y%m%dT%H%M%SZ)}"
 mkdir -p "$CACHE/bin" "$OUT/probes"
@@ -81,6 +81,12 @@ for r in $(seq 1 "$ROUNDS"); do
     bounded "$OUT/probes/ringbw_n${n}_r$r.txt" "$CACHE/bin/ringbw" "$n" 64 9 128
     wait_quiet; echo "### round $r  diphoma f32 n=$n"
     bounded "$OUT/rust_n${n}_r$r.txt" "$DW" bench --world "$n" --sizes "$SIZES" --samples "$SAMPLES"
+    if [[ $n == 2 ]]; then  # half types next to their f32 reference, for the element-rate bar
+      for dt in f16 bf16; do
+        wait_quiet; echo "### round $r  diphoma $dt n=2"
+        bounded "$OUT/rust-${dt}_n2_r$r.txt" "$DW" bench --world 2 --sizes "$SIZES" --samples "$SAMPLES" --dtype "$dt"
+      done
+    fi
     wait_quiet; echo "### round $r  gloo n=$n"
     bounded "$OUT/gloo_n${n}_r$r.txt" env OMP_NUM_THREADS=1 "$VENV/bin/python" "$anchors/gloo_allreduce_bench.py" --world "$n" --sizes "$SIZES" --samples "$SAMPLES"
     wait_quiet; echo "### round $r  MPI tcp n=$n"
@@ -90,10 +96,6 @@ for r in $(seq 1 "$ROUNDS"); do
       bash "$anchors/run_mpi.sh" "$n" tcp "$SIZES" 5 "$SAMPLES" 20
     wait_quiet; echo "### round $r  MPI shm n=$n (not TCP)"
     bounded "$OUT/mpi_shm_n${n}_r$r.txt" bash "$anchors/run_mpi.sh" "$n" shm "$SIZES" 5 "$SAMPLES" 20
-  done
-  for dt in f16 bf16; do
-    wait_quiet; echo "### round $r  diphoma $dt n=2"
-    bounded "$OUT/rust-${dt}_n2_r$r.txt" "$DW" bench --world 2 --sizes "$SIZES" --samples "$SAMPLES" --dtype "$dt"
   done
 done
 echo "load at end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/machine.txt"

@@ -25,6 +25,24 @@
 //! | [`error`] | [`CommError`], the one error type | do I/O |
 //! | `main.rs` (binary) | the `diphoma-worker` CLI: `bench`, its hidden `bench-rank` | hold runtime logic |
 
+//!
+//! # Design decisions
+//!
+//! - **Transport: one thread, non-blocking sockets, `poll(2)`.** The issue allows "a thin async
+//!   or threaded transport"; a step's send and receive are instead interleaved on the calling
+//!   thread with non-blocking `writev`/`readv`, spinning briefly (yielding) before sleeping in
+//!   `poll`. Full duplex without helper threads or hand-offs: nothing to wake, no deadlock when
+//!   both sides send at once (neither blocks in `write`), and every wait is bounded by the
+//!   collective's deadline. On a 2-core box running 4 ranks this matters: every extra thread
+//!   competes for the same cores.
+//! - **Algorithms by size** (see [`comm::Config`]): recursive doubling up to 64 KiB (direct
+//!   exchange for 2 ranks), the Rabenseifner halving-doubling schedule for larger buffers when
+//!   the world is a power of two above 2, and the ring otherwise; all three are pure plans.
+//! - **Half types stay half on the wire** and are reduced through f32 (AVX2/F16C kernels chosen
+//!   at run time, portable ones otherwise).
+//! - **Failure cascade:** on any error the communicator shuts all its sockets, so every
+//!   neighbour's call fails at once with `PeerLost` rather than at its timeout.
+
 #[cfg(target_endian = "big")]
 compile_error!("the wire format is little-endian and buffers travel as raw bytes");
 

@@ -73,6 +73,16 @@ fn allreduce_64_mib() {
         });
         assert!(bufs.iter().all(|&ok| ok), "n {n}");
     }
+    // Half types at ≥ 64 MiB too (bf16 exercises the same path; kernels are checked exactly in
+    // reduce.rs).
+    let len = (64 << 20) / 2 + 5;
+    let comms = common::ring(4);
+    let (_, oks) = common::on_all(comms, move |r, c| {
+        let mut buf: Vec<f16> = (0..len).map(|i| f16::from_f32(value(r, i))).collect();
+        c.allreduce(&mut buf, ReduceOp::Sum).unwrap();
+        (0..len).all(|i| buf[i] == f16::from_f32((0..4).map(|q| value(q, i)).sum::<f32>()))
+    });
+    assert!(oks.iter().all(|&ok| ok));
 }
 
 #[test]
