@@ -1,0 +1,430 @@
+//! The operator against the local control plane: the CRD refuses bad manifests, a job gets its
+//! GPU pods and its ring, a lost worker is replaced at a new generation and counted once, and a
+//! restarted operator creates no duplicates. Workers run `diphoma-probe` (they only need to live).
+
+mod common;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use common::*;
+use diphoma_e2e::cluster::{ControlPlane, TempNamespace};
+use diphoma_e2e::kubelet::Kubelet;
+use diphoma_e2e::kubelet::node::NodeConfig;
+use diphoma_operator::api::{DiphomaJob, Phase};
+use diphoma_worker::contract::{MEMBERSHIP_KEY, Membership};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
+use k8s_openapi::api::rbac::v1::Role;
+use kube::api::{DeleteParams, ListParams};
+use kube::{Api, Client, ResourceExt};
+use libtest_mimic::{Arguments, Failed, Trial};
+use tokio::sync::oneshot;
+
+struct Ctx {
+    client: Client,
+    kubelet: Kubelet,
+    cp: ControlPlane,
+    operator: Mutex<Option<(oneshot::Sender<()>, tokio::task::JoinHandle<()>)>>,
+}
+
+impl Ctx {
+    fn start_operator(&self) {
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(diphoma_operator::controller::run(
+            self.client.clone(),
+            async move {
+                let _ = rx.await;
+            },
+        ));
+        *self.operator.lock().unwrap() = Some((tx, task));
+    }
+
+    async fn stop_operator(&self) {
+        let running = self.operator.lock().unwrap().take();
+        if let Some((tx, task)) = running {
+            let _ = tx.send(());
+            let _ = task.await;
+        }
+    }
+}
+
+type TestFn = fn(Arc<Ctx>, String) -> Pin<Box<dyn Future<Output = Result<()>>>>;
+
+macro_rules! tests {
+    ($($name:ident),* $(,)?) => { vec![$((stringify!($name), (|c, ns| Box::pin($name(c, ns))) as TestFn)),*] };
+}
+
+fn main() -> Result<()> {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let mut args = Arguments::from_args();
+    args.test_threads = Some(1);
+    let rt = Arc::new(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?,
+    );
+    let cp = ControlPlane::start()?;
+    let crd = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds/diphomajob.yaml");
+    let out = cp.kubectl().args(["apply", "-f"]).arg(&crd).output()?;
+    ensure!(
+        out.status.success(),
+        "installing the CRD: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = cp
+        .kubectl()
+        .args([
+            "wait",
+            "--for=condition=Established",
+            "crd/diphomajobs.diphoma.io",
+            "--timeout=60s",
+        ])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "CRD not established: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ctx = rt.block_on(async {
+        let client = cp.client().await?;
+        let nodes = (0..3)
+            .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), 8))
+            .collect();
+        let kubelet = start_kubelet(&cp, &client, nodes).await?;
+        let ctx = Arc::new(Ctx {
+            client,
+            kubelet,
+            cp,
+            operator: Mutex::new(None),
+        });
+        ctx.start_operator();
+        anyhow::Ok(ctx)
+    })?;
+    let list = tests![
+        invalid_manifests_are_refused_with_the_field_named,
+        job_gets_gpu_pods_children_and_a_ring,
+        lost_workers_are_replaced_at_a_new_generation_and_counted_once,
+        restarted_operator_creates_no_duplicates,
+    ];
+    let trials = list
+        .into_iter()
+        .map(|(name, f)| {
+            let (rt, ctx) = (rt.clone(), ctx.clone());
+            Trial::test(name, move || {
+                let prefix: String = name.chars().take(20).collect::<String>().replace('_', "-");
+                rt.block_on(async {
+                    let ns = TempNamespace::create(&ctx.client, &prefix).await?;
+                    let r = tokio::time::timeout(
+                        Duration::from_secs(240),
+                        f(ctx.clone(), ns.name.clone()),
+                    )
+                    .await;
+                    let _ = ns.delete().await;
+                    r.map_err(|_| anyhow::anyhow!("timed out after 240 s"))?
+                })
+                .map_err(|e| Failed::from(format!("{e:#}")))
+            })
+        })
+        .collect();
+    let conclusion = libtest_mimic::run(&args, trials);
+    let ctx = Arc::into_inner(ctx).context("tests still hold the context")?;
+    let Ctx {
+        kubelet,
+        cp,
+        operator,
+        ..
+    } = ctx;
+    rt.block_on(async {
+        if let Some((tx, task)) = operator.into_inner().unwrap() {
+            let _ = tx.send(());
+            let _ = task.await;
+        }
+        kubelet.shutdown().await;
+    });
+    drop(cp);
+    conclusion.exit()
+}
+
+fn job_yaml(name: &str, replicas: i32, extra: &str) -> String {
+    format!(
+        "apiVersion: diphoma.io/v1alpha1\nkind: DiphomaJob\nmetadata:\n  name: {name}\nspec:\n  replicas: {replicas}\n  gpusPerWorker: 2\n{extra}  template:\n    spec:\n      terminationGracePeriodSeconds: 2\n      containers:\n      - name: worker\n        image: diphoma-probe:dev\n        args: [--sleep, \"3600\"]\n"
+    )
+}
+
+fn kubectl_apply(ctx: &Ctx, ns: &str, yaml: &str) -> Result<std::process::Output> {
+    use std::io::Write;
+    let mut child = ctx
+        .cp
+        .kubectl()
+        .args(["-n", ns, "apply", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    child.stdin.take().unwrap().write_all(yaml.as_bytes())?;
+    Ok(child.wait_with_output()?)
+}
+
+async fn ring(client: &Client, ns: &str, job: &str) -> Result<Option<Membership>> {
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), ns)
+        .get_opt(&format!("{job}-ring"))
+        .await?;
+    Ok(
+        match cm
+            .and_then(|c| c.data)
+            .and_then(|d| d.get(MEMBERSHIP_KEY).cloned())
+        {
+            Some(json) => Some(Membership::parse(&json)?),
+            None => None,
+        },
+    )
+}
+
+async fn job_status(client: &Client, ns: &str, name: &str) -> Result<DiphomaJob> {
+    Ok(Api::<DiphomaJob>::namespaced(client.clone(), ns)
+        .get(name)
+        .await?)
+}
+
+fn phase_of(j: &DiphomaJob) -> Option<Phase> {
+    j.status.as_ref().and_then(|s| s.phase)
+}
+
+/// Waits for the job to run with a ring of `size` at a generation above `after`; returns it.
+async fn running_ring(
+    ctx: &Ctx,
+    ns: &str,
+    job: &str,
+    size: usize,
+    after: u64,
+) -> Result<Membership> {
+    let mut found = None;
+    let mut last = None;
+    let waited = eventually(
+        90,
+        &format!("{job} Running with a ring of {size} after generation {after}"),
+        async || {
+            let j = job_status(&ctx.client, ns, job).await?;
+            found = ring(&ctx.client, ns, job).await?;
+            let done = phase_of(&j) == Some(Phase::Running)
+                && found
+                    .as_ref()
+                    .is_some_and(|r| r.members.len() == size && r.generation > after);
+            last = j.status;
+            Ok(done)
+        },
+    )
+    .await;
+    waited.with_context(|| {
+        format!(
+            "last status: {}",
+            serde_json::to_string(&last).unwrap_or_default()
+        )
+    })?;
+    Ok(found.unwrap())
+}
+
+async fn invalid_manifests_are_refused_with_the_field_named(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let cases = [
+        ("below-min", job_yaml("below-min", 1, "  elastic: {minReplicas: 2, maxReplicas: 4}\n"), "spec.replicas"),
+        ("negative-gpus", job_yaml("negative-gpus", 2, "").replace("gpusPerWorker: 2", "gpusPerWorker: -1"), "spec.gpusPerWorker"),
+        ("bad-port", job_yaml("bad-port", 2, "  ringPort: 80\n"), "spec.ringPort"),
+        ("no-template", "apiVersion: diphoma.io/v1alpha1\nkind: DiphomaJob\nmetadata: {name: no-template}\nspec: {replicas: 2}\n".to_owned(), "spec.template"),
+    ];
+    for (name, yaml, field) in cases {
+        let out = kubectl_apply(&ctx, &ns, &yaml)?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(!out.status.success(), "{name} was accepted");
+        ensure!(
+            err.contains(field),
+            "{name}: the error does not name {field}: {err}"
+        );
+    }
+    let jobs = Api::<DiphomaJob>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default())
+        .await?;
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default())
+        .await?;
+    ensure!(
+        jobs.items.is_empty() && pods.items.is_empty(),
+        "something was created"
+    );
+    Ok(())
+}
+
+async fn job_gets_gpu_pods_children_and_a_ring(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    let out = kubectl_apply(&ctx, &ns, &job_yaml("train", 3, ""))?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m = running_ring(&ctx, &ns, "train", 3, 0).await?;
+    ensure!(
+        m.generation == 1,
+        "first ring is generation {}",
+        m.generation
+    );
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default().labels("diphoma.io/job-name=train"))
+        .await?
+        .items;
+    ensure!(pods.len() == 3, "{} pods", pods.len());
+    for p in &pods {
+        let limits = p.spec.as_ref().unwrap().containers[0]
+            .resources
+            .as_ref()
+            .and_then(|r| r.limits.clone())
+            .unwrap_or_default();
+        ensure!(
+            limits.get("nvidia.com/gpu").map(|q| q.0.as_str()) == Some("2"),
+            "{} has GPU limits {limits:?}",
+            p.name_any()
+        );
+        let ip = p
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_ip.clone())
+            .unwrap_or_default();
+        let member = m
+            .members
+            .iter()
+            .find(|x| x.pod == p.name_any())
+            .context("pod not in the ring")?;
+        ensure!(
+            member.address.to_string() == ip && member.port == 29500,
+            "member {member:?} vs pod IP {ip}"
+        );
+    }
+    Api::<Secret>::namespaced(ctx.client.clone(), &ns)
+        .get("train-key")
+        .await?;
+    Api::<Service>::namespaced(ctx.client.clone(), &ns)
+        .get("train")
+        .await?;
+    let role = Api::<Role>::namespaced(ctx.client.clone(), &ns)
+        .get("train-worker")
+        .await?;
+    ensure!(
+        role.rules
+            .unwrap_or_default()
+            .iter()
+            .all(|r| r.resource_names.is_some()),
+        "the workers' Role is not limited by resourceNames"
+    );
+    let j = job_status(&ctx.client, &ns, "train").await?;
+    let st = j.status.unwrap();
+    ensure!(st.ready.as_deref() == Some("3/3") && st.ring.map(|r| r.generation) == Some(1));
+    let out = ctx
+        .cp
+        .kubectl()
+        .args(["-n", &ns, "get", "dpj", "train"])
+        .output()?;
+    let table = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        table.contains("Running") && table.contains("3/3"),
+        "printer columns: {table}"
+    );
+    Ok(())
+}
+
+async fn lost_workers_are_replaced_at_a_new_generation_and_counted_once(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let out = kubectl_apply(&ctx, &ns, &job_yaml("train", 3, ""))?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let g1 = running_ring(&ctx, &ns, "train", 3, 0).await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+
+    // kubectl delete: PodDeleted.
+    pods.delete("train-worker-1", &DeleteParams::default())
+        .await?;
+    let g2 = running_ring(&ctx, &ns, "train", 3, g1.generation).await?;
+    ensure!(
+        g2.members.iter().any(|m| m.pod == "train-worker-1-1"),
+        "no replacement in {g2:?}"
+    );
+
+    // kill -9 of a worker's process: ProcessExit with 137.
+    let victim = pods.get("train-worker-2").await?;
+    let pid = pid_of(&victim)?;
+    // SAFETY: kill(2) on a process this test's kubelet started.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let g3 = running_ring(&ctx, &ns, "train", 3, g2.generation).await?;
+    ensure!(
+        g3.members.iter().any(|m| m.pod == "train-worker-2-1"),
+        "no replacement in {g3:?}"
+    );
+
+    let st = job_status(&ctx.client, &ns, "train").await?.status.unwrap();
+    ensure!(st.repairs.total == 2, "repairs {:?}", st.repairs);
+    ensure!(
+        st.repairs.by_cause.get("PodDeleted") == Some(&1)
+            && st.repairs.by_cause.get("ProcessExit") == Some(&1),
+        "{:?}",
+        st.repairs
+    );
+    let last = st.last_failure.context("no lastFailure")?;
+    ensure!(
+        last.pod == "train-worker-2" && last.exit_code == Some(137),
+        "{last:?}"
+    );
+    // Counted once: a few more reconciles change nothing.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let again = job_status(&ctx.client, &ns, "train").await?.status.unwrap();
+    ensure!(
+        again.failures.total == 2 && again.repairs.total == 2,
+        "counted again: {:?}",
+        again.failures
+    );
+    Ok(())
+}
+
+async fn restarted_operator_creates_no_duplicates(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    let out = kubectl_apply(&ctx, &ns, &job_yaml("train", 3, ""))?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let before = running_ring(&ctx, &ns, "train", 3, 0).await?;
+    ctx.stop_operator().await;
+    ctx.start_operator();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default().labels("diphoma.io/job-name=train"))
+        .await?
+        .items;
+    let mut names: Vec<String> = pods.iter().map(|p| p.name_any()).collect();
+    names.sort();
+    ensure!(
+        names == ["train-worker-0", "train-worker-1", "train-worker-2"],
+        "pods after the restart: {names:?}"
+    );
+    let after = ring(&ctx.client, &ns, "train")
+        .await?
+        .context("ring gone")?;
+    ensure!(
+        after == before,
+        "the ring changed across the restart: {before:?} -> {after:?}"
+    );
+    Ok(())
+}

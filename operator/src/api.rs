@@ -1,0 +1,436 @@
+//! The `DiphomaJob` API (`diphoma.io/v1alpha1`): spec, status, schema bounds and CEL rules.
+//! Types only; no I/O. The CRD YAML under `crds/` is generated from here (`diphoma-operator crd`).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::PodTemplateSpec;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Field manager of every server-side apply the operator makes.
+pub const FIELD_MANAGER: &str = "diphoma-operator";
+
+/// A distributed data-parallel training job: a ring of worker pods that the operator keeps alive,
+/// re-forming the ring at a new generation whenever a worker is lost, added or removed.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[allow(clippy::duplicated_attributes)] // each printcolumn(...) repeats `type_ = …` by design
+#[kube(
+    group = "diphoma.io",
+    version = "v1alpha1",
+    kind = "DiphomaJob",
+    namespaced,
+    status = "DiphomaJobStatus",
+    shortname = "dpj",
+    category = "diphoma",
+    doc = "A distributed data-parallel training job whose ring of workers survives failures and scaling",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
+    printcolumn(
+        name = "Phase",
+        type_ = "string",
+        json_path = ".status.phase",
+        description = "Lifecycle phase"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.ready",
+        description = "Ready workers / desired"
+    ),
+    printcolumn(
+        name = "Gen",
+        type_ = "integer",
+        json_path = ".status.ring.generation",
+        description = "Ring generation"
+    ),
+    printcolumn(
+        name = "Step",
+        type_ = "integer",
+        json_path = ".status.progress.step",
+        description = "Last committed training step"
+    ),
+    printcolumn(
+        name = "Restarts",
+        type_ = "integer",
+        json_path = ".status.repairs.total",
+        description = "Ring repairs so far"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[x_kube(validation = Rule::new("!has(self.elastic) || (self.elastic.minReplicas <= self.replicas && self.replicas <= self.elastic.maxReplicas)")
+    .message("spec.replicas must lie within [spec.elastic.minReplicas, spec.elastic.maxReplicas]").field_path(".replicas"))]
+#[serde(rename_all = "camelCase")]
+pub struct DiphomaJobSpec {
+    /// Desired number of workers in the ring (the `/scale` subresource points here).
+    #[schemars(range(min = 1, max = 4096))]
+    pub replicas: i32,
+    /// Elastic bounds: training goes on while `minReplicas <= ready <= maxReplicas`. Absent: the
+    /// job is fixed-size (min = max = replicas).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elastic: Option<Elastic>,
+    /// `nvidia.com/gpu` limit of each worker container; 0 runs CPU workers.
+    #[serde(default)]
+    #[schemars(range(min = 0, max = 64))]
+    pub gpus_per_worker: i32,
+    /// Where workers may run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<Placement>,
+    /// The worker pod template (image, args, resources, volumes). The operator adds the ring's
+    /// environment, port, labels, GPU limits and the key volume.
+    #[schemars(schema_with = "crate::api::preserved_object")]
+    pub template: PodTemplateSpec,
+    /// Failure budget, deadlines, clean-up and suspension.
+    #[serde(default)]
+    pub run_policy: RunPolicy,
+    /// How failures are detected and which exits are retried.
+    #[serde(default)]
+    pub fault_tolerance: FaultTolerance,
+    /// Where and how often rank 0 writes checkpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<Checkpoint>,
+    /// TCP port of the ring on each worker's pod IP.
+    #[serde(default = "default_ring_port")]
+    #[schemars(range(min = 1024, max = 65535))]
+    pub ring_port: i32,
+}
+
+fn default_ring_port() -> i32 {
+    diphoma_worker::contract::DEFAULT_RING_PORT.into()
+}
+
+/// Elastic bounds of the ring size.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(validation = Rule::new("self.minReplicas <= self.maxReplicas").message("spec.elastic.minReplicas must not exceed spec.elastic.maxReplicas").field_path(".minReplicas"))]
+#[serde(rename_all = "camelCase")]
+pub struct Elastic {
+    /// Fewest workers the ring trains with; below it the ring waits (gang semantics).
+    #[schemars(range(min = 1, max = 4096))]
+    pub min_replicas: i32,
+    /// Most workers the ring may grow to.
+    #[schemars(range(min = 1, max = 4096))]
+    pub max_replicas: i32,
+}
+
+/// Node choice for the workers, merged into the pod template.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Placement {
+    /// Node labels the workers require, e.g. `nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Extra tolerations (a `nvidia.com/gpu` NoSchedule toleration is added for GPU workers).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "crate::api::preserved_array")]
+    pub tolerations: Vec<k8s_openapi::api::core::v1::Toleration>,
+    /// Pod affinity rules.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "crate::api::preserved_object")]
+    pub affinity: Option<k8s_openapi::api::core::v1::Affinity>,
+}
+
+/// What the job does on failures, deadlines and completion.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RunPolicy {
+    /// Worker failures the job survives, counted on the job over all causes; deletions the
+    /// operator makes itself never count.
+    #[serde(default = "default_backoff_limit")]
+    #[schemars(range(min = 0, max = 10000))]
+    pub backoff_limit: i32,
+    /// Seconds after the start after which a job that has not finished fails (DeadlineExceeded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub active_deadline_seconds: Option<i64>,
+    /// Seconds after finishing after which the job (and what it owns) is deleted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub ttl_seconds_after_finished: Option<i64>,
+    /// Which workers to delete when the job ends.
+    #[serde(default)]
+    pub clean_pod_policy: CleanPodPolicy,
+    /// Delete the workers but keep the job and its status; resuming re-creates them.
+    #[serde(default)]
+    pub suspend: bool,
+}
+
+fn default_backoff_limit() -> i32 {
+    6
+}
+
+impl Default for RunPolicy {
+    fn default() -> Self {
+        RunPolicy {
+            backoff_limit: default_backoff_limit(),
+            active_deadline_seconds: None,
+            ttl_seconds_after_finished: None,
+            clean_pod_policy: CleanPodPolicy::default(),
+            suspend: false,
+        }
+    }
+}
+
+/// Which workers to delete once the job has finished.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CleanPodPolicy {
+    /// Every worker pod.
+    All,
+    /// Workers still running or pending (finished ones stay for their logs).
+    #[default]
+    Running,
+    /// None.
+    None,
+}
+
+/// Failure detection and retry policy.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct FaultTolerance {
+    /// Seconds within which a silent worker (hung process, lost node) is declared dead.
+    #[serde(default = "default_detection_seconds")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub detection_seconds: i32,
+    /// Exit codes that are retried (the worker is replaced). Absent: everything but 1–127 (as
+    /// Kubeflow's `ExitCode` restart policy: 1–127 are permanent errors, 128+ are signals).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_on_exit_codes: Option<Vec<i32>>,
+}
+
+fn default_detection_seconds() -> i32 {
+    10
+}
+
+impl Default for FaultTolerance {
+    fn default() -> Self {
+        FaultTolerance {
+            detection_seconds: default_detection_seconds(),
+            restart_on_exit_codes: None,
+        }
+    }
+}
+
+/// Checkpointing by rank 0.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Checkpoint {
+    /// Name of a volume of the pod template that holds the checkpoints.
+    #[schemars(length(min = 1))]
+    pub volume: String,
+    /// Steps between two checkpoints.
+    #[schemars(range(min = 1))]
+    pub every_steps: i64,
+}
+
+/// Observed state, derived from what the operator and the workers saw.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct DiphomaJobStatus {
+    /// Lifecycle phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<Phase>,
+    /// `Ready`, `Progressing`, `Suspended`, `Complete`, `Failed` (metav1.Condition).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// Desired workers (for `/scale`).
+    #[serde(default)]
+    pub replicas: i32,
+    /// Workers that are running and members of the ring.
+    #[serde(default)]
+    pub ready_replicas: i32,
+    /// `ready/desired`, for the printer column.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready: Option<String>,
+    /// Label selector of the workers (for `/scale` and HPA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+    /// The ring's current generation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ring: Option<RingStatus>,
+    /// Training progress as the workers report it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<Progress>,
+    /// Ring repairs (members lost and the ring re-formed), by cause.
+    #[serde(default)]
+    pub repairs: Counts,
+    /// Failures counted against `backoffLimit`, by cause.
+    #[serde(default)]
+    pub failures: Counts,
+    /// The most recent worker failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<LastFailure>,
+    /// Why the ring waits, when it does (e.g. the resource the scheduler finds short).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<String>,
+    /// When the job first had workers (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<String>,
+    /// When the job finished (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_time: Option<String>,
+    /// The spec generation this status reflects.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// Lifecycle phase of a job.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Accepted; no worker runs yet.
+    Pending,
+    /// Workers are starting; the first ring is not formed.
+    Starting,
+    /// The ring trains at its desired size.
+    Running,
+    /// A member was lost; its replacement is on the way.
+    Repairing,
+    /// The ring is being resized.
+    Scaling,
+    /// Workers deleted on request; status kept.
+    Suspended,
+    /// The ring reported completion.
+    Succeeded,
+    /// Failed for good.
+    Failed,
+}
+
+impl Phase {
+    /// Whether the job has finished for good.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Phase::Succeeded | Phase::Failed)
+    }
+}
+
+/// A `metav1.Condition`.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Condition {
+    /// `Ready`, `Progressing`, `Suspended`, `Complete` or `Failed`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `True`, `False` or `Unknown`.
+    pub status: String,
+    /// PascalCase reason.
+    pub reason: String,
+    /// Human-readable detail.
+    #[serde(default)]
+    pub message: String,
+    /// When `status` last changed (RFC 3339); unchanged while it does not flip.
+    pub last_transition_time: String,
+    /// The spec generation it was computed from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// The ring's current generation.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RingStatus {
+    /// Generation number (strictly increasing).
+    pub generation: i64,
+    /// Members in this generation.
+    pub size: i32,
+    /// ConfigMap holding the full membership (rank → pod, address).
+    pub config_map: String,
+    /// Members of this generation that have left and were already accounted for (a counted
+    /// failure or an operator deletion); cleared by the next generation.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub departed: Vec<String>,
+}
+
+/// Training progress reported by the workers.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Progress {
+    /// Last committed step.
+    pub step: i64,
+    /// Steps to train in total.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_steps: Option<i64>,
+    /// Training loss at `step`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss: Option<f64>,
+    /// Samples per second over the whole ring.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples_per_second: Option<f64>,
+    /// Step of the newest checkpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_checkpoint_step: Option<i64>,
+}
+
+/// A total with a breakdown by cause.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Counts {
+    /// Sum over causes.
+    pub total: i32,
+    /// Per cause: `ProcessExit`, `PodDeleted`, `Evicted`, `Preempted`, `NodeLost`, `Hung`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub by_cause: BTreeMap<String, i32>,
+    /// Seconds from the last loss to the ring re-formed without it (repairs only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_seconds: Option<f64>,
+}
+
+impl Counts {
+    /// Adds one occurrence of `cause`.
+    pub fn add(&mut self, cause: &str) {
+        self.total += 1;
+        *self.by_cause.entry(cause.to_owned()).or_default() += 1;
+    }
+}
+
+/// The most recent worker failure.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct LastFailure {
+    /// Pod name.
+    pub pod: String,
+    /// Its rank in the ring generation it was lost from, if it was a member.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<i32>,
+    /// Exit code, for process exits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// Cause (`ProcessExit`, `NodeLost`, …).
+    pub cause: String,
+    /// Reason (`Error`, `OOMKilled`, `EvictionByEvictionAPI`, …).
+    pub reason: String,
+    /// When it was observed (RFC 3339).
+    pub time: String,
+}
+
+/// Schema of an embedded Kubernetes object kept as is (validated by the API server when the
+/// operator creates the pods).
+pub fn preserved_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({"type": "object", "x-kubernetes-preserve-unknown-fields": true})
+}
+
+/// Schema of an array of embedded Kubernetes objects kept as is.
+pub fn preserved_array(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({"type": "array", "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}})
+}
+
+impl DiphomaJobSpec {
+    /// `(min, max)` ring size: the elastic bounds, or `(replicas, replicas)`.
+    pub fn bounds(&self) -> (i32, i32) {
+        match &self.elastic {
+            Some(e) => (e.min_replicas, e.max_replicas),
+            None => (self.replicas, self.replicas),
+        }
+    }
+
+    /// Whether a worker that exited with `code` is replaced rather than failing the job.
+    pub fn retryable_exit(&self, code: i32) -> bool {
+        match &self.fault_tolerance.restart_on_exit_codes {
+            Some(codes) => codes.contains(&code),
+            None => !(1..=127).contains(&code),
+        }
+    }
+}

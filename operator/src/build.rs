@@ -1,0 +1,405 @@
+//! Desired children of a job, built as plain objects (no I/O): worker pods, the headless Service,
+//! the ServiceAccount, Role and RoleBinding of its workers, the ring ConfigMap and the key Secret.
+//! Names are deterministic, every object carries the job as controller owner and the standard
+//! labels, so the reconciler can apply them with server-side apply and prune by label.
+
+use std::collections::BTreeMap;
+
+use diphoma_worker::contract::{
+    self, ENV_JOB_NAME, ENV_JOB_UID, ENV_KEY_FILE, ENV_MEMBERSHIP, ENV_NAMESPACE, ENV_POD_IP,
+    ENV_POD_NAME, ENV_RING_PORT, KEY_FILE_NAME, KEY_MOUNT_DIR, LABEL_JOB_NAME, LABEL_REPLICA_INDEX,
+    MEMBERSHIP_KEY, Membership,
+};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+
+use crate::api::DiphomaJob;
+
+/// `app.kubernetes.io/managed-by` value on everything the operator creates.
+pub const MANAGED_BY: &str = "diphoma-operator";
+/// Annotation the operator puts on a pod before it deletes it itself (scale-down, suspend,
+/// replacement, clean-up), so the deletion is never counted as a failure.
+pub const ANNOT_DELETED_BY_OPERATOR: &str = "diphoma.io/deleted-by-operator";
+/// Annotation recording that a pod's failure has been counted (its value is the cause).
+pub const ANNOT_FAILURE_COUNTED: &str = "diphoma.io/failure-counted";
+/// Extended resource name of NVIDIA GPUs.
+pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
+
+/// Name of the per-job key Secret.
+pub fn key_secret_name(job: &str) -> String {
+    format!("{job}-key")
+}
+
+/// Name of the ServiceAccount, Role and RoleBinding of the job's workers.
+pub fn worker_account_name(job: &str) -> String {
+    format!("{job}-worker")
+}
+
+/// Name of the per-job heartbeat and failure-report ConfigMap (docs/design/heartbeat.md).
+pub fn heartbeat_configmap_name(job: &str) -> String {
+    format!("{job}-heartbeat")
+}
+
+/// Name of worker `index`'s pod, attempt `attempt` (0 for the first; replacements count up, so a
+/// replacement never waits for a predecessor stuck Terminating on a lost node).
+pub fn pod_name(job: &str, index: i32, attempt: i32) -> String {
+    if attempt == 0 {
+        format!("{job}-worker-{index}")
+    } else {
+        format!("{job}-worker-{index}-{attempt}")
+    }
+}
+
+/// Label selector of a job's workers.
+pub fn selector(job: &str) -> String {
+    format!("{LABEL_JOB_NAME}={job}")
+}
+
+fn owner(job: &DiphomaJob) -> OwnerReference {
+    job.controller_owner_ref(&())
+        .expect("a stored job has a name and uid")
+}
+
+fn labels(job: &DiphomaJob) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (
+            "app.kubernetes.io/name".to_owned(),
+            "diphoma-worker".to_owned(),
+        ),
+        ("app.kubernetes.io/instance".to_owned(), job.name_any()),
+        (
+            "app.kubernetes.io/managed-by".to_owned(),
+            MANAGED_BY.to_owned(),
+        ),
+        (LABEL_JOB_NAME.to_owned(), job.name_any()),
+    ])
+}
+
+fn meta(job: &DiphomaJob, name: String) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name),
+        namespace: job.namespace(),
+        labels: Some(labels(job)),
+        owner_references: Some(vec![owner(job)]),
+        ..Default::default()
+    }
+}
+
+/// Worker pod `index` (attempt `attempt`): the user's template plus the contract env, the ring
+/// port, labels, `nvidia.com/gpu` limits, GPU node selection and toleration, and the key volume.
+/// `restartPolicy` is `Never`: the operator replaces failed workers itself.
+pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Pod {
+    let spec = &job.spec;
+    let name = job.name_any();
+    let mut tpl = serde_json::to_value(&spec.template).unwrap_or_else(|_| json!({}));
+    let mut pod_labels = tpl["metadata"]["labels"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    for (k, v) in labels(job) {
+        pod_labels.insert(k, v.into());
+    }
+    pod_labels.insert(LABEL_REPLICA_INDEX.into(), index.to_string().into());
+    let field = |path: &str| json!({"valueFrom": {"fieldRef": {"fieldPath": path}}});
+    let env = [
+        (ENV_JOB_NAME, json!({"value": name})),
+        (ENV_JOB_UID, json!({"value": job.uid().unwrap_or_default()})),
+        (ENV_NAMESPACE, field("metadata.namespace")),
+        (ENV_POD_NAME, field("metadata.name")),
+        (ENV_POD_IP, field("status.podIP")),
+        (ENV_RING_PORT, json!({"value": spec.ring_port.to_string()})),
+        (
+            ENV_KEY_FILE,
+            json!({"value": format!("{KEY_MOUNT_DIR}/{KEY_FILE_NAME}")}),
+        ),
+        (
+            ENV_MEMBERSHIP,
+            json!({"value": contract::membership_configmap_name(&name)}),
+        ),
+    ];
+    let pod_spec = tpl["spec"]
+        .as_object_mut()
+        .map(std::mem::take)
+        .unwrap_or_default();
+    let mut pod_spec = serde_json::Value::Object(pod_spec);
+    if let Some(c) = pod_spec["containers"]
+        .as_array_mut()
+        .and_then(|c| c.first_mut())
+    {
+        let mut envs: Vec<serde_json::Value> = c["env"].as_array().cloned().unwrap_or_default();
+        envs.retain(|e| !env.iter().any(|(n, _)| e["name"] == *n));
+        for (n, v) in &env {
+            let mut e = v.clone();
+            e["name"] = json!(n);
+            envs.push(e);
+        }
+        c["env"] = json!(envs);
+        let mut ports: Vec<serde_json::Value> = c["ports"].as_array().cloned().unwrap_or_default();
+        ports.push(json!({"name": contract::RING_PORT_NAME, "containerPort": spec.ring_port, "protocol": "TCP"}));
+        c["ports"] = json!(ports);
+        let mut mounts: Vec<serde_json::Value> =
+            c["volumeMounts"].as_array().cloned().unwrap_or_default();
+        mounts.push(json!({"name": "diphoma-key", "mountPath": KEY_MOUNT_DIR, "readOnly": true}));
+        c["volumeMounts"] = json!(mounts);
+        if spec.gpus_per_worker > 0 {
+            let g = spec.gpus_per_worker.to_string();
+            c["resources"]["limits"][GPU_RESOURCE] = json!(g);
+            if c["resources"]["requests"].is_object() {
+                c["resources"]["requests"][GPU_RESOURCE] = json!(g);
+            }
+        }
+    }
+    let mut volumes: Vec<serde_json::Value> =
+        pod_spec["volumes"].as_array().cloned().unwrap_or_default();
+    volumes.push(json!({"name": "diphoma-key", "secret": {"secretName": key_secret_name(&name), "defaultMode": 0o400}}));
+    pod_spec["volumes"] = json!(volumes);
+    pod_spec["restartPolicy"] = json!("Never");
+    pod_spec["serviceAccountName"] = json!(worker_account_name(&name));
+    pod_spec["hostname"] = json!(pod_name(&name, index, attempt));
+    pod_spec["subdomain"] = json!(name);
+    let placement = spec.placement.clone().unwrap_or_default();
+    let mut selector = pod_spec["nodeSelector"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    for (k, v) in placement.node_selector {
+        selector.insert(k, v.into());
+    }
+    let mut tolerations: Vec<serde_json::Value> = pod_spec["tolerations"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    tolerations.extend(
+        placement
+            .tolerations
+            .iter()
+            .map(|t| serde_json::to_value(t).unwrap_or_default()),
+    );
+    if spec.gpus_per_worker > 0 {
+        selector.insert("nvidia.com/gpu.present".into(), "true".into());
+        tolerations
+            .push(json!({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}));
+    }
+    if !selector.is_empty() {
+        pod_spec["nodeSelector"] = json!(selector);
+    }
+    if !tolerations.is_empty() {
+        pod_spec["tolerations"] = json!(tolerations);
+    }
+    if let Some(a) = placement.affinity {
+        pod_spec["affinity"] = serde_json::to_value(a).unwrap_or_default();
+    }
+    let mut meta = meta(job, pod_name(&name, index, attempt));
+    meta.labels = Some(
+        pod_labels
+            .into_iter()
+            .map(|(k, v)| (k, v.as_str().unwrap_or_default().to_owned()))
+            .collect(),
+    );
+    meta.annotations = tpl["metadata"]["annotations"].as_object().map(|a| {
+        a.iter()
+            .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+            .collect()
+    });
+    Pod {
+        metadata: meta,
+        spec: serde_json::from_value(pod_spec).ok(),
+        status: None,
+    }
+}
+
+/// The headless Service of the workers (stable DNS names; the ring itself dials pod IPs).
+pub fn service(job: &DiphomaJob) -> Service {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": meta(job, job.name_any()),
+        "spec": {"clusterIP": "None", "selector": {LABEL_JOB_NAME: job.name_any()},
+                 "ports": [{"name": contract::RING_PORT_NAME, "port": job.spec.ring_port}]}
+    }))
+    .expect("static service")
+}
+
+/// The workers' ServiceAccount.
+pub fn service_account(job: &DiphomaJob) -> ServiceAccount {
+    ServiceAccount {
+        metadata: meta(job, worker_account_name(&job.name_any())),
+        ..Default::default()
+    }
+}
+
+/// The workers' Role: read this job's ring ConfigMap, read and update its heartbeat ConfigMap.
+/// Nothing else (the key reaches the pods as a volume, mounted by the kubelet).
+pub fn role(job: &DiphomaJob) -> Role {
+    let name = job.name_any();
+    serde_json::from_value(json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": meta(job, worker_account_name(&name)),
+        "rules": [
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"],
+             "resourceNames": [contract::membership_configmap_name(&name)]},
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "patch", "update"],
+             "resourceNames": [heartbeat_configmap_name(&name)]}
+        ]
+    }))
+    .expect("static role")
+}
+
+/// Binds [`role`] to [`service_account`].
+pub fn role_binding(job: &DiphomaJob) -> RoleBinding {
+    let name = worker_account_name(&job.name_any());
+    serde_json::from_value(json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": meta(job, name.clone()),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job.namespace()}]
+    }))
+    .expect("static role binding")
+}
+
+/// The ring ConfigMap holding one generation's membership JSON.
+pub fn ring_configmap(job: &DiphomaJob, m: &Membership) -> ConfigMap {
+    ConfigMap {
+        metadata: meta(job, contract::membership_configmap_name(&job.name_any())),
+        data: Some(BTreeMap::from([(
+            MEMBERSHIP_KEY.to_owned(),
+            serde_json::to_string(m).expect("membership serializes"),
+        )])),
+        ..Default::default()
+    }
+}
+
+/// The per-job key Secret with `key` (at least [`contract::MIN_KEY_LEN`] random bytes). Created
+/// once and never re-applied, so the key does not change under running workers.
+pub fn key_secret(job: &DiphomaJob, key: Vec<u8>) -> Secret {
+    Secret {
+        metadata: meta(job, key_secret_name(&job.name_any())),
+        data: Some(BTreeMap::from([(
+            KEY_FILE_NAME.to_owned(),
+            k8s_openapi::ByteString(key),
+        )])),
+        type_: Some("Opaque".into()),
+        ..Default::default()
+    }
+}
+
+/// The replica index of one of the job's pods (its label).
+pub fn replica_index(pod: &Pod) -> Option<i32> {
+    pod.labels().get(LABEL_REPLICA_INDEX)?.parse().ok()
+}
+
+/// The attempt number encoded in a worker pod's name (`<job>-worker-<i>[-<attempt>]`).
+pub fn attempt_of(job: &str, pod: &str) -> i32 {
+    let rest = pod
+        .strip_prefix(&format!("{job}-worker-"))
+        .unwrap_or_default();
+    rest.split_once('-')
+        .and_then(|(_, a)| a.parse().ok())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::api::DiphomaJobSpec;
+
+    /// A stored job (name, namespace, uid set) from a spec given as JSON.
+    pub fn job(spec: serde_json::Value) -> DiphomaJob {
+        let spec: DiphomaJobSpec = serde_json::from_value(spec).unwrap();
+        let mut j = DiphomaJob::new("train", spec);
+        j.metadata.namespace = Some("ml".into());
+        j.metadata.uid = Some("uid-1".into());
+        j.metadata.generation = Some(1);
+        j
+    }
+
+    pub fn basic() -> DiphomaJob {
+        job(
+            json!({"replicas": 4, "gpusPerWorker": 2, "template": {"metadata": {"labels": {"team": "a"}},
+            "spec": {"containers": [{"name": "w", "image": "diphoma-worker", "env": [{"name": "X", "value": "1"}]}]}}}),
+        )
+    }
+
+    #[test]
+    fn worker_pod_carries_contract_gpu_and_key() {
+        let p = worker_pod(&basic(), 2, 0);
+        assert_eq!(p.metadata.name.as_deref(), Some("train-worker-2"));
+        let labels = p.metadata.labels.clone().unwrap();
+        assert_eq!(labels[LABEL_REPLICA_INDEX], "2");
+        assert_eq!(labels["team"], "a");
+        assert_eq!(
+            p.metadata.owner_references.as_ref().unwrap()[0].kind,
+            "DiphomaJob"
+        );
+        let spec = p.spec.unwrap();
+        assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
+        let c = &spec.containers[0];
+        assert_eq!(
+            c.resources.as_ref().unwrap().limits.as_ref().unwrap()[GPU_RESOURCE].0,
+            "2"
+        );
+        let env: Vec<&str> = c
+            .env
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|e| e.name.as_str())
+            .collect();
+        for n in [
+            "X",
+            ENV_JOB_NAME,
+            ENV_JOB_UID,
+            ENV_POD_NAME,
+            ENV_POD_IP,
+            ENV_RING_PORT,
+            ENV_KEY_FILE,
+            ENV_MEMBERSHIP,
+        ] {
+            assert!(env.contains(&n), "{n} missing from {env:?}");
+        }
+        assert_eq!(c.ports.as_ref().unwrap()[0].container_port, 29500);
+        assert!(
+            c.volume_mounts
+                .as_ref()
+                .unwrap()
+                .iter()
+                .any(|m| m.mount_path == KEY_MOUNT_DIR && m.read_only == Some(true))
+        );
+        assert_eq!(
+            spec.node_selector.unwrap()["nvidia.com/gpu.present"],
+            "true"
+        );
+        assert_eq!(
+            spec.tolerations.unwrap()[0].key.as_deref(),
+            Some(GPU_RESOURCE)
+        );
+        assert_eq!(spec.service_account_name.as_deref(), Some("train-worker"));
+    }
+
+    #[test]
+    fn cpu_workers_get_no_gpu_limit_or_toleration() {
+        let mut j = basic();
+        j.spec.gpus_per_worker = 0;
+        let spec = worker_pod(&j, 0, 0).spec.unwrap();
+        assert!(spec.containers[0].resources.is_none());
+        assert!(spec.tolerations.is_none() && spec.node_selector.is_none());
+    }
+
+    #[test]
+    fn replacement_names_count_attempts() {
+        assert_eq!(pod_name("j", 3, 0), "j-worker-3");
+        assert_eq!(pod_name("j", 3, 2), "j-worker-3-2");
+        assert_eq!(attempt_of("j", "j-worker-3-2"), 2);
+        assert_eq!(attempt_of("j", "j-worker-3"), 0);
+    }
+
+    #[test]
+    fn role_grants_only_this_jobs_objects() {
+        let r = serde_json::to_value(role(&basic())).unwrap();
+        assert_eq!(r["rules"][0]["resourceNames"], json!(["train-ring"]));
+        assert_eq!(r["rules"][1]["resourceNames"], json!(["train-heartbeat"]));
+        assert_eq!(r["rules"].as_array().unwrap().len(), 2);
+    }
+}

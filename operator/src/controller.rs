@@ -1,0 +1,318 @@
+//! The reconciler: observe → plan (pure, [`crate::plan`]) → apply → status. Only this module
+//! talks to the API server.
+//!
+//! API calls per reconcile: reads — the job's pods (one list), the ring ConfigMap, the Leases and
+//! Nodes of the nodes its pods run on; writes — only what the plan changes (status when it
+//! differs, pods created or deleted, a ring generation), plus the static children when the spec
+//! generation changes. A steady job therefore writes nothing.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use diphoma_worker::contract::{self, MEMBERSHIP_KEY, Membership};
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Api, Client, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::api::{DiphomaJob, FIELD_MANAGER};
+use crate::build::{self, ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED, MANAGED_BY};
+use crate::plan::{self, Observed, Plan};
+
+/// Errors of one reconcile.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An API request failed.
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// The published ring ConfigMap is not valid membership.
+    #[error("ring ConfigMap {name}: {source}")]
+    Ring {
+        /// The ConfigMap.
+        name: String,
+        /// Why it was refused.
+        #[source]
+        source: contract::ContractError,
+    },
+}
+
+impl Error {
+    /// Bounded label for metrics and logs.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube(_) => "kube",
+            Error::Ring { .. } => "ring",
+        }
+    }
+}
+
+/// What every reconcile shares.
+pub struct Context {
+    /// API client.
+    pub client: Client,
+    /// Publishes Kubernetes Events for the jobs.
+    pub recorder: Recorder,
+}
+
+impl Context {
+    /// A context whose events are reported by `diphoma-operator` (instance: `$POD_NAME`).
+    pub fn new(client: Client) -> Self {
+        let reporter = Reporter {
+            controller: MANAGED_BY.into(),
+            instance: std::env::var("POD_NAME").ok(),
+        };
+        Context {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+        }
+    }
+}
+
+/// Runs the controller until `shutdown` resolves.
+pub async fn run(
+    client: Client,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let jobs: Api<DiphomaJob> = Api::all(client.clone());
+    let pods: Api<Pod> = Api::all(client.clone());
+    let managed = format!("app.kubernetes.io/managed-by={MANAGED_BY}");
+    let ctx = Arc::new(Context::new(client));
+    Controller::new(jobs, watcher::Config::default().any_semantic())
+        .owns(pods, watcher::Config::default().labels(&managed))
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "reconcile");
+            }
+        })
+        .await;
+}
+
+fn error_policy(job: Arc<DiphomaJob>, err: &Error, _ctx: Arc<Context>) -> Action {
+    tracing::warn!(job = %job.name_any(), error = %err, kind = err.metric_label(), "reconcile failed");
+    Action::requeue(Duration::from_secs(2))
+}
+
+/// One reconcile of one job.
+pub async fn reconcile(job: Arc<DiphomaJob>, ctx: Arc<Context>) -> Result<Action, Error> {
+    if job.metadata.deletion_timestamp.is_some() {
+        return Ok(Action::await_change()); // owner references clean up the children
+    }
+    let obs = observe(&ctx.client, &job).await?; // reads
+    let plan = plan::plan(&job, &obs); // pure
+    apply(&ctx, &job, &plan).await?; // writes
+    let running = plan.status.phase.is_some_and(|p| !p.is_terminal());
+    let node_check =
+        Duration::from_secs_f64(f64::from(job.spec.fault_tolerance.detection_seconds) / 3.0);
+    let next = match plan.requeue_after {
+        Some(d) if running => d.min(node_check),
+        Some(d) => d,
+        None if running => node_check,
+        None => return Ok(Action::await_change()),
+    };
+    Ok(Action::requeue(next))
+}
+
+/// Reads the job's pods, its published ring and the health of the nodes its pods run on.
+async fn observe(client: &Client, job: &DiphomaJob) -> Result<Observed, Error> {
+    let ns = job.namespace().unwrap_or_default();
+    let name = job.name_any();
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default().labels(&build::selector(&name)))
+        .await?
+        .items;
+    let ring_name = contract::membership_configmap_name(&name);
+    let ring = match Api::<ConfigMap>::namespaced(client.clone(), &ns)
+        .get_opt(&ring_name)
+        .await?
+    {
+        Some(cm) => match cm.data.as_ref().and_then(|d| d.get(MEMBERSHIP_KEY)) {
+            Some(json) => Some(Membership::parse(json).map_err(|source| Error::Ring {
+                name: ring_name.clone(),
+                source,
+            })?),
+            None => None,
+        },
+        None => None,
+    };
+    let now = jiff::Timestamp::now();
+    let nodes: BTreeSet<String> = pods
+        .iter()
+        .filter_map(|p| p.spec.as_ref()?.node_name.clone())
+        .collect();
+    let mut lost_nodes = BTreeSet::new();
+    let detection =
+        jiff::SignedDuration::from_secs(job.spec.fault_tolerance.detection_seconds.into());
+    for n in nodes {
+        let lease = Api::<Lease>::namespaced(client.clone(), "kube-node-lease")
+            .get_opt(&n)
+            .await?;
+        let renewed = lease.and_then(|l| l.spec?.renew_time).map(|t| t.0);
+        let ready = Api::<Node>::all(client.clone())
+            .get_opt(&n)
+            .await?
+            .is_some_and(|node| {
+                node.status
+                    .and_then(|s| s.conditions)
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c.type_ == "Ready" && c.status == "True")
+            });
+        if !ready || renewed.is_none_or(|t| now.duration_since(t) > detection) {
+            lost_nodes.insert(n);
+        }
+    }
+    Ok(Observed {
+        pods,
+        ring,
+        lost_nodes,
+        now,
+    })
+}
+
+async fn apply_one<K>(api: &Api<K>, obj: &K) -> Result<(), Error>
+where
+    K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    api.patch(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(obj),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Carries out the plan: static children (when the spec generation moved), status, failure
+/// annotations and deletions, new pods, the ring generation, events, the TTL deletion.
+async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error> {
+    let client = &ctx.client;
+    let ns = job.namespace().unwrap_or_default();
+    let name = job.name_any();
+    let jobs: Api<DiphomaJob> = Api::namespaced(client.clone(), &ns);
+    if plan.delete_job {
+        jobs.delete(&name, &DeleteParams::background()).await?;
+        return Ok(());
+    }
+    let prev = job.status.clone().unwrap_or_default();
+    let finished = prev.phase.is_some_and(|p| p.is_terminal());
+    if !finished && prev.observed_generation != job.metadata.generation {
+        apply_one(
+            &Api::<ServiceAccount>::namespaced(client.clone(), &ns),
+            &build::service_account(job),
+        )
+        .await?;
+        apply_one(
+            &Api::<Role>::namespaced(client.clone(), &ns),
+            &build::role(job),
+        )
+        .await?;
+        apply_one(
+            &Api::<RoleBinding>::namespaced(client.clone(), &ns),
+            &build::role_binding(job),
+        )
+        .await?;
+        apply_one(
+            &Api::<Service>::namespaced(client.clone(), &ns),
+            &build::service(job),
+        )
+        .await?;
+        let key: Vec<u8> = (0..contract::MIN_KEY_LEN)
+            .map(|_| rand::random::<u8>())
+            .collect();
+        match Api::<Secret>::namespaced(client.clone(), &ns)
+            .create(&PostParams::default(), &build::key_secret(job, key))
+            .await
+        {
+            Err(kube::Error::Api(s)) if s.is_already_exists() => {}
+            other => {
+                other?;
+            }
+        }
+    }
+    // Status first: a counted failure is never lost, even if what follows fails.
+    if job.status.as_ref() != Some(&plan.status) {
+        let body = serde_json::json!({"apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "status": plan.status});
+        jobs.patch_status(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await?;
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    for f in plan.failures.iter().filter(|f| f.exists) {
+        let mark = serde_json::json!({"metadata": {"annotations": {ANNOT_FAILURE_COUNTED: f.cause.as_str()}}});
+        ignore_missing(
+            pods.patch(&f.pod, &PatchParams::default(), &Patch::Merge(&mark))
+                .await,
+        )?;
+    }
+    for d in &plan.delete {
+        let mark =
+            serde_json::json!({"metadata": {"annotations": {ANNOT_DELETED_BY_OPERATOR: d.reason}}});
+        ignore_missing(
+            pods.patch(&d.pod, &PatchParams::default(), &Patch::Merge(&mark))
+                .await,
+        )?;
+        let dp = if d.force {
+            DeleteParams {
+                grace_period_seconds: Some(0),
+                ..Default::default()
+            }
+        } else {
+            DeleteParams::default()
+        };
+        ignore_missing(pods.delete(&d.pod, &dp).await.map(|_| ()))?;
+    }
+    for p in &plan.create {
+        match pods.create(&PostParams::default(), p).await {
+            Err(kube::Error::Api(s)) if s.is_already_exists() => {}
+            other => {
+                other?;
+            }
+        }
+    }
+    if let Some(m) = &plan.publish {
+        apply_one(
+            &Api::<ConfigMap>::namespaced(client.clone(), &ns),
+            &build::ring_configmap(job, m),
+        )
+        .await?;
+    }
+    let reference = job.object_ref(&());
+    for (warning, reason, note) in &plan.events {
+        let ev = Event {
+            type_: if *warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: (*reason).into(),
+            note: Some(note.clone()),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        if let Err(e) = ctx.recorder.publish(&ev, &reference).await {
+            tracing::debug!(error = %e, "event");
+        }
+    }
+    Ok(())
+}
+
+fn ignore_missing<T: Default>(r: Result<T, kube::Error>) -> Result<T, Error> {
+    match r {
+        Err(kube::Error::Api(s)) if s.is_not_found() => Ok(T::default()),
+        other => Ok(other?),
+    }
+}

@@ -1,0 +1,38 @@
+//! Diphoma's operator: the `DiphomaJob` API and the reconciler that keeps each job's ring alive.
+//!
+//! # Layout
+//! - [`api`]: the CRD types (spec, status, schema bounds, CEL rules). Types only.
+//! - [`build`]: the desired children (worker pods, Service, RBAC, ring ConfigMap, key Secret) as
+//!   plain objects. Pure.
+//! - [`plan`]: the decision of one reconcile — failures, pods to create and delete, the next ring
+//!   generation, the status. Pure, and where most tests live.
+//! - [`controller`]: observe → plan → apply → status against the API server. The only I/O.
+//!
+//! The operator/worker contract (env names, labels, membership format, key file) is imported
+//! from `diphoma_worker::contract`, never restated here.
+
+pub mod api;
+pub mod build;
+pub mod controller;
+pub mod plan;
+
+use kube::CustomResourceExt;
+
+/// The CRD of [`api::DiphomaJob`] as YAML (what `diphoma-operator crd` prints and `crds/` holds).
+pub fn crd_yaml() -> String {
+    serde_saphyr::to_string(&api::DiphomaJob::crd()).expect("the CRD serializes")
+}
+
+#[cfg(test)]
+mod tests {
+    /// CI's diff-check: the committed CRD is what the Rust types generate.
+    #[test]
+    fn committed_crd_is_fresh() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../crds/diphomajob.yaml");
+        let committed = std::fs::read_to_string(path).expect("crds/diphomajob.yaml");
+        assert!(
+            committed == super::crd_yaml(),
+            "crds/diphomajob.yaml is stale: run `cargo run -p diphoma-operator -- crd > crds/diphomajob.yaml`"
+        );
+    }
+}

@@ -1,0 +1,803 @@
+//! The reconcile plan, a pure function of (job, observed pods, observed ring, lost nodes, now):
+//! which pods to create and delete, which failures to count, whether to publish a new ring
+//! generation, and the status that results. Everything the operator decides is decided here.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use diphoma_worker::contract::{Member, Membership};
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+
+use crate::api::{
+    CleanPodPolicy, Condition, DiphomaJob, DiphomaJobStatus, LastFailure, Phase, RingStatus,
+};
+use crate::build::{self, ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED};
+
+/// What the reconciler observed for one job.
+#[derive(Debug, Clone)]
+pub struct Observed {
+    /// The job's worker pods (by label).
+    pub pods: Vec<Pod>,
+    /// The published ring generation, if any.
+    pub ring: Option<Membership>,
+    /// Nodes considered lost: Lease older than `detectionSeconds` or not Ready.
+    pub lost_nodes: BTreeSet<String>,
+    /// Now.
+    pub now: Timestamp,
+}
+
+/// Why a worker was lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Cause {
+    /// Its process exited non-zero.
+    ProcessExit,
+    /// Its pod was deleted by someone else.
+    PodDeleted,
+    /// Evicted through the Eviction API (or by kubelet pressure).
+    Evicted,
+    /// Preempted by the scheduler.
+    Preempted,
+    /// Its node stopped heartbeating.
+    NodeLost,
+    /// It stopped answering its ring neighbours.
+    Hung,
+}
+
+impl Cause {
+    /// The PascalCase name used in status, events and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cause::ProcessExit => "ProcessExit",
+            Cause::PodDeleted => "PodDeleted",
+            Cause::Evicted => "Evicted",
+            Cause::Preempted => "Preempted",
+            Cause::NodeLost => "NodeLost",
+            Cause::Hung => "Hung",
+        }
+    }
+}
+
+/// A newly observed worker failure.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Failure {
+    /// Pod name.
+    pub pod: String,
+    /// Its rank in the current generation, if it was a member.
+    pub rank: Option<i32>,
+    /// Cause.
+    pub cause: Cause,
+    /// Kubernetes reason (`Error`, `OOMKilled`, `EvictionByEvictionAPI`, …).
+    pub reason: String,
+    /// Exit code, for process exits.
+    pub exit_code: Option<i32>,
+    /// Whether the worker is replaced (false: the job fails).
+    pub retryable: bool,
+    /// Whether the pod still exists (its failure is then recorded on it).
+    pub exists: bool,
+    /// When the loss happened, as far as the API tells.
+    pub at: Timestamp,
+}
+
+/// A deletion the operator makes itself (never counted as a failure).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Deletion {
+    /// Pod name.
+    pub pod: String,
+    /// Grace period 0: the pod's node is lost, nobody would finish the deletion.
+    pub force: bool,
+    /// Why (for the event).
+    pub reason: &'static str,
+}
+
+/// A Kubernetes Event to publish: (type is Warning?, reason, note).
+pub type EventNote = (bool, &'static str, String);
+
+/// Everything one reconcile does, in order: record failures on pods, create pods, delete pods,
+/// publish the ring, patch the status.
+#[derive(Debug, Clone, Default)]
+pub struct Plan {
+    /// Failures to record (annotation on the pod) and count.
+    pub failures: Vec<Failure>,
+    /// Pods to create.
+    pub create: Vec<Pod>,
+    /// Pods to delete.
+    pub delete: Vec<Deletion>,
+    /// A new ring generation to publish.
+    pub publish: Option<Membership>,
+    /// The status to write.
+    pub status: DiphomaJobStatus,
+    /// Reconcile again after this long even without events (deadlines, TTL, node checks).
+    pub requeue_after: Option<Duration>,
+    /// Delete the job itself (`ttlSecondsAfterFinished` passed).
+    pub delete_job: bool,
+    /// Events to publish.
+    pub events: Vec<EventNote>,
+}
+
+fn ts(t: Timestamp) -> String {
+    t.to_string()
+}
+
+fn parse_ts(s: &str) -> Option<Timestamp> {
+    s.parse().ok()
+}
+
+fn pod_phase(p: &Pod) -> &str {
+    p.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("Pending")
+}
+
+fn condition<'a>(p: &'a Pod, t: &str) -> Option<&'a k8s_openapi::api::core::v1::PodCondition> {
+    p.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == t)
+}
+
+fn node_of(p: &Pod) -> Option<&str> {
+    p.spec.as_ref()?.node_name.as_deref()
+}
+
+fn by_operator(p: &Pod) -> bool {
+    p.annotations().contains_key(ANNOT_DELETED_BY_OPERATOR)
+}
+
+fn counted(p: &Pod) -> bool {
+    p.annotations().contains_key(ANNOT_FAILURE_COUNTED)
+}
+
+/// Classifies a pod that is lost, or returns `None` for a healthy (or still starting) one.
+/// Returns (cause, reason, exit code).
+pub fn classify(p: &Pod, lost_nodes: &BTreeSet<String>) -> Option<(Cause, String, Option<i32>)> {
+    let disruption = condition(p, "DisruptionTarget")
+        .filter(|c| c.status == "True")
+        .and_then(|c| c.reason.clone());
+    let from_disruption = |r: &str| match r {
+        "EvictionByEvictionAPI" | "TerminationByKubelet" => Cause::Evicted,
+        "PreemptionByScheduler" => Cause::Preempted,
+        "DeletionByTaintManager" | "DeletionByPodGC" => Cause::NodeLost,
+        _ => Cause::PodDeleted,
+    };
+    if let Some(r) = &disruption {
+        return Some((from_disruption(r), r.clone(), None));
+    }
+    if pod_phase(p) == "Failed" {
+        let term = p
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .and_then(|cs| cs.iter().find_map(|c| c.state.as_ref()?.terminated.clone()));
+        let (code, reason) = term
+            .map(|t| {
+                (
+                    Some(t.exit_code),
+                    t.reason.unwrap_or_else(|| "Error".into()),
+                )
+            })
+            .unwrap_or((None, "Error".into()));
+        let reason = if p.status.as_ref().and_then(|s| s.reason.as_deref()) == Some("Evicted") {
+            "Evicted".to_owned()
+        } else {
+            reason
+        };
+        let cause = if reason == "Evicted" {
+            Cause::Evicted
+        } else {
+            Cause::ProcessExit
+        };
+        return Some((cause, reason, code));
+    }
+    if node_of(p).is_some_and(|n| lost_nodes.contains(n)) && pod_phase(p) != "Succeeded" {
+        return Some((Cause::NodeLost, "NodeLost".into(), None));
+    }
+    if p.metadata.deletion_timestamp.is_some() && !by_operator(p) {
+        return Some((Cause::PodDeleted, "Deleted".into(), None));
+    }
+    None
+}
+
+/// Whether a pod is a healthy worker that can be a ring member now.
+fn ready_member(p: &Pod) -> bool {
+    pod_phase(p) == "Running"
+        && p.metadata.deletion_timestamp.is_none()
+        && p.status.as_ref().and_then(|s| s.pod_ip.as_ref()).is_some()
+        && condition(p, "Ready").is_some_and(|c| c.status == "True")
+}
+
+/// Whether a live pod is waiting for the scheduler (PodScheduled False), with its message.
+fn unschedulable(p: &Pod) -> Option<String> {
+    condition(p, "PodScheduled")
+        .filter(|c| c.status == "False")
+        .map(|c| c.message.clone().unwrap_or_default())
+}
+
+/// Computes the plan. Pure: same inputs, same plan.
+pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
+    let spec = &job.spec;
+    let name = job.name_any();
+    let prev = job.status.clone().unwrap_or_default();
+    let mut status = DiphomaJobStatus {
+        replicas: spec.replicas,
+        selector: Some(build::selector(&name)),
+        observed_generation: job.metadata.generation,
+        ..prev.clone()
+    };
+    let mut plan = Plan::default();
+    let now = obs.now;
+    let ring = obs.ring.clone();
+    let rank_of = |pod: &str| ring.as_ref().and_then(|r| r.rank_of(pod)).map(|r| r as i32);
+
+    // Finished jobs stay finished: apply cleanPodPolicy and the TTL, nothing else.
+    if prev.phase.is_some_and(Phase::is_terminal) {
+        plan.delete = finished_deletions(spec.run_policy.clean_pod_policy, &obs.pods);
+        ttl(job, &prev, now, &mut plan);
+        plan.status = status;
+        return plan;
+    }
+    if status.start_time.is_none() {
+        status.start_time = Some(ts(now));
+    }
+
+    // 1. Failures: pods lost since the last reconcile, and ring members that vanished.
+    let mut failed_pods = BTreeSet::new();
+    for p in &obs.pods {
+        if by_operator(p) && p.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let Some((cause, reason, exit_code)) = classify(p, &obs.lost_nodes) else {
+            continue;
+        };
+        failed_pods.insert(p.name_any());
+        if counted(p) {
+            // Already counted: make sure it goes away so that its index is replaced.
+            if p.metadata.deletion_timestamp.is_none() || cause == Cause::NodeLost {
+                plan.delete.push(Deletion {
+                    pod: p.name_any(),
+                    force: cause == Cause::NodeLost,
+                    reason: "Replaced",
+                });
+            }
+            continue;
+        }
+        let retryable = match cause {
+            Cause::ProcessExit => exit_code.is_none_or(|c| spec.retryable_exit(c)),
+            _ => true,
+        };
+        let at = loss_time(p).unwrap_or(now);
+        plan.failures.push(Failure {
+            pod: p.name_any(),
+            rank: rank_of(&p.name_any()),
+            cause,
+            reason,
+            exit_code,
+            retryable,
+            exists: true,
+            at,
+        });
+    }
+    // Members that vanished from the API without being accounted for were deleted by someone.
+    let mut departed: BTreeSet<String> = match (&prev.ring, &ring) {
+        (Some(s), Some(r)) if s.generation == r.generation as i64 => {
+            s.departed.iter().cloned().collect()
+        }
+        _ => BTreeSet::new(),
+    };
+    let present: BTreeSet<String> = obs.pods.iter().map(|p| p.name_any()).collect();
+    for m in ring.iter().flat_map(|r| r.members.iter()) {
+        if !present.contains(&m.pod) && !departed.contains(&m.pod) {
+            plan.failures.push(Failure {
+                pod: m.pod.clone(),
+                rank: Some(m.rank as i32),
+                cause: Cause::PodDeleted,
+                reason: "Deleted".into(),
+                exit_code: None,
+                retryable: true,
+                exists: false,
+                at: now,
+            });
+        }
+    }
+    for f in plan.failures.clone() {
+        record(&mut status, &mut plan, f);
+    }
+
+    // 2. Terminal outcomes: a non-retryable exit, a spent budget, the deadline, completion.
+    let fatal = plan.failures.iter().find(|f| !f.retryable).map(|f| {
+        (
+            "NonRetryableExit",
+            format!(
+                "worker {} exited with non-retryable code {}",
+                f.pod,
+                f.exit_code.unwrap_or_default()
+            ),
+        )
+    });
+    let budget = (status.failures.total > spec.run_policy.backoff_limit).then(|| {
+        (
+            "BackoffLimitExceeded",
+            format!(
+                "{} worker failures exceed backoffLimit {}",
+                status.failures.total, spec.run_policy.backoff_limit
+            ),
+        )
+    });
+    let deadline = spec.run_policy.active_deadline_seconds.and_then(|d| {
+        let start = parse_ts(status.start_time.as_deref()?)?;
+        let end = start + jiff::SignedDuration::from_secs(d);
+        if now >= end {
+            Some((
+                "DeadlineExceeded",
+                format!("job ran longer than activeDeadlineSeconds {d}"),
+            ))
+        } else {
+            plan.requeue_after = Some(
+                Duration::from_secs_f64(end.duration_since(now).as_secs_f64().max(0.0))
+                    + Duration::from_millis(100),
+            );
+            None
+        }
+    });
+    if let Some((reason, msg)) = fatal.or(budget).or(deadline) {
+        return finish(job, obs, status, plan, Phase::Failed, reason, msg);
+    }
+    if let Some(r) = &ring {
+        let succeeded: BTreeSet<String> = obs
+            .pods
+            .iter()
+            .filter(|p| pod_phase(p) == "Succeeded")
+            .map(|p| p.name_any())
+            .collect();
+        if r.members.iter().all(|m| succeeded.contains(&m.pod)) {
+            return finish(
+                job,
+                obs,
+                status,
+                plan,
+                Phase::Succeeded,
+                "RingCompleted",
+                format!(
+                    "all {} workers of generation {} completed",
+                    r.members.len(),
+                    r.generation
+                ),
+            );
+        }
+    }
+
+    // 3. Suspension: delete every worker, keep the status.
+    if spec.run_policy.suspend {
+        for p in obs.pods.iter().filter(|p| !by_operator(p)) {
+            plan.delete.push(Deletion {
+                pod: p.name_any(),
+                force: false,
+                reason: "Suspended",
+            });
+        }
+        if prev.phase != Some(Phase::Suspended) {
+            plan.events
+                .push((false, "JobSuspended", "workers deleted; status kept".into()));
+        }
+        if let Some(r) = &ring {
+            // Every member leaves by the operator's hand: none of them is a failure later.
+            status.ring = Some(RingStatus {
+                generation: r.generation as i64,
+                size: r.members.len() as i32,
+                config_map: diphoma_worker::contract::membership_configmap_name(&name),
+                departed: r.members.iter().map(|m| m.pod.clone()).collect(),
+            });
+        }
+        status.phase = Some(Phase::Suspended);
+        status.ready_replicas = 0;
+        status.ready = Some(format!("0/{}", spec.replicas));
+        status.conditions = conditions(
+            &prev.conditions,
+            Phase::Suspended,
+            "Suspended",
+            "the job is suspended",
+            now,
+            job.metadata.generation,
+        );
+        plan.status = status;
+        return plan;
+    }
+
+    // 4. Desired workers: one live pod per index below `replicas`; the rest are scaled away.
+    let desired = spec.replicas;
+    let deleting: BTreeSet<String> = plan.delete.iter().map(|d| d.pod.clone()).collect();
+    let mut live_by_index: BTreeMap<i32, &Pod> = BTreeMap::new();
+    let mut attempts: BTreeMap<i32, i32> = BTreeMap::new();
+    for p in &obs.pods {
+        let Some(i) = build::replica_index(p) else {
+            continue;
+        };
+        let a = attempts.entry(i).or_insert(-1);
+        *a = (*a).max(build::attempt_of(&name, &p.name_any()));
+        let gone = p.metadata.deletion_timestamp.is_some()
+            || failed_pods.contains(&p.name_any())
+            || deleting.contains(&p.name_any());
+        if !gone && pod_phase(p) != "Succeeded" {
+            if i >= desired {
+                plan.delete.push(Deletion {
+                    pod: p.name_any(),
+                    force: false,
+                    reason: "ScaledDown",
+                });
+            } else {
+                live_by_index.insert(i, p);
+            }
+        }
+    }
+    for i in 0..desired {
+        if !live_by_index.contains_key(&i) {
+            let attempt = attempts.get(&i).map_or(0, |a| a + 1);
+            let pod = build::worker_pod(job, i, attempt);
+            plan.events.push((
+                false,
+                "WorkerCreated",
+                format!("created worker {}", pod.name_any()),
+            ));
+            plan.create.push(pod);
+        }
+    }
+
+    // 5. The ring: publish g+1 when the live membership changes, never below minReplicas.
+    let (min, _) = spec.bounds();
+    let ready: Vec<&Pod> = live_by_index
+        .values()
+        .copied()
+        .filter(|p| ready_member(p))
+        .collect();
+    let ready_names: BTreeSet<String> = ready.iter().map(|p| p.name_any()).collect();
+    let ring_names: BTreeSet<String> = ring
+        .iter()
+        .flat_map(|r| r.members.iter().map(|m| m.pod.clone()))
+        .collect();
+    let starting = live_by_index
+        .values()
+        .filter(|p| !ready_member(p) && unschedulable(p).is_none())
+        .count()
+        + plan.create.len();
+    let lost_member = ring_names.iter().any(|n| !ready_names.contains(n));
+    let grown = ready_names.iter().any(|n| !ring_names.contains(n));
+    let enough = ready.len() as i32 >= min;
+    let change = ready_names != ring_names && (lost_member || (grown && starting == 0));
+    if enough && change {
+        let generation = ring.as_ref().map_or(1, |r| r.generation + 1);
+        let members = ready
+            .iter()
+            .enumerate()
+            .map(|(rank, p)| Member {
+                rank: rank as u32,
+                pod: p.name_any(),
+                address: p
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.pod_ip.as_ref())
+                    .and_then(|ip| ip.parse().ok())
+                    .unwrap_or([0, 0, 0, 0].into()),
+                port: spec.ring_port as u16,
+            })
+            .collect();
+        let m = Membership {
+            generation,
+            job_uid: job.uid().unwrap_or_default(),
+            members,
+        };
+        if lost_member && ring.is_some() {
+            // Time to repair: from the loss to the ring re-formed without it.
+            let lost_at = status.last_failure.as_ref().and_then(|f| parse_ts(&f.time));
+            status.repairs.last_seconds =
+                lost_at.map(|t| now.duration_since(t).as_secs_f64().max(0.0));
+        }
+        plan.events.push((
+            false,
+            "RingReformed",
+            format!("generation {generation} with {} workers", m.members.len()),
+        ));
+        status.ring = Some(RingStatus {
+            generation: generation as i64,
+            size: m.members.len() as i32,
+            config_map: diphoma_worker::contract::membership_configmap_name(&name),
+            departed: vec![],
+        });
+        plan.publish = Some(m);
+    } else if let Some(r) = &ring {
+        departed.extend(
+            plan.failures
+                .iter()
+                .filter(|f| f.rank.is_some())
+                .map(|f| f.pod.clone()),
+        );
+        departed.extend(
+            plan.delete
+                .iter()
+                .filter(|d| r.rank_of(&d.pod).is_some())
+                .map(|d| d.pod.clone()),
+        );
+        status.ring = Some(RingStatus {
+            generation: r.generation as i64,
+            size: r.members.len() as i32,
+            config_map: diphoma_worker::contract::membership_configmap_name(&name),
+            departed: departed.into_iter().collect(),
+        });
+    }
+    let ring_size = status.ring.as_ref().map_or(0, |r| r.size);
+    let members: BTreeSet<&str> = plan
+        .publish
+        .as_ref()
+        .or(ring.as_ref())
+        .iter()
+        .flat_map(|r| r.members.iter().map(|m| m.pod.as_str()))
+        .collect();
+    status.ready_replicas = ready_names
+        .iter()
+        .filter(|n| members.contains(n.as_str()))
+        .count() as i32;
+    status.ready = Some(format!("{}/{}", status.ready_replicas, desired));
+    status.waiting = if !enough {
+        let short = live_by_index
+            .values()
+            .find_map(|p| unschedulable(p))
+            .filter(|m| !m.is_empty());
+        Some(match short {
+            Some(msg) => format!(
+                "{} of {min} workers ready; the scheduler says: {msg}",
+                ready.len()
+            ),
+            None => format!(
+                "{} of {min} workers ready; waiting for workers to start",
+                ready.len()
+            ),
+        })
+    } else {
+        live_by_index
+            .values()
+            .find_map(|p| unschedulable(p))
+            .map(|m| {
+                format!(
+                    "running with {} of {desired} workers; the scheduler says: {m}",
+                    ready.len()
+                )
+            })
+    };
+
+    // 6. Phase and conditions.
+    let unrepaired = lost_member && plan.publish.is_none();
+    let phase = if ring.is_none() && plan.publish.is_none() {
+        if obs.pods.is_empty() {
+            Phase::Pending
+        } else {
+            Phase::Starting
+        }
+    } else if unrepaired || !plan.failures.is_empty() {
+        Phase::Repairing
+    } else if ring_size == desired {
+        Phase::Running
+    } else if prev.phase == Some(Phase::Repairing) && ring_size < desired && starting > 0 {
+        Phase::Repairing
+    } else {
+        Phase::Scaling
+    };
+    status.phase = Some(phase);
+    let (reason, msg) = match phase {
+        Phase::Running => (
+            "RingFormed",
+            format!(
+                "{ring_size} workers at generation {}",
+                status.ring.as_ref().map_or(0, |r| r.generation)
+            ),
+        ),
+        _ => (
+            phase_reason(phase),
+            status
+                .waiting
+                .clone()
+                .unwrap_or_else(|| format!("{ring_size} of {desired} workers in the ring")),
+        ),
+    };
+    status.conditions = conditions(
+        &prev.conditions,
+        phase,
+        reason,
+        &msg,
+        now,
+        job.metadata.generation,
+    );
+    plan.status = status;
+    plan
+}
+
+/// Counts a failure, remembers it as the last one, announces it and, for a pod that still
+/// exists, schedules its deletion (it is replaced under a new name).
+fn record(status: &mut DiphomaJobStatus, plan: &mut Plan, f: Failure) {
+    status.failures.add(f.cause.as_str());
+    status.last_failure = Some(LastFailure {
+        pod: f.pod.clone(),
+        rank: f.rank,
+        exit_code: f.exit_code,
+        cause: f.cause.as_str().into(),
+        reason: f.reason.clone(),
+        time: ts(f.at),
+    });
+    let note = match f.exit_code {
+        Some(c) => format!(
+            "worker {} ({}) lost: {} with exit code {c}",
+            f.pod,
+            f.cause.as_str(),
+            f.reason
+        ),
+        None => format!("worker {} ({}) lost: {}", f.pod, f.cause.as_str(), f.reason),
+    };
+    if f.rank.is_some() {
+        status.repairs.add(f.cause.as_str()); // a ring member lost: the ring must be re-formed
+    }
+    let reason = if f.cause == Cause::NodeLost {
+        "NodeLost"
+    } else {
+        "WorkerFailed"
+    };
+    plan.events.push((true, reason, note));
+    if f.exists && f.cause != Cause::PodDeleted {
+        plan.delete.push(Deletion {
+            pod: f.pod.clone(),
+            force: f.cause == Cause::NodeLost,
+            reason: "Replaced",
+        });
+    }
+}
+
+fn phase_reason(p: Phase) -> &'static str {
+    match p {
+        Phase::Pending => "Pending",
+        Phase::Starting => "WorkersStarting",
+        Phase::Running => "RingFormed",
+        Phase::Repairing => "RingRepairing",
+        Phase::Scaling => "RingScaling",
+        Phase::Suspended => "Suspended",
+        Phase::Succeeded => "RingCompleted",
+        Phase::Failed => "Failed",
+    }
+}
+
+/// When a lost pod was lost: its container's finish time, else its deletion time.
+fn loss_time(p: &Pod) -> Option<Timestamp> {
+    let st = p.status.as_ref()?;
+    let finished = st
+        .container_statuses
+        .iter()
+        .flatten()
+        .find_map(|c| c.state.as_ref()?.terminated.as_ref()?.finished_at.clone());
+    finished
+        .map(|t| t.0)
+        .or(p.metadata.deletion_timestamp.clone().map(|t| t.0))
+}
+
+/// Ends the job: terminal phase, completion time, conditions, clean-up.
+fn finish(
+    job: &DiphomaJob,
+    obs: &Observed,
+    mut status: DiphomaJobStatus,
+    mut plan: Plan,
+    phase: Phase,
+    reason: &'static str,
+    msg: String,
+) -> Plan {
+    let prev = job.status.clone().unwrap_or_default();
+    status.phase = Some(phase);
+    status.completion_time = Some(ts(obs.now));
+    status.ready_replicas = 0;
+    status.ready = Some(format!("0/{}", job.spec.replicas));
+    status.waiting = None;
+    status.conditions = conditions(
+        &prev.conditions,
+        phase,
+        reason,
+        &msg,
+        obs.now,
+        job.metadata.generation,
+    );
+    let event = if phase == Phase::Succeeded {
+        "JobSucceeded"
+    } else {
+        "JobFailed"
+    };
+    plan.events.push((phase == Phase::Failed, event, msg));
+    let already: BTreeSet<String> = plan.delete.iter().map(|d| d.pod.clone()).collect();
+    plan.delete.extend(
+        finished_deletions(job.spec.run_policy.clean_pod_policy, &obs.pods)
+            .into_iter()
+            .filter(|d| !already.contains(&d.pod)),
+    );
+    plan.create.clear();
+    plan.publish = None;
+    ttl(job, &status, obs.now, &mut plan);
+    plan.status = status;
+    plan
+}
+
+/// Pods to delete once the job has finished, per `cleanPodPolicy`.
+fn finished_deletions(policy: CleanPodPolicy, pods: &[Pod]) -> Vec<Deletion> {
+    pods.iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| match policy {
+            CleanPodPolicy::All => true,
+            CleanPodPolicy::Running => !matches!(pod_phase(p), "Succeeded" | "Failed"),
+            CleanPodPolicy::None => false,
+        })
+        .map(|p| Deletion {
+            pod: p.name_any(),
+            force: false,
+            reason: "JobFinished",
+        })
+        .collect()
+}
+
+/// `ttlSecondsAfterFinished`: delete the job when due, else requeue for then.
+fn ttl(job: &DiphomaJob, status: &DiphomaJobStatus, now: Timestamp, plan: &mut Plan) {
+    let (Some(ttl), Some(done)) = (
+        job.spec.run_policy.ttl_seconds_after_finished,
+        status.completion_time.as_deref().and_then(parse_ts),
+    ) else {
+        return;
+    };
+    let due = done + jiff::SignedDuration::from_secs(ttl);
+    if now >= due {
+        plan.delete_job = true;
+    } else {
+        plan.requeue_after = Some(
+            Duration::from_secs_f64(due.duration_since(now).as_secs_f64())
+                + Duration::from_millis(100),
+        );
+    }
+}
+
+/// The job's conditions for `phase`; a condition keeps its `lastTransitionTime` unless its status
+/// flips.
+pub fn conditions(
+    prev: &[Condition],
+    phase: Phase,
+    reason: &str,
+    message: &str,
+    now: Timestamp,
+    generation: Option<i64>,
+) -> Vec<Condition> {
+    let truth = |t: &str| match t {
+        "Ready" => phase == Phase::Running,
+        "Progressing" => matches!(
+            phase,
+            Phase::Starting | Phase::Running | Phase::Repairing | Phase::Scaling
+        ),
+        "Suspended" => phase == Phase::Suspended,
+        "Complete" => phase == Phase::Succeeded,
+        "Failed" => phase == Phase::Failed,
+        _ => false,
+    };
+    ["Ready", "Progressing", "Suspended", "Complete", "Failed"]
+        .iter()
+        .map(|t| {
+            let status = if truth(t) { "True" } else { "False" }.to_owned();
+            let old = prev.iter().find(|c| c.type_ == *t);
+            let last_transition_time = match old {
+                Some(o) if o.status == status => o.last_transition_time.clone(),
+                _ => ts(now),
+            };
+            Condition {
+                type_: (*t).into(),
+                status,
+                reason: reason.into(),
+                message: message.into(),
+                last_transition_time,
+                observed_generation: generation,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,560 @@
+//! Pure tests of the plan: phases, failure causes, scaling, gang waiting, suspension, deadlines,
+//! budgets, and what is never counted.
+
+use super::*;
+use crate::build::tests::{basic, job};
+use serde_json::json;
+
+fn t(secs: i64) -> Timestamp {
+    Timestamp::from_second(1_800_000_000 + secs).unwrap()
+}
+
+fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
+    Observed {
+        pods,
+        ring,
+        lost_nodes: BTreeSet::new(),
+        now: t(100),
+    }
+}
+
+/// Worker pod `i` (attempt 0) in `phase`, Ready when Running, on node `n<i>`.
+fn pod(j: &DiphomaJob, i: i32, phase: &str) -> Pod {
+    let mut p = build::worker_pod(j, i, 0);
+    let ready = if phase == "Running" { "True" } else { "False" };
+    p.spec.as_mut().unwrap().node_name = Some(format!("n{i}"));
+    p.status = Some(serde_json::from_value(json!({
+        "phase": phase, "podIP": format!("127.0.0.{}", i + 2),
+        "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": ready}]
+    })).unwrap());
+    p
+}
+
+fn exited(mut p: Pod, code: i32, reason: &str) -> Pod {
+    p.status = Some(serde_json::from_value(json!({
+        "phase": "Failed", "podIP": "127.0.0.9",
+        "containerStatuses": [{"name": "w", "image": "x", "imageID": "", "ready": false, "restartCount": 0,
+            "state": {"terminated": {"exitCode": code, "reason": reason, "finishedAt": "2027-01-15T08:01:30Z"}}}]
+    })).unwrap());
+    p
+}
+
+fn ring(j: &DiphomaJob, generation: u64, idx: &[i32]) -> Membership {
+    Membership {
+        generation,
+        job_uid: "uid-1".into(),
+        members: idx
+            .iter()
+            .enumerate()
+            .map(|(r, &i)| Member {
+                rank: r as u32,
+                pod: build::pod_name(&j.name_any(), i, 0),
+                address: format!("127.0.0.{}", i + 2).parse().unwrap(),
+                port: 29500,
+            })
+            .collect(),
+    }
+}
+
+fn with_status(mut j: DiphomaJob, phase: Phase) -> DiphomaJob {
+    j.status = Some(DiphomaJobStatus {
+        phase: Some(phase),
+        start_time: Some(t(0).to_string()),
+        ..Default::default()
+    });
+    j
+}
+
+#[test]
+fn new_job_creates_every_worker_and_waits() {
+    let j = basic();
+    let p = plan(&j, &obs(vec![], None));
+    let names: Vec<String> = p.create.iter().map(|p| p.name_any()).collect();
+    assert_eq!(
+        names,
+        [
+            "train-worker-0",
+            "train-worker-1",
+            "train-worker-2",
+            "train-worker-3"
+        ]
+    );
+    assert_eq!(p.status.phase, Some(Phase::Pending));
+    assert!(p.publish.is_none());
+    assert_eq!(p.status.ready.as_deref(), Some("0/4"));
+    assert!(
+        p.status
+            .waiting
+            .as_deref()
+            .unwrap()
+            .contains("0 of 4 workers ready")
+    );
+}
+
+#[test]
+fn first_ring_waits_for_starting_workers_then_forms() {
+    let j = basic();
+    let mut pods: Vec<Pod> = (0..3).map(|i| pod(&j, i, "Running")).collect();
+    pods.push(pod(&j, 3, "Pending"));
+    let p = plan(&j, &obs(pods.clone(), None));
+    assert!(p.publish.is_none(), "a scheduled worker is still starting");
+    assert_eq!(p.status.phase, Some(Phase::Starting));
+    pods[3] = pod(&j, 3, "Running");
+    let p = plan(&j, &obs(pods, None));
+    let m = p.publish.expect("ring formed");
+    assert_eq!((m.generation, m.members.len()), (1, 4));
+    assert_eq!(m.members[2].pod, "train-worker-2");
+    assert_eq!(m.members[2].address.to_string(), "127.0.0.4");
+    assert_eq!(p.status.phase, Some(Phase::Running));
+    assert_eq!(p.status.ring.as_ref().unwrap().generation, 1);
+    assert!(p.create.is_empty() && p.delete.is_empty());
+}
+
+#[test]
+fn steady_ring_changes_nothing() {
+    let j = with_status(basic(), Phase::Running);
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let p = plan(&j, &obs(pods, Some(ring(&j, 3, &[0, 1, 2, 3]))));
+    assert!(
+        p.publish.is_none() && p.create.is_empty() && p.delete.is_empty() && p.failures.is_empty()
+    );
+    assert_eq!(p.status.phase, Some(Phase::Running));
+    assert_eq!(p.status.ready.as_deref(), Some("4/4"));
+}
+
+fn elastic(min: i32) -> DiphomaJob {
+    let mut j = with_status(basic(), Phase::Running);
+    j.spec.elastic = Some(crate::api::Elastic {
+        min_replicas: min,
+        max_replicas: 6,
+    });
+    j
+}
+
+#[test]
+fn fixed_size_ring_waits_for_the_replacement() {
+    let j = with_status(basic(), Phase::Running);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[1] = exited(pods[1].clone(), 137, "Error");
+    let p = plan(&j, &obs(pods, Some(ring(&j, 3, &[0, 1, 2, 3]))));
+    assert!(p.publish.is_none(), "3 < minReplicas 4");
+    assert_eq!(p.create[0].name_any(), "train-worker-1-1");
+    assert_eq!(p.status.repairs.by_cause["ProcessExit"], 1);
+    assert_eq!(p.status.phase, Some(Phase::Repairing));
+    assert_eq!(p.status.ready.as_deref(), Some("3/4"));
+}
+
+#[test]
+fn process_exit_is_counted_replaced_and_the_ring_shrinks() {
+    let j = elastic(2);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[1] = exited(pods[1].clone(), 137, "Error");
+    let p = plan(&j, &obs(pods, Some(ring(&j, 3, &[0, 1, 2, 3]))));
+    assert_eq!(p.failures.len(), 1);
+    let f = &p.failures[0];
+    assert_eq!(
+        (f.cause, f.exit_code, f.rank, f.retryable),
+        (Cause::ProcessExit, Some(137), Some(1), true)
+    );
+    assert_eq!(
+        p.delete,
+        vec![Deletion {
+            pod: "train-worker-1".into(),
+            force: false,
+            reason: "Replaced"
+        }]
+    );
+    assert_eq!(
+        p.create[0].name_any(),
+        "train-worker-1-1",
+        "the replacement gets a new name"
+    );
+    let m = p.publish.unwrap();
+    assert_eq!(m.generation, 4);
+    assert_eq!(
+        m.members.iter().map(|m| m.pod.as_str()).collect::<Vec<_>>(),
+        ["train-worker-0", "train-worker-2", "train-worker-3"]
+    );
+    assert_eq!(p.status.repairs.by_cause["ProcessExit"], 1);
+    assert_eq!(p.status.failures.total, 1);
+    assert_eq!(p.status.phase, Some(Phase::Repairing));
+    let last = p.status.last_failure.unwrap();
+    assert_eq!(
+        (last.pod.as_str(), last.rank, last.exit_code),
+        ("train-worker-1", Some(1), Some(137))
+    );
+    assert!(
+        p.status.repairs.last_seconds.unwrap() > 0.0,
+        "time to repair from the exit to the new ring"
+    );
+}
+
+#[test]
+fn a_counted_failure_is_not_counted_again() {
+    let j = with_status(basic(), Phase::Repairing);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[1] = exited(pods[1].clone(), 137, "Error");
+    pods[1]
+        .annotations_mut()
+        .insert(ANNOT_FAILURE_COUNTED.into(), "ProcessExit".into());
+    let p = plan(&j, &obs(pods, Some(ring(&j, 4, &[0, 2, 3]))));
+    assert!(p.failures.is_empty());
+    assert_eq!(p.delete[0].pod, "train-worker-1");
+    assert_eq!(p.status.failures.total, 0);
+}
+
+#[test]
+fn joiner_enters_at_the_next_generation_once_ready() {
+    let mut j = elastic(2);
+    j.status.as_mut().unwrap().phase = Some(Phase::Repairing);
+    let mut pods: Vec<Pod> = [0, 2, 3].iter().map(|&i| pod(&j, i, "Running")).collect();
+    let mut joiner = pod(&j, 1, "Running");
+    joiner.metadata.name = Some("train-worker-1-1".into());
+    pods.push(joiner);
+    let p = plan(&j, &obs(pods, Some(ring(&j, 4, &[0, 2, 3]))));
+    let m = p.publish.unwrap();
+    assert_eq!(m.generation, 5);
+    assert_eq!(
+        m.members[1].pod, "train-worker-1-1",
+        "ranks follow replica indices"
+    );
+    assert!(p.failures.is_empty());
+    assert_eq!(p.status.phase, Some(Phase::Running));
+    assert_eq!(p.status.repairs.total, 0, "a join is no repair");
+    assert_eq!(p.status.ready.as_deref(), Some("4/4"));
+}
+
+#[test]
+fn non_retryable_exit_fails_the_job_with_last_failure() {
+    let j = with_status(basic(), Phase::Running);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[2] = exited(pods[2].clone(), 1, "Error");
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    assert_eq!(p.status.phase, Some(Phase::Failed));
+    let failed = p
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Failed")
+        .unwrap();
+    assert_eq!(
+        (failed.status.as_str(), failed.reason.as_str()),
+        ("True", "NonRetryableExit")
+    );
+    assert_eq!(p.status.last_failure.unwrap().exit_code, Some(1));
+    assert!(p.create.is_empty() && p.publish.is_none());
+    // cleanPodPolicy Running: the three running workers go, the failed one stays.
+    let mut deleted: Vec<&str> = p.delete.iter().map(|d| d.pod.as_str()).collect();
+    deleted.sort();
+    assert_eq!(
+        deleted,
+        [
+            "train-worker-0",
+            "train-worker-1",
+            "train-worker-2",
+            "train-worker-3"
+        ]
+    );
+}
+
+#[test]
+fn restart_on_exit_codes_overrides_the_default() {
+    let mut j = elastic(2);
+    j.spec.fault_tolerance.restart_on_exit_codes = Some(vec![1]);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[2] = exited(pods[2].clone(), 1, "Error");
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    assert_eq!(p.status.phase, Some(Phase::Repairing));
+}
+
+#[test]
+fn spent_backoff_limit_fails_the_job_and_it_stays_failed() {
+    let mut j = with_status(basic(), Phase::Running);
+    j.spec.run_policy.backoff_limit = 1;
+    j.status.as_mut().unwrap().failures.add("ProcessExit");
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[0] = exited(pods[0].clone(), 137, "Error");
+    let p = plan(&j, &obs(pods, Some(ring(&j, 2, &[0, 1, 2, 3]))));
+    assert_eq!(p.status.phase, Some(Phase::Failed));
+    assert_eq!(
+        p.status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Failed")
+            .unwrap()
+            .reason,
+        "BackoffLimitExceeded"
+    );
+
+    let mut failed = j.clone();
+    failed.status = Some(p.status.clone());
+    let later = plan(
+        &failed,
+        &Observed {
+            now: t(500),
+            ..obs(vec![], Some(ring(&j, 2, &[0, 1, 2, 3])))
+        },
+    );
+    assert_eq!(
+        later.status.phase,
+        Some(Phase::Failed),
+        "a Failed job stays Failed when its pods are gone"
+    );
+    assert!(later.create.is_empty() && later.failures.is_empty() && later.publish.is_none());
+    assert_eq!(later.status.failures, p.status.failures);
+}
+
+#[test]
+fn node_loss_and_eviction_are_classified() {
+    let j = elastic(2);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let mut evicted = pods[3].status.clone().unwrap();
+    evicted.conditions.as_mut().unwrap().push(serde_json::from_value(json!({"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"})).unwrap());
+    pods[3].status = Some(evicted);
+    pods[3].metadata.deletion_timestamp =
+        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(t(90)));
+    let mut o = obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3])));
+    o.lost_nodes.insert("n2".into());
+    let p = plan(&j, &o);
+    let causes: BTreeMap<String, Cause> = p
+        .failures
+        .iter()
+        .map(|f| (f.pod.clone(), f.cause))
+        .collect();
+    assert_eq!(causes["train-worker-2"], Cause::NodeLost);
+    assert_eq!(causes["train-worker-3"], Cause::Evicted);
+    assert!(
+        p.delete.contains(&Deletion {
+            pod: "train-worker-2".into(),
+            force: true,
+            reason: "Replaced"
+        }),
+        "a lost node's pod is force-deleted"
+    );
+    assert_eq!(p.status.repairs.by_cause["NodeLost"], 1);
+    assert_eq!(p.status.repairs.by_cause["Evicted"], 1);
+    assert_eq!(p.publish.unwrap().members.len(), 2);
+}
+
+#[test]
+fn a_member_deleted_outright_counts_as_pod_deleted() {
+    let j = elastic(2);
+    let pods: Vec<Pod> = [0, 1, 3].iter().map(|&i| pod(&j, i, "Running")).collect();
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    assert_eq!(p.failures.len(), 1);
+    assert_eq!(
+        (p.failures[0].cause, p.failures[0].exists),
+        (Cause::PodDeleted, false)
+    );
+    assert_eq!(p.status.repairs.by_cause["PodDeleted"], 1);
+    assert_eq!(p.create[0].name_any(), "train-worker-2");
+}
+
+#[test]
+fn scale_down_deletes_high_indices_without_counting() {
+    let mut j = with_status(basic(), Phase::Running);
+    j.spec.replicas = 2;
+    j.spec.elastic = Some(crate::api::Elastic {
+        min_replicas: 2,
+        max_replicas: 6,
+    });
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    let deleted: Vec<(&str, &str)> = p
+        .delete
+        .iter()
+        .map(|d| (d.pod.as_str(), d.reason))
+        .collect();
+    assert_eq!(
+        deleted,
+        [
+            ("train-worker-2", "ScaledDown"),
+            ("train-worker-3", "ScaledDown")
+        ]
+    );
+    assert!(p.failures.is_empty());
+    assert_eq!(p.status.failures.total, 0);
+    assert_eq!(p.publish.unwrap().members.len(), 2);
+    assert_eq!(p.status.phase, Some(Phase::Running));
+    assert_eq!(p.status.repairs.total, 0);
+}
+
+#[test]
+fn scale_up_beyond_capacity_keeps_training_and_says_what_is_short() {
+    let mut j = with_status(basic(), Phase::Running);
+    j.spec.replicas = 5;
+    j.spec.elastic = Some(crate::api::Elastic {
+        min_replicas: 2,
+        max_replicas: 6,
+    });
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let mut stuck = build::worker_pod(&j, 4, 0);
+    stuck.status = Some(serde_json::from_value(json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]})).unwrap());
+    pods.push(stuck);
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    assert!(p.publish.is_none() && p.create.is_empty());
+    assert_eq!(p.status.phase, Some(Phase::Scaling));
+    assert!(
+        p.status
+            .waiting
+            .unwrap()
+            .contains("Insufficient nvidia.com/gpu")
+    );
+}
+
+#[test]
+fn gang_waits_below_min_replicas_with_the_scheduler_reason() {
+    let mut j = basic();
+    j.spec.replicas = 4;
+    let mut pods: Vec<Pod> = (0..2).map(|i| pod(&j, i, "Running")).collect();
+    for i in 2..4 {
+        let mut stuck = build::worker_pod(&j, i, 0);
+        stuck.status = Some(serde_json::from_value(json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "Insufficient nvidia.com/gpu"}]})).unwrap());
+        pods.push(stuck);
+    }
+    let p = plan(&j, &obs(pods, None));
+    assert!(p.publish.is_none(), "2 < minReplicas 4: no ring");
+    assert!(
+        p.status
+            .waiting
+            .unwrap()
+            .contains("2 of 4 workers ready; the scheduler says: Insufficient nvidia.com/gpu")
+    );
+}
+
+#[test]
+fn suspend_deletes_workers_keeps_status_and_resume_recreates() {
+    let mut j = with_status(basic(), Phase::Running);
+    j.status.as_mut().unwrap().repairs.add("Hung");
+    j.spec.run_policy.suspend = true;
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let p = plan(&j, &obs(pods, Some(ring(&j, 2, &[0, 1, 2, 3]))));
+    assert_eq!(p.delete.len(), 4);
+    assert!(p.delete.iter().all(|d| d.reason == "Suspended"));
+    assert_eq!(p.status.phase, Some(Phase::Suspended));
+    assert_eq!(p.status.repairs.total, 1, "status kept");
+    assert_eq!(p.status.failures.total, 0, "suspension is not a failure");
+
+    let mut resumed = j.clone();
+    resumed.status = Some(p.status);
+    resumed.spec.run_policy.suspend = false;
+    let r = plan(&resumed, &obs(vec![], Some(ring(&j, 2, &[0, 1, 2, 3]))));
+    assert_eq!(r.create.len(), 4);
+    assert!(
+        r.failures.is_empty(),
+        "members gone while suspended are not failures"
+    );
+}
+
+#[test]
+fn deadline_fails_the_job_or_schedules_a_requeue() {
+    let mut j = with_status(basic(), Phase::Running);
+    j.spec.run_policy.active_deadline_seconds = Some(300);
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let early = plan(&j, &obs(pods.clone(), Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    assert_eq!(early.status.phase, Some(Phase::Running));
+    let wait = early.requeue_after.unwrap();
+    assert!(
+        wait > Duration::from_secs(199) && wait < Duration::from_secs(201),
+        "{wait:?}"
+    );
+    let late = plan(
+        &j,
+        &Observed {
+            now: t(301),
+            ..obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3])))
+        },
+    );
+    assert_eq!(late.status.phase, Some(Phase::Failed));
+    assert_eq!(
+        late.status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Failed")
+            .unwrap()
+            .reason,
+        "DeadlineExceeded"
+    );
+}
+
+#[test]
+fn completion_succeeds_and_ttl_deletes_later() {
+    let mut j = with_status(basic(), Phase::Running);
+    j.spec.run_policy.ttl_seconds_after_finished = Some(60);
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Succeeded")).collect();
+    let p = plan(&j, &obs(pods.clone(), Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    assert_eq!(p.status.phase, Some(Phase::Succeeded));
+    assert!(
+        p.delete.is_empty(),
+        "cleanPodPolicy Running keeps finished pods"
+    );
+    assert_eq!(
+        p.requeue_after,
+        Some(Duration::from_secs(60) + Duration::from_millis(100))
+    );
+    let mut done = j.clone();
+    done.status = Some(p.status);
+    assert!(
+        !plan(
+            &done,
+            &Observed {
+                now: t(159),
+                ..obs(pods.clone(), None)
+            }
+        )
+        .delete_job
+    );
+    assert!(
+        plan(
+            &done,
+            &Observed {
+                now: t(161),
+                ..obs(pods, None)
+            }
+        )
+        .delete_job
+    );
+}
+
+#[test]
+fn unschedulable_pods_never_block_completion() {
+    let mut j = with_status(basic(), Phase::Scaling);
+    j.spec.replicas = 5;
+    j.spec.elastic = Some(crate::api::Elastic {
+        min_replicas: 2,
+        max_replicas: 6,
+    });
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Succeeded")).collect();
+    pods.push(build::worker_pod(&j, 4, 0));
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    assert_eq!(p.status.phase, Some(Phase::Succeeded));
+    assert_eq!(
+        p.delete.iter().map(|d| d.pod.as_str()).collect::<Vec<_>>(),
+        ["train-worker-4"]
+    );
+}
+
+#[test]
+fn conditions_keep_transition_times_unless_they_flip() {
+    let a = conditions(&[], Phase::Running, "RingFormed", "", t(1), Some(1));
+    let b = conditions(&a, Phase::Running, "RingFormed", "", t(2), Some(1));
+    assert_eq!(a, b);
+    let c = conditions(&b, Phase::Repairing, "RingRepairing", "", t(3), Some(1));
+    let ready = c.iter().find(|c| c.type_ == "Ready").unwrap();
+    assert_eq!(
+        (ready.status.as_str(), ready.last_transition_time.clone()),
+        ("False", t(3).to_string())
+    );
+    let progressing = c.iter().find(|c| c.type_ == "Progressing").unwrap();
+    assert_eq!(progressing.last_transition_time, t(1).to_string());
+}
+
+#[test]
+fn elastic_bounds_and_exit_code_policy() {
+    let j = job(
+        json!({"replicas": 3, "elastic": {"minReplicas": 2, "maxReplicas": 5}, "template": {}}),
+    );
+    assert_eq!(j.spec.bounds(), (2, 5));
+    assert!(j.spec.retryable_exit(137) && !j.spec.retryable_exit(1) && !j.spec.retryable_exit(127));
+    assert_eq!(basic().spec.bounds(), (4, 4));
+}
