@@ -114,6 +114,8 @@ fn main() -> Result<()> {
         job_gets_gpu_pods_children_and_a_ring,
         lost_workers_are_replaced_at_a_new_generation_and_counted_once,
         restarted_operator_creates_no_duplicates,
+        a_silent_worker_blamed_by_its_neighbours_is_replaced,
+        node_loss_is_detected_from_its_lease_and_workers_move,
     ];
     let trials = list
         .into_iter()
@@ -425,6 +427,100 @@ async fn restarted_operator_creates_no_duplicates(ctx: Arc<Ctx>, ns: String) -> 
     ensure!(
         after == before,
         "the ring changed across the restart: {before:?} -> {after:?}"
+    );
+    Ok(())
+}
+
+async fn a_silent_worker_blamed_by_its_neighbours_is_replaced(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let ft = "  faultTolerance: {detectionSeconds: 4}\n";
+    let out = kubectl_apply(&ctx, &ns, &job_yaml("train", 3, ft))?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let g1 = running_ring(&ctx, &ns, "train", 3, 0).await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let pid = pid_of(&pods.get("train-worker-1").await?)?;
+    // SAFETY: kill(2) on a process this test's kubelet started.
+    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    // What ranks 0 and 2 write when their collective times out on the frozen rank 1.
+    let now = jiff::Timestamp::now().to_string();
+    let report = |reporter: &str| {
+        serde_json::json!({"generation": g1.generation, "reporter": reporter, "suspect": "train-worker-1", "error": "Timeout", "time": now}).to_string()
+    };
+    let cm: ConfigMap = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "train-heartbeat"},
+        "data": {"report.train-worker-0": report("train-worker-0"), "report.train-worker-2": report("train-worker-2")}
+    }))?;
+    Api::<ConfigMap>::namespaced(ctx.client.clone(), &ns)
+        .create(&Default::default(), &cm)
+        .await?;
+    let g2 = running_ring(&ctx, &ns, "train", 3, g1.generation).await?;
+    ensure!(
+        g2.members.iter().any(|m| m.pod == "train-worker-1-1"),
+        "no replacement in {g2:?}"
+    );
+    let st = job_status(&ctx.client, &ns, "train").await?.status.unwrap();
+    ensure!(
+        st.repairs.by_cause.get("Hung") == Some(&1) && st.repairs.total == 1,
+        "{:?}",
+        st.repairs
+    );
+    eventually(30, "the frozen process gone", async || Ok(!alive(pid))).await?;
+    Ok(())
+}
+
+async fn node_loss_is_detected_from_its_lease_and_workers_move(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let ft = "  faultTolerance: {detectionSeconds: 4}\n";
+    let out = kubectl_apply(&ctx, &ns, &job_yaml("train", 3, ft))?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let g1 = running_ring(&ctx, &ns, "train", 3, 0).await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let node = pods
+        .get("train-worker-0")
+        .await?
+        .spec
+        .and_then(|s| s.node_name)
+        .context("unbound")?;
+    let on_node: Vec<String> = pods
+        .list(&ListParams::default())
+        .await?
+        .items
+        .iter()
+        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node.as_str()))
+        .map(|p| p.name_any())
+        .collect();
+    ctx.kubelet
+        .fail_node(&node, diphoma_e2e::kubelet::FailMode::Freeze)?;
+    let g2 = running_ring(&ctx, &ns, "train", 3, g1.generation).await?;
+    let now = pods.list(&ListParams::default()).await?.items;
+    for m in &g2.members {
+        let p = now
+            .iter()
+            .find(|p| p.name_any() == m.pod)
+            .context("member pod missing")?;
+        ensure!(
+            p.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some(node.as_str()),
+            "{} still on the lost node",
+            m.pod
+        );
+    }
+    let st = job_status(&ctx.client, &ns, "train").await?.status.unwrap();
+    ensure!(
+        st.repairs.by_cause.get("NodeLost") == Some(&(on_node.len() as i32)),
+        "{:?} for {on_node:?}",
+        st.repairs
     );
     Ok(())
 }

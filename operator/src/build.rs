@@ -38,11 +38,6 @@ pub fn worker_account_name(job: &str) -> String {
     format!("{job}-worker")
 }
 
-/// Name of the per-job heartbeat and failure-report ConfigMap (docs/design/heartbeat.md).
-pub fn heartbeat_configmap_name(job: &str) -> String {
-    format!("{job}-heartbeat")
-}
-
 /// Name of worker `index`'s pod, attempt `attempt` (0 for the first; replacements count up, so a
 /// replacement never waits for a predecessor stuck Terminating on a lost node).
 pub fn pod_name(job: &str, index: i32, attempt: i32) -> String {
@@ -211,6 +206,29 @@ pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Pod {
     }
 }
 
+/// Keeps `pod` off `nodes` (nodes found lost): a required node-affinity term excluding their
+/// hostnames, added to every term the template already has. No-op for an empty set.
+pub fn avoid_nodes(pod: &mut Pod, nodes: &std::collections::BTreeSet<String>) {
+    if nodes.is_empty() {
+        return;
+    }
+    let expr = json!({"key": "kubernetes.io/hostname", "operator": "NotIn", "values": nodes});
+    let mut spec = serde_json::to_value(pod.spec.take()).unwrap_or_default();
+    let terms = &mut spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        ["nodeSelectorTerms"];
+    match terms.as_array_mut() {
+        Some(ts) if !ts.is_empty() => {
+            ts.iter_mut()
+                .for_each(|t| match t["matchExpressions"].as_array_mut() {
+                    Some(es) => es.push(expr.clone()),
+                    None => t["matchExpressions"] = json!([expr.clone()]),
+                })
+        }
+        _ => *terms = json!([{"matchExpressions": [expr]}]),
+    }
+    pod.spec = serde_json::from_value(spec).ok();
+}
+
 /// The headless Service of the workers (stable DNS names; the ring itself dials pod IPs).
 pub fn service(job: &DiphomaJob) -> Service {
     serde_json::from_value(json!({
@@ -241,7 +259,7 @@ pub fn role(job: &DiphomaJob) -> Role {
             {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"],
              "resourceNames": [contract::membership_configmap_name(&name)]},
             {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "patch", "update"],
-             "resourceNames": [heartbeat_configmap_name(&name)]}
+             "resourceNames": [contract::heartbeat_configmap_name(&name)]}
         ]
     }))
     .expect("static role")
@@ -385,6 +403,21 @@ pub(crate) mod tests {
         let spec = worker_pod(&j, 0, 0).spec.unwrap();
         assert!(spec.containers[0].resources.is_none());
         assert!(spec.tolerations.is_none() && spec.node_selector.is_none());
+    }
+
+    #[test]
+    fn replacements_avoid_lost_nodes_in_every_affinity_term() {
+        let mut p = worker_pod(&basic(), 0, 1);
+        avoid_nodes(&mut p, &["n1".to_owned()].into());
+        let a = serde_json::to_value(p.spec.unwrap().affinity).unwrap();
+        let terms = &a["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"];
+        assert_eq!(
+            terms[0]["matchExpressions"][0],
+            json!({"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n1"]})
+        );
+        let mut untouched = worker_pod(&basic(), 0, 0);
+        avoid_nodes(&mut untouched, &Default::default());
+        assert!(untouched.spec.unwrap().affinity.is_none());
     }
 
     #[test]

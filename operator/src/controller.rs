@@ -1,8 +1,8 @@
 //! The reconciler: observe → plan (pure, [`crate::plan`]) → apply → status. Only this module
 //! talks to the API server.
 //!
-//! API calls per reconcile: reads — the job's pods (one list), the ring ConfigMap, the Leases and
-//! Nodes of the nodes its pods run on; writes — only what the plan changes (status when it
+//! API calls per reconcile: reads — the job's pods (one list), the ring and heartbeat ConfigMaps,
+//! the Leases and Nodes of the nodes its pods run on; writes — only what the plan changes (status when it
 //! differs, pods created or deleted, a ring generation), plus the static children when the spec
 //! generation changes. A steady job therefore writes nothing.
 
@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use diphoma_worker::contract::{self, MEMBERSHIP_KEY, Membership};
+use diphoma_worker::contract::{self, FailureReport, MEMBERSHIP_KEY, Membership, ProgressReport};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret, Service, ServiceAccount};
@@ -144,6 +144,10 @@ async fn observe(client: &Client, job: &DiphomaJob) -> Result<Observed, Error> {
         },
         None => None,
     };
+    let heartbeat = Api::<ConfigMap>::namespaced(client.clone(), &ns)
+        .get_opt(&contract::heartbeat_configmap_name(&name))
+        .await?;
+    let (progress, reports) = read_heartbeat(heartbeat.and_then(|cm| cm.data).unwrap_or_default());
     let now = jiff::Timestamp::now();
     let nodes: BTreeSet<String> = pods
         .iter()
@@ -175,8 +179,33 @@ async fn observe(client: &Client, job: &DiphomaJob) -> Result<Observed, Error> {
         pods,
         ring,
         lost_nodes,
+        progress,
+        reports,
         now,
     })
+}
+
+/// Progress and failure reports from the heartbeat ConfigMap's data; entries that do not parse
+/// are skipped with a warning (a worker's bad write must not stop the reconciler).
+fn read_heartbeat(
+    data: std::collections::BTreeMap<String, String>,
+) -> (Option<ProgressReport>, Vec<FailureReport>) {
+    let mut progress = None;
+    let mut reports = vec![];
+    for (k, v) in data {
+        if k == contract::PROGRESS_KEY {
+            match serde_json::from_str(&v) {
+                Ok(p) => progress = Some(p),
+                Err(e) => tracing::warn!(key = %k, error = %e, "unreadable progress record"),
+            }
+        } else if k.starts_with(contract::REPORT_KEY_PREFIX) {
+            match serde_json::from_str(&v) {
+                Ok(r) => reports.push(r),
+                Err(e) => tracing::warn!(key = %k, error = %e, "unreadable failure report"),
+            }
+        }
+    }
+    (progress, reports)
 }
 
 async fn apply_one<K>(api: &Api<K>, obj: &K) -> Result<(), Error>

@@ -5,13 +5,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use diphoma_worker::contract::{Member, Membership};
+use diphoma_worker::contract::{FailureReport, Member, Membership, ProgressReport};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
 use crate::api::{
-    CleanPodPolicy, Condition, DiphomaJob, DiphomaJobStatus, LastFailure, Phase, RingStatus,
+    CleanPodPolicy, Condition, DiphomaJob, DiphomaJobStatus, LastFailure, Phase, Progress,
+    RingStatus,
 };
 use crate::build::{self, ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED};
 
@@ -24,6 +25,10 @@ pub struct Observed {
     pub ring: Option<Membership>,
     /// Nodes considered lost: Lease older than `detectionSeconds` or not Ready.
     pub lost_nodes: BTreeSet<String>,
+    /// Rank 0's latest progress record.
+    pub progress: Option<ProgressReport>,
+    /// The workers' failure reports (any generation).
+    pub reports: Vec<FailureReport>,
     /// Now.
     pub now: Timestamp,
 }
@@ -46,6 +51,12 @@ pub enum Cause {
 }
 
 impl Cause {
+    /// Whether the lost pod is deleted with grace 0: nobody on a lost node, and no frozen
+    /// process, would ever finish a graceful deletion.
+    pub fn force_delete(self) -> bool {
+        matches!(self, Cause::NodeLost | Cause::Hung)
+    }
+
     /// The PascalCase name used in status, events and metric labels.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -243,6 +254,15 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
     if status.start_time.is_none() {
         status.start_time = Some(ts(now));
     }
+    if let Some(p) = &obs.progress {
+        status.progress = Some(Progress {
+            step: p.step as i64,
+            total_steps: p.total_steps.map(|t| t as i64),
+            loss: p.loss,
+            samples_per_second: p.samples_per_second,
+            last_checkpoint_step: p.last_checkpoint_step.map(|s| s as i64),
+        });
+    }
 
     // 1. Failures: pods lost since the last reconcile, and ring members that vanished.
     let mut failed_pods = BTreeSet::new();
@@ -254,12 +274,21 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
             continue;
         };
         failed_pods.insert(p.name_any());
+        if cause == Cause::NodeLost && rank_of(&p.name_any()).is_none() && !started(p) {
+            // Bound to a node that died before it ran: rescheduled, not a worker failure.
+            plan.delete.push(Deletion {
+                pod: p.name_any(),
+                force: true,
+                reason: "Rescheduled",
+            });
+            continue;
+        }
         if counted(p) {
             // Already counted: make sure it goes away so that its index is replaced.
-            if p.metadata.deletion_timestamp.is_none() || cause == Cause::NodeLost {
+            if p.metadata.deletion_timestamp.is_none() || cause.force_delete() {
                 plan.delete.push(Deletion {
                     pod: p.name_any(),
-                    force: cause == Cause::NodeLost,
+                    force: cause.force_delete(),
                     reason: "Replaced",
                 });
             }
@@ -280,6 +309,30 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
             exists: true,
             at,
         });
+    }
+    // Hung or cut-off members: blamed by a neighbour's report at the current generation and
+    // silent themselves, once the reports had `detectionSeconds / 2` to arrive.
+    if let Some(r) = &ring {
+        let (hung, wait) =
+            silent_members(r, &obs.reports, now, spec.fault_tolerance.detection_seconds);
+        let hung: Vec<String> = hung
+            .into_iter()
+            .filter(|p| !failed_pods.contains(p) && present_pod(obs, p))
+            .collect();
+        for pod in hung {
+            failed_pods.insert(pod.clone());
+            plan.failures.push(Failure {
+                rank: rank_of(&pod),
+                pod,
+                cause: Cause::Hung,
+                reason: "Silent".into(),
+                exit_code: None,
+                retryable: true,
+                exists: true,
+                at: now,
+            });
+        }
+        plan.requeue_after = wait;
     }
     // Members that vanished from the API without being accounted for were deleted by someone.
     let mut departed: BTreeSet<String> = match (&prev.ring, &ring) {
@@ -436,7 +489,8 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
     for i in 0..desired {
         if !live_by_index.contains_key(&i) {
             let attempt = attempts.get(&i).map_or(0, |a| a + 1);
-            let pod = build::worker_pod(job, i, attempt);
+            let mut pod = build::worker_pod(job, i, attempt);
+            build::avoid_nodes(&mut pod, &obs.lost_nodes);
             plan.events.push((
                 false,
                 "WorkerCreated",
@@ -613,6 +667,62 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
     plan
 }
 
+/// Whether any container of the pod has ever run.
+fn started(p: &Pod) -> bool {
+    let statuses = p
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref());
+    statuses.into_iter().flatten().any(|c| {
+        c.state
+            .as_ref()
+            .is_some_and(|s| s.running.is_some() || s.terminated.is_some())
+            || c.last_state
+                .as_ref()
+                .is_some_and(|s| s.terminated.is_some())
+    })
+}
+
+fn present_pod(obs: &Observed, name: &str) -> bool {
+    obs.pods.iter().any(|p| p.name_any() == name)
+}
+
+/// Members of `ring` that neighbours blame in reports of its generation and that did not report
+/// themselves: (pods, when to look again if the reports are still young). Reports get
+/// `detection_seconds / 2` to arrive, so that a live member whose own report is late is not taken
+/// for the silent one.
+pub fn silent_members(
+    ring: &Membership,
+    reports: &[FailureReport],
+    now: Timestamp,
+    detection_seconds: i32,
+) -> (Vec<String>, Option<Duration>) {
+    let current: Vec<&FailureReport> = reports
+        .iter()
+        .filter(|r| r.generation == ring.generation)
+        .collect();
+    let Some(oldest) = current.iter().filter_map(|r| parse_ts(&r.time)).min() else {
+        return (vec![], None);
+    };
+    let grace = jiff::SignedDuration::from_millis(i64::from(detection_seconds) * 500);
+    let age = now.duration_since(oldest);
+    if age < grace {
+        let wait = (grace - age).unsigned_abs() + Duration::from_millis(100);
+        return (vec![], Some(wait));
+    }
+    let reporters: BTreeSet<&str> = current.iter().map(|r| r.reporter.as_str()).collect();
+    let hung = ring
+        .members
+        .iter()
+        .map(|m| m.pod.as_str())
+        .filter(|p| {
+            !reporters.contains(p) && current.iter().any(|r| r.suspect.as_deref() == Some(*p))
+        })
+        .map(str::to_owned)
+        .collect();
+    (hung, None)
+}
+
 /// Counts a failure, remembers it as the last one, announces it and, for a pod that still
 /// exists, schedules its deletion (it is replaced under a new name).
 fn record(status: &mut DiphomaJobStatus, plan: &mut Plan, f: Failure) {
@@ -646,7 +756,7 @@ fn record(status: &mut DiphomaJobStatus, plan: &mut Plan, f: Failure) {
     if f.exists && f.cause != Cause::PodDeleted {
         plan.delete.push(Deletion {
             pod: f.pod.clone(),
-            force: f.cause == Cause::NodeLost,
+            force: f.cause.force_delete(),
             reason: "Replaced",
         });
     }

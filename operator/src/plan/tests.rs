@@ -14,6 +14,8 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         pods,
         ring,
         lost_nodes: BTreeSet::new(),
+        progress: None,
+        reports: vec![],
         now: t(100),
     }
 }
@@ -557,4 +559,114 @@ fn elastic_bounds_and_exit_code_policy() {
     assert_eq!(j.spec.bounds(), (2, 5));
     assert!(j.spec.retryable_exit(137) && !j.spec.retryable_exit(1) && !j.spec.retryable_exit(127));
     assert_eq!(basic().spec.bounds(), (4, 4));
+}
+
+fn report(reporter: i32, suspect: i32, generation: u64, at: i64) -> FailureReport {
+    FailureReport {
+        generation,
+        reporter: build::pod_name("train", reporter, 0),
+        suspect: Some(build::pod_name("train", suspect, 0)),
+        error: "Timeout".into(),
+        time: t(at).to_string(),
+    }
+}
+
+#[test]
+fn a_silent_member_blamed_by_its_neighbours_is_hung() {
+    let j = elastic(2);
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let r = ring(&j, 2, &[0, 1, 2, 3]);
+    // Rank 1 froze: ranks 0 and 2 blame it; rank 3 blames rank 2, which cascaded the error.
+    let reports = vec![
+        report(0, 1, 2, 96),
+        report(2, 1, 2, 96),
+        report(3, 2, 2, 97),
+        report(3, 0, 1, 10),
+    ];
+    let early = plan(
+        &j,
+        &Observed {
+            reports: reports.clone(),
+            now: t(98),
+            ..obs(pods.clone(), Some(r.clone()))
+        },
+    );
+    assert!(early.failures.is_empty(), "reports are still arriving");
+    assert_eq!(early.requeue_after, Some(Duration::from_millis(3100)));
+    let p = plan(
+        &j,
+        &Observed {
+            reports,
+            now: t(102),
+            ..obs(pods, Some(r))
+        },
+    );
+    assert_eq!(
+        p.failures
+            .iter()
+            .map(|f| (f.pod.as_str(), f.cause))
+            .collect::<Vec<_>>(),
+        [("train-worker-1", Cause::Hung)]
+    );
+    assert!(p.delete.contains(&Deletion {
+        pod: "train-worker-1".into(),
+        force: true,
+        reason: "Replaced"
+    }));
+    assert_eq!(p.status.repairs.by_cause["Hung"], 1);
+    assert_eq!(p.publish.unwrap().members.len(), 3);
+}
+
+#[test]
+fn reports_of_an_older_generation_are_ignored_and_progress_is_copied() {
+    let j = with_status(basic(), Phase::Running);
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let progress = ProgressReport {
+        generation: 3,
+        step: 120,
+        total_steps: Some(500),
+        loss: Some(0.25),
+        samples_per_second: Some(900.0),
+        last_checkpoint_step: Some(100),
+        time: t(99).to_string(),
+    };
+    let o = Observed {
+        reports: vec![report(0, 1, 2, 10)],
+        progress: Some(progress),
+        ..obs(pods, Some(ring(&j, 3, &[0, 1, 2, 3])))
+    };
+    let p = plan(&j, &o);
+    assert!(p.failures.is_empty());
+    let got = p.status.progress.unwrap();
+    assert_eq!(
+        (got.step, got.total_steps, got.last_checkpoint_step),
+        (120, Some(500), Some(100))
+    );
+    assert_eq!(got.loss, Some(0.25));
+}
+
+#[test]
+fn a_pod_bound_to_a_lost_node_before_it_ran_is_rescheduled_uncounted() {
+    let j = with_status(basic(), Phase::Repairing);
+    let mut pods: Vec<Pod> = [0, 2, 3].iter().map(|&i| pod(&j, i, "Running")).collect();
+    let mut fresh = build::worker_pod(&j, 1, 1);
+    fresh.spec.as_mut().unwrap().node_name = Some("n9".into());
+    pods.push(fresh);
+    let mut o = obs(pods, Some(ring(&j, 2, &[0, 2, 3])));
+    o.lost_nodes.insert("n9".into());
+    let p = plan(&j, &o);
+    assert!(p.failures.is_empty());
+    assert_eq!(p.status.failures.total, 0);
+    assert!(p.delete.contains(&Deletion {
+        pod: "train-worker-1-1".into(),
+        force: true,
+        reason: "Rescheduled"
+    }));
+    let next = &p.create[0];
+    assert_eq!(next.name_any(), "train-worker-1-2");
+    let affinity = serde_json::to_string(&next.spec.as_ref().unwrap().affinity).unwrap();
+    assert!(
+        affinity.contains("n9"),
+        "the replacement avoids the lost node: {affinity}"
+    );
 }
