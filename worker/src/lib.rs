@@ -23,7 +23,10 @@
 //! | [`auth`] | the HMAC-SHA256 challenge-response on one stream, refusal counters | open sockets, see data |
 //! | [`comm`] | the [`Communicator`]: connecting a generation, running plans over non-blocking TCP | choose schedules by itself beyond size thresholds |
 //! | [`error`] | [`CommError`], the one error type | do I/O |
-//! | `main.rs` (binary) | the `diphoma-worker` CLI: `bench`, its hidden `bench-rank` | hold runtime logic |
+//! | [`data`] | the digits data set, the test split, the seeded data order and the per-rank shard (pure but for loading) | know about ranks beyond `(world, rank)` |
+//! | [`model`] | the candle MLP, its summed-loss gradients as flat `f32`, gradient fusion | touch sockets |
+//! | [`train`] | one rank's step loop: fused allreduce, commit, roll-back, generation changes, state sync | parse the contract's env or talk to Kubernetes |
+//! | `main.rs` (binary) | the `diphoma-worker` CLI: `train`, `bench`, its hidden `bench-rank` | hold runtime logic |
 
 //!
 //! # Design decisions
@@ -49,10 +52,13 @@ compile_error!("the wire format is little-endian and buffers travel as raw bytes
 pub mod auth;
 pub mod comm;
 pub mod contract;
+pub mod data;
 pub mod error;
 pub mod frame;
+pub mod model;
 pub mod plan;
 pub mod reduce;
+pub mod train;
 
 pub use auth::RefusalCounters;
 pub use comm::{AbortHandle, Communicator, Config};

@@ -1,8 +1,8 @@
 //! `diphoma-worker`: the binary that worker pods run.
 //!
-//! Subcommands: `bench` (allreduce benchmark with N local rank processes, printing the table of
-//! `performance.md` §1) and its hidden per-rank half `bench-rank`. Training (`train`) comes with
-//! a later issue and slots into [`Cmd`].
+//! Subcommands: `train` (elastic data-parallel training of the digits MLP; `--standalone` runs N
+//! ranks as threads on 127.0.0.1), `bench` (allreduce benchmark with N local rank processes,
+//! printing the table of `performance.md` §1) and its hidden per-rank half `bench-rank`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener};
@@ -27,6 +27,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Data-parallel training of an MLP on the digits set; prints the test accuracy.
+    Train(TrainArgs),
     /// Allreduce benchmark: spawns N local ranks on 127.0.0.1 and prints
     /// `size(B) count k/samp time(us) min(us) algbw busbw #wrong` (nccl-tests style).
     Bench(BenchArgs),
@@ -94,6 +96,37 @@ struct Common {
 }
 
 #[derive(Args)]
+struct TrainArgs {
+    /// Run N ranks as threads on 127.0.0.1 (no Kubernetes).
+    #[arg(long)]
+    standalone: bool,
+    /// Number of ranks (standalone).
+    #[arg(long, default_value_t = 1)]
+    world: usize,
+    /// Steps to train.
+    #[arg(long, default_value_t = 400)]
+    steps: u64,
+    /// Global batch size (samples per step over all ranks; independent of --world).
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// Seed of the data order and of the initial weights.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// SGD learning rate.
+    #[arg(long, default_value_t = 0.5)]
+    lr: f64,
+    /// Hidden units of the MLP.
+    #[arg(long, default_value_t = 64)]
+    hidden: usize,
+    /// The digits CSV (gzip).
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/digits.csv.gz"))]
+    data: std::path::PathBuf,
+    /// Print the loss every this many steps (0: never).
+    #[arg(long, default_value_t = 50)]
+    log_every: u64,
+}
+
+#[derive(Args)]
 struct BenchArgs {
     /// Number of ranks (processes).
     #[arg(long, default_value_t = 2)]
@@ -118,6 +151,7 @@ struct RankArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
+        Cmd::Train(a) => train(a),
         Cmd::Bench(a) => bench(a),
         Cmd::BenchRank(a) => bench_rank(a),
     };
@@ -184,6 +218,34 @@ fn common_args(c: &Common) -> Vec<String> {
     v.extend(c.segment_bytes.map(|x| format!("--segment-bytes={x}")));
     v.extend(c.soak.as_ref().map(|x| format!("--soak={x}")));
     v
+}
+
+fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
+    use diphoma_worker::{data, train};
+    if !a.standalone {
+        return Err("only --standalone is implemented so far".into());
+    }
+    let (train_set, test_set) = data::load_digits(&a.data)?.split();
+    let cfg = train::TrainConfig {
+        steps: a.steps,
+        batch: a.batch,
+        seed: a.seed,
+        lr: a.lr,
+        hidden: a.hidden,
+        checkpoint_every: 0,
+        checkpoint_dir: None,
+        log_every: a.log_every,
+    };
+    let outs = train::train_standalone(&cfg, &train_set, a.world)?;
+    let acc = outs[0].model.accuracy(&test_set)?;
+    println!(
+        "test accuracy {acc:.4} ({} of {} held-out samples) after {} steps, world {}",
+        (acc * test_set.len() as f64).round(),
+        test_set.len(),
+        outs[0].step,
+        a.world
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 fn bench(a: BenchArgs) -> Result<ExitCode, AnyErr> {
