@@ -25,6 +25,7 @@
 //! | [`error`] | [`CommError`], the one error type | do I/O |
 //! | [`data`] | the digits data set, the test split, the seeded data order and the per-rank shard (pure but for loading) | know about ranks beyond `(world, rank)` |
 //! | [`model`] | the candle MLP, its summed-loss gradients as flat `f32`, gradient fusion | touch sockets |
+//! | [`checkpoint`] | safetensors checkpoints with a SHA-256 in the metadata; atomic writes, newest-valid reads | decide when to write |
 //! | [`train`] | one rank's step loop: fused allreduce, commit, roll-back, generation changes, state sync | parse the contract's env or talk to Kubernetes |
 //! | `main.rs` (binary) | the `diphoma-worker` CLI: `train`, `bench`, its hidden `bench-rank` | hold runtime logic |
 
@@ -50,6 +51,7 @@
 compile_error!("the wire format is little-endian and buffers travel as raw bytes");
 
 pub mod auth;
+pub mod checkpoint;
 pub mod comm;
 pub mod contract;
 pub mod data;

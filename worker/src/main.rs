@@ -124,6 +124,12 @@ struct TrainArgs {
     /// Print the loss every this many steps (0: never).
     #[arg(long, default_value_t = 50)]
     log_every: u64,
+    /// Rank 0 writes a checkpoint every this many steps (0: never).
+    #[arg(long, default_value_t = 0)]
+    checkpoint_every: u64,
+    /// Directory of the checkpoints; training resumes from the newest valid one in it.
+    #[arg(long)]
+    checkpoint_dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -232,8 +238,8 @@ fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         seed: a.seed,
         lr: a.lr,
         hidden: a.hidden,
-        checkpoint_every: 0,
-        checkpoint_dir: None,
+        checkpoint_every: a.checkpoint_every,
+        checkpoint_dir: a.checkpoint_dir,
         log_every: a.log_every,
     };
     let outs = train::train_standalone(&cfg, &train_set, a.world)?;

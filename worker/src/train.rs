@@ -21,6 +21,7 @@ use std::path::PathBuf;
 
 use candle_nn::Optimizer;
 
+use crate::checkpoint;
 use crate::data::{self, Dataset};
 use crate::model::{Mlp, fuse, unfuse};
 use crate::{CommError, Communicator, Config, ReduceOp};
@@ -117,6 +118,8 @@ pub struct Outcome {
     pub losses: Vec<f32>,
     /// The generations this rank trained in, in order.
     pub generations: Vec<u64>,
+    /// Step of the last checkpoint this rank wrote (rank 0 only).
+    pub last_checkpoint: Option<u64>,
     /// True when the rank left through [`Control::Leave`].
     pub left: bool,
 }
@@ -181,6 +184,33 @@ fn sync_state(comm: &mut Communicator, c: &mut Committed) -> Result<(), CommErro
     Ok(())
 }
 
+/// Writes the checkpoint of `c` when its step is due (or the last one); returns its step. A
+/// failed write is reported and training goes on (the previous checkpoint stays valid).
+fn maybe_checkpoint(cfg: &TrainConfig, c: &Committed) -> Option<u64> {
+    let dir = cfg.checkpoint_dir.as_ref()?;
+    let every = cfg.checkpoint_every;
+    if every == 0 || !(c.step.is_multiple_of(every) || c.step == cfg.steps) {
+        return None;
+    }
+    let ck = checkpoint::Checkpoint {
+        step: c.step,
+        seed: cfg.seed,
+        hidden: cfg.hidden,
+        params: c.params.clone(),
+    };
+    match checkpoint::write_atomic(dir, &ck) {
+        Ok(_) => Some(c.step),
+        Err(e) => {
+            eprintln!(
+                "diphoma-worker: warning: checkpoint of step {} into {} failed: {e}",
+                c.step,
+                dir.display()
+            );
+            None
+        }
+    }
+}
+
 /// One step on this rank: local gradient of its shard, the fused allreduce, the SGD update.
 /// Returns the global mean loss. On a [`CommError`] the parameters are untouched.
 fn step_once(
@@ -239,6 +269,30 @@ pub fn train_rank(
         step: 0,
         params: model.flat_params()?,
     };
+    if let Some(dir) = &cfg.checkpoint_dir {
+        let resumed = checkpoint::load_newest(dir, |c| {
+            if c.seed != cfg.seed || c.hidden != cfg.hidden {
+                return Err(format!(
+                    "seed {} hidden {}, this run has seed {} hidden {}",
+                    c.seed, c.hidden, cfg.seed, cfg.hidden
+                ));
+            }
+            Ok(())
+        })
+        .map_err(|e| TrainError::Config(format!("checkpoint dir {}: {e}", dir.display())))?;
+        if let Some((path, c)) = resumed {
+            eprintln!(
+                "diphoma-worker: resuming from {} at step {}",
+                path.display(),
+                c.step
+            );
+            committed = Committed {
+                step: c.step,
+                params: c.params,
+            };
+        }
+    }
+    let mut last_checkpoint = None;
     let mut losses: Vec<f32> = Vec::new();
     let mut generations = Vec::new();
     let mut next = Some(first);
@@ -265,6 +319,9 @@ pub fn train_rank(
                         params: model.flat_params()?,
                     };
                     losses.push(loss);
+                    if comm.rank() == 0 {
+                        last_checkpoint = maybe_checkpoint(cfg, &committed).or(last_checkpoint);
+                    }
                     if comm.rank() == 0
                         && cfg.log_every > 0
                         && (s + 1).is_multiple_of(cfg.log_every)
@@ -291,6 +348,7 @@ pub fn train_rank(
                         step: committed.step,
                         losses,
                         generations,
+                        last_checkpoint,
                         left: true,
                     });
                 }
@@ -302,6 +360,7 @@ pub fn train_rank(
         step: committed.step,
         losses,
         generations,
+        last_checkpoint,
         left: false,
     })
 }

@@ -133,3 +133,82 @@ fn cli_refuses_missing_or_malformed_data() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `step N …` lines of rank 0's log.
+fn logged_step(line: &str) -> Option<u64> {
+    line.strip_prefix("step ")?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[test]
+fn killed_run_resumes_from_its_newest_checkpoint() {
+    use diphoma_worker::checkpoint::{Checkpoint, file_name, step_of};
+    use std::io::{BufRead, BufReader};
+    let dir = scratch("kill").join("ckpt");
+    let (steps, every) = (200u64, 10u64);
+    let run = || {
+        let mut c = worker();
+        c.args(["train", "--standalone", "--world", "2", "--log-every", "1"])
+            .arg(format!("--steps={steps}"))
+            .arg(format!("--checkpoint-every={every}"))
+            .arg("--checkpoint-dir")
+            .arg(&dir);
+        c
+    };
+    // Kill every rank (the whole process) once step 25 is committed.
+    let mut child = run()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut last = 0;
+    for l in lines.by_ref() {
+        last = logged_step(&l.unwrap()).unwrap_or(last);
+        if last >= 25 {
+            break;
+        }
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    for l in lines {
+        last = logged_step(&l.unwrap()).unwrap_or(last);
+    }
+    assert!(last < steps, "the run finished before it was killed");
+    let newest = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| step_of(e.unwrap().file_name().to_str()?))
+        .max()
+        .unwrap();
+    assert!(
+        last - newest <= every,
+        "committed {last}, newest checkpoint {newest}"
+    );
+    // The restart resumes there: it repeats at most `every` steps.
+    let out = run().output().unwrap();
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{so}\n{se}");
+    assert!(se.contains(&format!("at step {newest}")), "{se}");
+    let first = so.lines().find_map(logged_step).unwrap();
+    assert_eq!(first, newest + 1);
+    eprintln!("killed at step {last}, resumed at step {newest}");
+    // And it ends where an uninterrupted run ends.
+    let end = Checkpoint::decode(&std::fs::read(dir.join(file_name(steps))).unwrap()).unwrap();
+    let cfg = TrainConfig {
+        steps,
+        ..TrainConfig::default()
+    };
+    let whole = train_standalone(&cfg, &train_set(), 2).unwrap();
+    let d = max_diff(&end.params, &whole[0].model.flat_params().unwrap());
+    assert!(
+        d <= TOL,
+        "resumed run ends {d} away from an uninterrupted one"
+    );
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
