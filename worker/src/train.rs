@@ -114,7 +114,8 @@ pub struct Outcome {
     pub model: Mlp,
     /// Last committed step count (`steps` unless the rank left).
     pub step: u64,
-    /// Global mean training loss of each committed step, indexed by step.
+    /// Global mean training loss of each committed step, indexed by step (NaN for the steps
+    /// before this rank joined).
     pub losses: Vec<f32>,
     /// The generations this rank trained in, in order.
     pub generations: Vec<u64>,
@@ -308,7 +309,7 @@ pub fn train_rank(
             }
         };
         model.set_flat_params(&committed.params)?;
-        losses.truncate(committed.step as usize);
+        losses.resize(committed.step as usize, f32::NAN);
         generations.push(gen_no);
         while committed.step < cfg.steps {
             let s = committed.step;
