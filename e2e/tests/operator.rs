@@ -33,12 +33,16 @@ struct Ctx {
 impl Ctx {
     fn start_operator(&self) {
         let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(diphoma_operator::controller::run(
-            self.client.clone(),
-            async move {
+        let client = self.client.clone();
+        let opts = diphoma_operator::controller::Options::default();
+        let task = tokio::spawn(async move {
+            let stop = async move {
                 let _ = rx.await;
-            },
-        ));
+            };
+            if let Err(e) = diphoma_operator::controller::run(client, opts, stop).await {
+                panic!("operator: {e}");
+            }
+        });
         *self.operator.lock().unwrap() = Some((tx, task));
     }
 
@@ -115,6 +119,7 @@ fn main() -> Result<()> {
         lost_workers_are_replaced_at_a_new_generation_and_counted_once,
         restarted_operator_creates_no_duplicates,
         a_silent_worker_blamed_by_its_neighbours_is_replaced,
+        two_replicas_elect_one_leader_that_serves_metrics,
         node_loss_is_detected_from_its_lease_and_workers_move,
     ];
     let trials = list
@@ -523,4 +528,94 @@ async fn node_loss_is_detected_from_its_lease_and_workers_move(
         st.repairs
     );
     Ok(())
+}
+
+/// `GET http://addr/path` on loopback; returns (status line, body).
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<(String, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    Ok((
+        head.lines().next().unwrap_or_default().to_owned(),
+        body.to_owned(),
+    ))
+}
+
+fn free_addr() -> Result<std::net::SocketAddr> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+async fn two_replicas_elect_one_leader_that_serves_metrics(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    use diphoma_operator::controller::{LeaderElection, Options, run};
+    ctx.stop_operator().await;
+    let mut replicas = vec![];
+    for id in ["replica-a", "replica-b"] {
+        let addr = free_addr()?;
+        let opts = Options {
+            metrics_addr: Some(addr),
+            leader_election: Some(LeaderElection {
+                namespace: ns.clone(),
+                lease_name: "diphoma-operator".into(),
+                identity: id.into(),
+            }),
+        };
+        let (tx, rx) = oneshot::channel::<()>();
+        let client = ctx.client.clone();
+        let task = tokio::spawn(async move {
+            run(client, opts, async move {
+                let _ = rx.await;
+            })
+            .await
+        });
+        replicas.push((addr, tx, task));
+    }
+    let result = async {
+        let out = kubectl_apply(&ctx, &ns, &job_yaml("train", 2, ""))?;
+        ensure!(
+            out.status.success(),
+            "apply: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        running_ring(&ctx, &ns, "train", 2, 0).await?;
+        let mut leaders = 0;
+        for (addr, _, _) in &replicas {
+            let (status, body) = http_get(*addr, "/metrics").await?;
+            ensure!(status.contains("200"), "{status}");
+            if body.lines().any(|l| l == "diphoma_operator_leader 1") {
+                leaders += 1;
+                ensure!(
+                    body.lines()
+                        .any(|l| l == "diphoma_operator_ring_generations_total 1"),
+                    "the leader published the ring:\n{body}"
+                );
+                ensure!(
+                    body.contains("diphoma_operator_jobs{phase=\"Running\"}"),
+                    "{body}"
+                );
+                ensure!(http_get(*addr, "/readyz").await?.0.contains("200"));
+            } else {
+                ensure!(
+                    http_get(*addr, "/readyz").await?.0.contains("503"),
+                    "a waiting replica is not ready"
+                );
+            }
+            ensure!(http_get(*addr, "/healthz").await?.0.contains("200"));
+        }
+        ensure!(leaders == 1, "{leaders} leaders");
+        Ok(())
+    }
+    .await;
+    for (_, tx, task) in replicas {
+        let _ = tx.send(());
+        let _ = task.await;
+    }
+    ctx.start_operator();
+    result
 }

@@ -8,6 +8,7 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use diphoma_worker::contract::{self, FailureReport, MEMBERSHIP_KEY, Membership, ProgressReport};
@@ -25,6 +26,7 @@ use serde::de::DeserializeOwned;
 
 use crate::api::{DiphomaJob, FIELD_MANAGER};
 use crate::build::{self, ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED, MANAGED_BY};
+use crate::metrics::Metrics;
 use crate::plan::{self, Observed, Plan};
 
 /// Errors of one reconcile.
@@ -60,11 +62,13 @@ pub struct Context {
     pub client: Client,
     /// Publishes Kubernetes Events for the jobs.
     pub recorder: Recorder,
+    /// Prometheus metrics.
+    pub metrics: Metrics,
 }
 
 impl Context {
     /// A context whose events are reported by `diphoma-operator` (instance: `$POD_NAME`).
-    pub fn new(client: Client) -> Self {
+    pub fn new(client: Client, metrics: Metrics) -> Self {
         let reporter = Reporter {
             controller: MANAGED_BY.into(),
             instance: std::env::var("POD_NAME").ok(),
@@ -72,32 +76,159 @@ impl Context {
         Context {
             recorder: Recorder::new(client.clone(), reporter),
             client,
+            metrics,
         }
     }
 }
 
-/// Runs the controller until `shutdown` resolves.
+/// Leader election on a `coordination.k8s.io` Lease, so that several replicas are safe.
+#[derive(Debug, Clone)]
+pub struct LeaderElection {
+    /// Namespace of the Lease (the operator's own).
+    pub namespace: String,
+    /// Name of the Lease.
+    pub lease_name: String,
+    /// This replica's identity (its pod name).
+    pub identity: String,
+}
+
+/// How [`run`] serves and coordinates.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Where to serve `/metrics`, `/healthz` and `/readyz` (none: not served).
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Reconcile only while holding this Lease (none: always).
+    pub leader_election: Option<LeaderElection>,
+}
+
+/// Why [`run`] stopped before its shutdown signal.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The metrics address could not be bound.
+    #[error("metrics address {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The leader Lease could not be set up.
+    #[error("leader election on lease {lease}: {source}")]
+    Lease {
+        /// `namespace/name` of the Lease.
+        lease: String,
+        /// The error.
+        #[source]
+        source: kube_lease_manager::LeaseManagerError,
+    },
+    /// Leadership was lost; the process should exit and campaign again.
+    #[error("lost the leader lease")]
+    LostLeadership,
+}
+
+/// How long [`run`] waits for reconciles in flight after its shutdown signal.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Runs the controller until `shutdown` resolves: serves metrics and health, waits for the
+/// leader Lease when asked to, then reconciles every `DiphomaJob`.
+///
+/// Errors: [`RunError`] when the metrics address cannot be bound, the Lease cannot be managed, or
+/// leadership is lost.
 pub async fn run(
     client: Client,
-    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
-) {
+    opts: Options,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
     let jobs: Api<DiphomaJob> = Api::all(client.clone());
     let pods: Api<Pod> = Api::all(client.clone());
     let managed = format!("app.kubernetes.io/managed-by={MANAGED_BY}");
-    let ctx = Arc::new(Context::new(client));
-    Controller::new(jobs, watcher::Config::default().any_semantic())
-        .owns(pods, watcher::Config::default().labels(&managed))
-        .graceful_shutdown_on(shutdown)
+    let metrics = Metrics::default();
+    let ready = Arc::new(AtomicBool::new(false));
+    let controller = Controller::new(jobs, watcher::Config::default().any_semantic())
+        .owns(pods, watcher::Config::default().labels(&managed));
+    if let Some(addr) = opts.metrics_addr {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| RunError::Bind { addr, source })?;
+        tokio::spawn(crate::metrics::serve(
+            listener,
+            metrics.clone(),
+            controller.store(),
+            ready.clone(),
+        ));
+    }
+    let mut shutdown = Box::pin(shutdown);
+    let mut leadership = None;
+    if let Some(le) = &opts.leader_election {
+        let lease = format!("{}/{}", le.namespace, le.lease_name);
+        let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &le.lease_name)
+            .with_namespace(&le.namespace)
+            .with_identity(&le.identity)
+            .with_field_manager(FIELD_MANAGER)
+            .build()
+            .await
+            .map_err(|source| RunError::Lease { lease, source })?;
+        let (mut rx, _task) = manager.watch().await;
+        tracing::info!(identity = %le.identity, "waiting for the leader lease");
+        while !*rx.borrow_and_update() {
+            tokio::select! {
+                changed = rx.changed() => if changed.is_err() { return Err(RunError::LostLeadership) },
+                _ = &mut shutdown => return Ok(()),
+            }
+        }
+        leadership = Some(rx);
+    }
+    metrics.leader.set(1);
+    ready.store(true, Ordering::Relaxed);
+    let lost = Arc::new(AtomicBool::new(false));
+    let lost_flag = lost.clone();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (stopping_tx, mut stopping) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        match leadership {
+            Some(mut rx) => tokio::select! {
+                _ = shutdown => {}
+                _ = async { while rx.changed().await.is_ok() && *rx.borrow() {} } => lost_flag.store(true, Ordering::Relaxed),
+            },
+            None => shutdown.await,
+        }
+        let _ = stop_tx.send(());
+        let _ = stopping_tx.send(true);
+    });
+    let stop = async move {
+        let _ = stop_rx.await;
+    };
+    let ctx = Arc::new(Context::new(client, metrics.clone()));
+    let drive = controller
+        .graceful_shutdown_on(stop)
         .run(reconcile, error_policy, ctx)
         .for_each(|r| async move {
             if let Err(e) = r {
                 tracing::debug!(error = %e, "reconcile");
             }
-        })
-        .await;
+        });
+    // A graceful shutdown waits for reconciles in flight; bound it, as the kubelet bounds ours.
+    tokio::select! {
+        _ = drive => {}
+        _ = async {
+            let _ = stopping.wait_for(|s| *s).await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        } => tracing::warn!("the controller did not stop within {SHUTDOWN_GRACE:?} of the signal; dropping it"),
+    }
+    metrics.leader.set(0);
+    if lost.load(Ordering::Relaxed) {
+        Err(RunError::LostLeadership)
+    } else {
+        Ok(())
+    }
 }
 
-fn error_policy(job: Arc<DiphomaJob>, err: &Error, _ctx: Arc<Context>) -> Action {
+fn error_policy(job: Arc<DiphomaJob>, err: &Error, ctx: Arc<Context>) -> Action {
+    ctx.metrics
+        .errors
+        .with_label_values(&[err.metric_label()])
+        .inc();
     tracing::warn!(job = %job.name_any(), error = %err, kind = err.metric_label(), "reconcile failed");
     Action::requeue(Duration::from_secs(2))
 }
@@ -107,9 +238,12 @@ pub async fn reconcile(job: Arc<DiphomaJob>, ctx: Arc<Context>) -> Result<Action
     if job.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change()); // owner references clean up the children
     }
+    ctx.metrics.reconciles.inc();
+    let _timer = ctx.metrics.duration.start_timer();
     let obs = observe(&ctx.client, &job).await?; // reads
     let plan = plan::plan(&job, &obs); // pure
     apply(&ctx, &job, &plan).await?; // writes
+    ctx.metrics.observe_plan(&plan);
     let running = plan.status.phase.is_some_and(|p| !p.is_terminal());
     let node_check =
         Duration::from_secs_f64(f64::from(job.spec.fault_tolerance.detection_seconds) / 3.0);

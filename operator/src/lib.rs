@@ -6,7 +6,8 @@
 //!   plain objects. Pure.
 //! - [`plan`]: the decision of one reconcile — failures, pods to create and delete, the next ring
 //!   generation, the status. Pure, and where most tests live.
-//! - [`controller`]: observe → plan → apply → status against the API server. The only I/O.
+//! - [`controller`]: observe → plan → apply → status against the API server, leader election.
+//! - [`metrics`]: Prometheus metrics and the `/metrics`, `/healthz`, `/readyz` server.
 //!
 //! The operator/worker contract (env names, labels, membership format, key file) is imported
 //! from `diphoma_worker::contract`, never restated here.
@@ -14,6 +15,7 @@
 pub mod api;
 pub mod build;
 pub mod controller;
+pub mod metrics;
 pub mod plan;
 
 use kube::CustomResourceExt;

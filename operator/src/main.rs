@@ -1,6 +1,7 @@
 //! `diphoma-operator`: `crd` prints the CustomResourceDefinition; `run` runs the reconciler.
 
 use clap::{Parser, Subcommand};
+use diphoma_operator::controller::{LeaderElection, Options, run};
 
 #[derive(Parser)]
 #[command(
@@ -20,7 +21,26 @@ enum Cmd {
     /// Print the DiphomaJob CustomResourceDefinition (YAML).
     Crd,
     /// Run the controller with the in-cluster or `$KUBECONFIG` credentials.
-    Run,
+    Run(RunArgs),
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Address of `/metrics`, `/healthz` and `/readyz` (default: `$POD_IP:8080`, else 127.0.0.1:8080).
+    #[arg(long, env = "DIPHOMA_METRICS_ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// Reconcile only while holding the leader Lease (for more than one replica).
+    #[arg(long, env = "DIPHOMA_LEADER_ELECT")]
+    leader_elect: bool,
+    /// Namespace of the leader Lease (default: `$POD_NAMESPACE`).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    lease_namespace: String,
+    /// Name of the leader Lease.
+    #[arg(long, env = "DIPHOMA_LEASE_NAME", default_value = "diphoma-operator")]
+    lease_name: String,
+    /// This replica's identity in the Lease (default: `$POD_NAME`).
+    #[arg(long, env = "POD_NAME", default_value = "diphoma-operator")]
+    identity: String,
 }
 
 #[tokio::main]
@@ -38,7 +58,7 @@ async fn main() {
     }
     match cli.cmd {
         Cmd::Crd => print!("{}", diphoma_operator::crd_yaml()),
-        Cmd::Run => {
+        Cmd::Run(args) => {
             let client = match kube::Client::try_default().await {
                 Ok(c) => c,
                 Err(e) => {
@@ -48,8 +68,20 @@ async fn main() {
                     std::process::exit(1);
                 }
             };
-            tracing::info!("diphoma-operator running");
-            diphoma_operator::controller::run(client, async {
+            let ip: std::net::IpAddr = std::env::var("POD_IP")
+                .ok()
+                .and_then(|ip| ip.parse().ok())
+                .unwrap_or([127, 0, 0, 1].into());
+            let opts = Options {
+                metrics_addr: Some(args.metrics_addr.unwrap_or((ip, 8080).into())),
+                leader_election: args.leader_elect.then(|| LeaderElection {
+                    namespace: args.lease_namespace,
+                    lease_name: args.lease_name,
+                    identity: args.identity,
+                }),
+            };
+            tracing::info!(metrics = ?opts.metrics_addr, leader_election = opts.leader_election.is_some(), "diphoma-operator running");
+            let stop = async {
                 let mut term =
                     tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
                         .expect("SIGTERM handler");
@@ -57,8 +89,11 @@ async fn main() {
                     _ = tokio::signal::ctrl_c() => {}
                     _ = term.recv() => {}
                 }
-            })
-            .await;
+            };
+            if let Err(e) = run(client, opts, stop).await {
+                eprintln!("diphoma-operator: {e}");
+                std::process::exit(1);
+            }
         }
     }
 }

@@ -1,0 +1,242 @@
+//! The operator's Prometheus metrics (own registry, `diphoma_operator_` prefix, bounded labels:
+//! error kind, cause, phase, state — never a job or pod name) and the `/metrics`, `/healthz`,
+//! `/readyz` endpoints.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::get;
+use kube::runtime::reflector::Store;
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+use crate::api::{DiphomaJob, Phase};
+use crate::plan::Plan;
+
+/// Every metric the operator exports.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// `diphoma_operator_reconciles_total`.
+    pub reconciles: IntCounter,
+    /// `diphoma_operator_reconcile_errors_total{error}`.
+    pub errors: IntCounterVec,
+    /// `diphoma_operator_reconcile_duration_seconds`.
+    pub duration: Histogram,
+    /// `diphoma_operator_ring_repairs_total{cause}`: ring members lost and replaced.
+    pub repairs: IntCounterVec,
+    /// `diphoma_operator_worker_failures_total{cause}`: failures counted against backoffLimit.
+    pub failures: IntCounterVec,
+    /// `diphoma_operator_time_to_repair_seconds`: from a member's loss to the ring re-formed.
+    pub time_to_repair: Histogram,
+    /// `diphoma_operator_ring_generations_total`: generations published.
+    pub generations: IntCounter,
+    /// `diphoma_operator_jobs{phase}` (computed at scrape time from the job cache).
+    pub jobs: IntGaugeVec,
+    /// `diphoma_operator_workers{state}` with state `desired` or `ready` (at scrape time).
+    pub workers: IntGaugeVec,
+    /// `diphoma_operator_leader`: 1 while this replica reconciles.
+    pub leader: IntGauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let registry =
+            Registry::new_custom(Some("diphoma_operator".into()), None).expect("valid prefix");
+        let counter = |n: &str, h: &str| IntCounter::new(n, h).expect("valid metric");
+        let counter_vec = |n: &str, h: &str, l: &str| {
+            IntCounterVec::new(Opts::new(n, h), &[l]).expect("valid metric")
+        };
+        let gauge_vec = |n: &str, h: &str, l: &str| {
+            IntGaugeVec::new(Opts::new(n, h), &[l]).expect("valid metric")
+        };
+        let buckets = vec![0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0];
+        let m = Metrics {
+            reconciles: counter("reconciles_total", "Reconciles run"),
+            errors: counter_vec(
+                "reconcile_errors_total",
+                "Reconciles that failed, by error kind",
+                "error",
+            ),
+            duration: Histogram::with_opts(
+                HistogramOpts::new("reconcile_duration_seconds", "Reconcile latency").buckets(
+                    vec![0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+                ),
+            )
+            .expect("valid metric"),
+            repairs: counter_vec(
+                "ring_repairs_total",
+                "Ring members lost and replaced, by cause",
+                "cause",
+            ),
+            failures: counter_vec(
+                "worker_failures_total",
+                "Worker failures counted against backoffLimit, by cause",
+                "cause",
+            ),
+            time_to_repair: Histogram::with_opts(
+                HistogramOpts::new(
+                    "time_to_repair_seconds",
+                    "From a member's loss to the ring re-formed without it",
+                )
+                .buckets(buckets),
+            )
+            .expect("valid metric"),
+            generations: counter("ring_generations_total", "Ring generations published"),
+            jobs: gauge_vec("jobs", "Jobs by phase", "phase"),
+            workers: gauge_vec(
+                "workers",
+                "Workers over all jobs: desired and ready",
+                "state",
+            ),
+            leader: IntGauge::new(
+                "leader",
+                "Whether this replica holds the leader lease and reconciles (1) or waits (0)",
+            )
+            .expect("valid metric"),
+            registry,
+        };
+        for c in [
+            Box::new(m.reconciles.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(m.errors.clone()),
+            Box::new(m.duration.clone()),
+            Box::new(m.repairs.clone()),
+            Box::new(m.failures.clone()),
+            Box::new(m.time_to_repair.clone()),
+            Box::new(m.generations.clone()),
+            Box::new(m.jobs.clone()),
+            Box::new(m.workers.clone()),
+            Box::new(m.leader.clone()),
+        ] {
+            m.registry.register(c).expect("unique metric");
+        }
+        m
+    }
+}
+
+impl Metrics {
+    /// Records what a reconcile's plan did.
+    pub fn observe_plan(&self, plan: &Plan) {
+        for f in &plan.failures {
+            self.failures.with_label_values(&[f.cause.as_str()]).inc();
+            if f.rank.is_some() {
+                self.repairs.with_label_values(&[f.cause.as_str()]).inc();
+            }
+        }
+        if plan.publish.is_some() {
+            self.generations.inc();
+            if let Some(s) = plan
+                .status
+                .repairs
+                .last_seconds
+                .filter(|_| plan.status.phase != Some(Phase::Succeeded))
+            {
+                self.time_to_repair.observe(s);
+            }
+        }
+    }
+
+    /// The text exposition, with the job and worker gauges computed from `jobs`.
+    pub fn render(&self, jobs: &[Arc<DiphomaJob>]) -> String {
+        self.jobs.reset();
+        let (mut desired, mut ready) = (0, 0);
+        for j in jobs {
+            let st = j.status.clone().unwrap_or_default();
+            let phase = st.phase.map_or("Unknown".to_owned(), |p| format!("{p:?}"));
+            self.jobs.with_label_values(&[phase.as_str()]).inc();
+            if !st.phase.is_some_and(Phase::is_terminal) {
+                desired += i64::from(j.spec.replicas);
+                ready += i64::from(st.ready_replicas);
+            }
+        }
+        self.workers.with_label_values(&["desired"]).set(desired);
+        self.workers.with_label_values(&["ready"]).set(ready);
+        let mut out = vec![];
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .expect("text encoding");
+        String::from_utf8(out).expect("UTF-8 exposition")
+    }
+}
+
+/// Serves `/metrics` (from `metrics` and the job cache `store`), `/healthz` (always OK) and
+/// `/readyz` (OK once `ready` is set) on `listener` until the process ends.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: Metrics,
+    store: Store<DiphomaJob>,
+    ready: Arc<AtomicBool>,
+) -> std::io::Result<()> {
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(move || async move { metrics.render(&store.state()) }),
+        )
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/readyz",
+            get(move || async move {
+                if ready.load(Ordering::Relaxed) {
+                    (StatusCode::OK, "ok")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "starting")
+                }
+            }),
+        );
+    axum::serve(listener, app).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Cause, Failure};
+
+    #[test]
+    fn plans_feed_counters_and_gauges_come_from_jobs() {
+        let m = Metrics::default();
+        let mut plan = Plan::default();
+        let f = |rank| Failure {
+            pod: "p".into(),
+            rank,
+            cause: Cause::NodeLost,
+            reason: "NodeLost".into(),
+            exit_code: None,
+            retryable: true,
+            exists: true,
+            at: jiff::Timestamp::UNIX_EPOCH,
+        };
+        plan.failures = vec![f(Some(1)), f(None)];
+        m.observe_plan(&plan);
+        let mut job = crate::build::tests::basic();
+        job.status = Some(crate::api::DiphomaJobStatus {
+            phase: Some(Phase::Running),
+            ready_replicas: 3,
+            ..Default::default()
+        });
+        let text = m.render(&[Arc::new(job)]);
+        assert!(
+            text.contains("diphoma_operator_worker_failures_total{cause=\"NodeLost\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("diphoma_operator_ring_repairs_total{cause=\"NodeLost\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("diphoma_operator_jobs{phase=\"Running\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("diphoma_operator_workers{state=\"ready\"} 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("diphoma_operator_workers{state=\"desired\"} 4"),
+            "{text}"
+        );
+    }
+}
