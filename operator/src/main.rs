@@ -74,7 +74,7 @@ async fn main() {
                 .unwrap_or([127, 0, 0, 1].into());
             let opts = Options {
                 metrics_addr: Some(args.metrics_addr.unwrap_or((ip, 8080).into())),
-                leader_election: args.leader_elect.then(|| LeaderElection {
+                leader_election: args.leader_elect.then_some(LeaderElection {
                     namespace: args.lease_namespace,
                     lease_name: args.lease_name,
                     identity: args.identity,
