@@ -27,6 +27,7 @@
 //! | [`model`] | the candle MLP, its summed-loss gradients as flat `f32`, gradient fusion | touch sockets |
 //! | [`checkpoint`] | safetensors checkpoints with a SHA-256 in the metadata; atomic writes, newest-valid reads | decide when to write |
 //! | [`train`] | one rank's step loop: fused allreduce, commit, roll-back, generation changes, state sync | parse the contract's env or talk to Kubernetes |
+//! | [`k8s`] | Kubernetes mode of `train`: contract env, the ring ConfigMap as a [`train::RingSource`], heartbeat writes | train |
 //! | `main.rs` (binary) | the `diphoma-worker` CLI: `train`, `bench`, its hidden `bench-rank` | hold runtime logic |
 
 //!
@@ -57,6 +58,7 @@ pub mod contract;
 pub mod data;
 pub mod error;
 pub mod frame;
+pub mod k8s;
 pub mod model;
 pub mod plan;
 pub mod reduce;

@@ -97,7 +97,8 @@ struct Common {
 
 #[derive(Args)]
 struct TrainArgs {
-    /// Run N ranks as threads on 127.0.0.1 (no Kubernetes).
+    /// Run N ranks as threads on 127.0.0.1. Without it: one rank of a Kubernetes job, configured
+    /// by the operator's env (DIPHOMA_*), following the ring ConfigMap.
     #[arg(long)]
     standalone: bool,
     /// Number of ranks (standalone).
@@ -227,10 +228,15 @@ fn common_args(c: &Common) -> Vec<String> {
 }
 
 fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
-    use diphoma_worker::{data, train};
-    if !a.standalone {
-        return Err("only --standalone is implemented so far".into());
-    }
+    use diphoma_worker::{data, k8s, train};
+    // Kubernetes mode checks its environment before anything else.
+    let kube_env = if a.standalone {
+        None
+    } else {
+        let env = k8s::WorkerEnv::from_env()?;
+        let key = env.read_key()?;
+        Some((env, key))
+    };
     let (train_set, test_set) = data::load_digits(&a.data)?.split();
     let cfg = train::TrainConfig {
         steps: a.steps,
@@ -242,14 +248,29 @@ fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         checkpoint_dir: a.checkpoint_dir,
         log_every: a.log_every,
     };
-    let outs = train::train_standalone(&cfg, &train_set, a.world)?;
-    let acc = outs[0].model.accuracy(&test_set)?;
+    let (out, world) = match kube_env {
+        None => {
+            let mut outs = train::train_standalone(&cfg, &train_set, a.world)?;
+            (outs.swap_remove(0), a.world)
+        }
+        Some((env, key)) => {
+            let mut ring = k8s::KubeRing::start(env, key)?;
+            let first = ring.first_generation()?;
+            let world = first.config.world;
+            let out = train::train_rank(&cfg, &train_set, first, &mut ring)?;
+            if out.left {
+                println!("left the ring after step {}", out.step);
+                return Ok(ExitCode::SUCCESS);
+            }
+            (out, world)
+        }
+    };
+    let acc = out.model.accuracy(&test_set)?;
     println!(
-        "test accuracy {acc:.4} ({} of {} held-out samples) after {} steps, world {}",
+        "test accuracy {acc:.4} ({} of {} held-out samples) after {} steps, world {world}",
         (acc * test_set.len() as f64).round(),
         test_set.len(),
-        outs[0].step,
-        a.world
+        out.step,
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -24,7 +24,7 @@ use candle_nn::Optimizer;
 use crate::checkpoint;
 use crate::data::{self, Dataset};
 use crate::model::{Mlp, fuse, unfuse};
-use crate::{CommError, Communicator, Config, ReduceOp};
+use crate::{AbortHandle, CommError, Communicator, Config, ReduceOp};
 
 /// Hyper-parameters and schedule of a training run (identical on every rank).
 #[derive(Debug, Clone)]
@@ -86,11 +86,33 @@ pub enum Control {
 /// Where a rank learns about ring generations (the ring ConfigMap in Kubernetes, a fixed list
 /// in standalone runs and tests).
 pub trait RingSource {
-    /// Called after step `step` committed.
-    fn after_commit(&mut self, step: u64) -> Control;
+    /// Called once a generation is connected, with the handle that aborts its collective in
+    /// flight (e.g. when a newer generation is published while a peer hangs).
+    fn connected(&mut self, _generation: u64, _rank: usize, _abort: AbortHandle) {}
+    /// Called after a step committed.
+    fn after_commit(&mut self, progress: &Progress) -> Control;
     /// Called after a collective or a connect failed with `err`: the generation to join next,
     /// or `None` to give up.
     fn after_failure(&mut self, err: &CommError) -> Option<Generation>;
+}
+
+/// What a rank knows after a committed step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Progress {
+    /// Steps committed.
+    pub step: u64,
+    /// Steps to train in total.
+    pub total_steps: u64,
+    /// The generation it committed in.
+    pub generation: u64,
+    /// This member's rank in that generation.
+    pub rank: usize,
+    /// Global mean training loss of the step.
+    pub loss: f32,
+    /// Samples per second over the ring since the generation started.
+    pub samples_per_second: f64,
+    /// Step of the last checkpoint written by this rank, if any.
+    pub last_checkpoint: Option<u64>,
 }
 
 /// Why training stopped with an error.
@@ -311,6 +333,8 @@ pub fn train_rank(
         model.set_flat_params(&committed.params)?;
         losses.resize(committed.step as usize, f32::NAN);
         generations.push(gen_no);
+        source.connected(gen_no, comm.rank(), comm.abort_handle());
+        let (gen_start, gen_first_step) = (std::time::Instant::now(), committed.step);
         while committed.step < cfg.steps {
             let s = committed.step;
             match step_once(cfg, train, &model, &mut opt, &mut comm, s) {
@@ -337,7 +361,17 @@ pub fn train_rank(
                     continue 'generations;
                 }
             }
-            match source.after_commit(committed.step) {
+            let progress = Progress {
+                step: committed.step,
+                total_steps: cfg.steps,
+                generation: gen_no,
+                rank: comm.rank(),
+                loss: losses.last().copied().unwrap_or(f32::NAN),
+                samples_per_second: ((committed.step - gen_first_step) * cfg.batch as u64) as f64
+                    / gen_start.elapsed().as_secs_f64().max(1e-9),
+                last_checkpoint,
+            };
+            match source.after_commit(&progress) {
                 Control::Continue => {}
                 Control::Switch(g) => {
                     next = Some(g);
@@ -371,7 +405,7 @@ pub fn train_rank(
 pub struct FixedRing;
 
 impl RingSource for FixedRing {
-    fn after_commit(&mut self, _step: u64) -> Control {
+    fn after_commit(&mut self, _progress: &Progress) -> Control {
         Control::Continue
     }
     fn after_failure(&mut self, _err: &CommError) -> Option<Generation> {

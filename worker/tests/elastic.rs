@@ -8,7 +8,8 @@ use std::path::Path;
 use diphoma_worker::CommError;
 use diphoma_worker::data;
 use diphoma_worker::train::{
-    Control, Generation, RingSource, TrainConfig, local_generation, train_rank, train_standalone,
+    Control, Generation, Progress, RingSource, TrainConfig, local_generation, train_rank,
+    train_standalone,
 };
 
 /// As in `tests/train.rs`: the runs differ only in the order of f32 additions (world 4, 3, 4
@@ -25,8 +26,8 @@ struct Script {
 }
 
 impl RingSource for Script {
-    fn after_commit(&mut self, step: u64) -> Control {
-        match self.after_step.iter().position(|(s, _)| *s == step) {
+    fn after_commit(&mut self, p: &Progress) -> Control {
+        match self.after_step.iter().position(|(s, _)| *s == p.step) {
             Some(i) => self.after_step.remove(i).1,
             None => Control::Continue,
         }

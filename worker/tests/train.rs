@@ -212,3 +212,53 @@ fn killed_run_resumes_from_its_newest_checkpoint() {
     );
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
+
+#[test]
+fn kubernetes_mode_names_a_missing_or_malformed_variable() {
+    use diphoma_worker::contract::*;
+    let vars = [
+        ENV_JOB_NAME,
+        ENV_JOB_UID,
+        ENV_NAMESPACE,
+        ENV_POD_NAME,
+        ENV_POD_IP,
+        ENV_RING_PORT,
+        ENV_KEY_FILE,
+        ENV_MEMBERSHIP,
+    ];
+    let mut bare = worker();
+    bare.arg("train");
+    for v in vars {
+        bare.env_remove(v);
+    }
+    let out = bare.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("environment variable DIPHOMA_") && err.contains("not set"),
+        "{err}"
+    );
+    let mut bad = worker();
+    bad.arg("train");
+    for v in vars {
+        bad.env(v, "x");
+    }
+    bad.env(ENV_POD_IP, "127.0.0.9").env(ENV_RING_PORT, "99999");
+    let out = bad.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains(ENV_RING_PORT) && err.contains("99999"),
+        "{err}"
+    );
+    // A key file that is not there is named too.
+    bad.env(ENV_RING_PORT, "29500")
+        .env(ENV_KEY_FILE, "/nonexistent/ring.key");
+    let out = bad.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("/nonexistent/ring.key") && err.contains(ENV_KEY_FILE),
+        "{err}"
+    );
+}

@@ -1,0 +1,531 @@
+//! Kubernetes mode of `train`: the contract's env, the ring ConfigMap watched as a
+//! [`RingSource`], and the heartbeat ConfigMap writes (docs/design/heartbeat.md).
+//!
+//! Pure parts (unit-tested): [`WorkerEnv::from_lookup`] and [`decide`]. I/O parts: [`KubeRing`]
+//! runs a single-object watch of `<job>-ring` on a small tokio runtime of its own; each
+//! membership it sees is handed to the training thread, and a newer generation aborts the
+//! collective in flight (so a ring stuck on a hung peer moves on as soon as the operator has
+//! re-formed it). Rank 0 patches its [`ProgressReport`] into `<job>-heartbeat` every
+//! [`PROGRESS_EVERY`]; a member whose collective fails patches one [`FailureReport`] under
+//! `report.<pod>`. Nothing is written per worker per step.
+
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::watcher;
+
+use crate::contract::{
+    self, ENV_JOB_NAME, ENV_JOB_UID, ENV_KEY_FILE, ENV_MEMBERSHIP, ENV_NAMESPACE, ENV_POD_IP,
+    ENV_POD_NAME, ENV_RING_PORT, FailureReport, MEMBERSHIP_KEY, Membership, ProgressReport,
+};
+use crate::train::{Control, Generation, Progress, RingSource};
+use crate::{AbortHandle, CommError, Config};
+
+/// How often rank 0 writes its progress record.
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+/// Bound on each collective in Kubernetes mode: below half the default `detectionSeconds`
+/// (10 s), so a hung peer is reported in time.
+pub const OP_TIMEOUT: Duration = Duration::from_secs(4);
+/// How long a member whose collective failed waits for a newer generation before it re-joins
+/// the newest one it knows (which may be the same generation, re-formed).
+pub const REJOIN_WAIT: Duration = Duration::from_secs(1);
+
+/// The contract's environment, parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerEnv {
+    /// `DIPHOMA_JOB_NAME`.
+    pub job_name: String,
+    /// `DIPHOMA_JOB_UID`.
+    pub job_uid: String,
+    /// `DIPHOMA_NAMESPACE`.
+    pub namespace: String,
+    /// `DIPHOMA_POD_NAME`.
+    pub pod_name: String,
+    /// `DIPHOMA_POD_IP`.
+    pub pod_ip: IpAddr,
+    /// `DIPHOMA_RING_PORT` (1–65535).
+    pub ring_port: u16,
+    /// `DIPHOMA_KEY_FILE`.
+    pub key_file: PathBuf,
+    /// `DIPHOMA_MEMBERSHIP`: name of the ring ConfigMap.
+    pub membership: String,
+}
+
+/// A missing or malformed contract variable; the message names it.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvError {
+    /// Not set, or empty.
+    #[error("environment variable {0} is not set")]
+    Missing(&'static str),
+    /// Set to something unusable.
+    #[error("environment variable {var}: {problem}")]
+    Invalid {
+        /// The variable.
+        var: &'static str,
+        /// What is wrong with its value.
+        problem: String,
+    },
+}
+
+impl WorkerEnv {
+    /// Parses the contract variables through `get` (a variable's value, `None` when unset).
+    ///
+    /// # Errors
+    /// [`EnvError`] naming the first missing or malformed variable.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<WorkerEnv, EnvError> {
+        let req = |v: &'static str| {
+            get(v)
+                .filter(|s| !s.trim().is_empty())
+                .ok_or(EnvError::Missing(v))
+        };
+        let invalid = |var: &'static str, problem: String| EnvError::Invalid { var, problem };
+        let ip = req(ENV_POD_IP)?;
+        let port = req(ENV_RING_PORT)?;
+        Ok(WorkerEnv {
+            job_name: req(ENV_JOB_NAME)?,
+            job_uid: req(ENV_JOB_UID)?,
+            namespace: req(ENV_NAMESPACE)?,
+            pod_name: req(ENV_POD_NAME)?,
+            pod_ip: ip
+                .trim()
+                .parse()
+                .map_err(|_| invalid(ENV_POD_IP, format!("{ip:?} is not an IP address")))?,
+            ring_port: port
+                .trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|&p| p != 0)
+                .ok_or_else(|| invalid(ENV_RING_PORT, format!("{port:?} is not a port 1-65535")))?,
+            key_file: req(ENV_KEY_FILE)?.into(),
+            membership: req(ENV_MEMBERSHIP)?,
+        })
+    }
+
+    /// [`WorkerEnv::from_lookup`] on the process environment.
+    ///
+    /// # Errors
+    /// As [`WorkerEnv::from_lookup`].
+    pub fn from_env() -> Result<WorkerEnv, EnvError> {
+        WorkerEnv::from_lookup(|n| std::env::var(n).ok())
+    }
+
+    /// Reads and validates the key file.
+    ///
+    /// # Errors
+    /// A message naming the file and [`ENV_KEY_FILE`].
+    pub fn read_key(&self) -> Result<Vec<u8>, String> {
+        let what = format!("key file {} ({ENV_KEY_FILE})", self.key_file.display());
+        let bytes = std::fs::read(&self.key_file).map_err(|e| format!("{what}: {e}"))?;
+        contract::parse_key(bytes).map_err(|e| format!("{what}: {e}"))
+    }
+}
+
+/// What a member does on seeing membership `m` while in generation `current` (`None`: not yet
+/// in any).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Nothing new: stay where it is.
+    Stay,
+    /// Join generation `m.generation` as this rank.
+    Join(usize),
+    /// The newer generation does not include this pod: leave.
+    NotMember,
+}
+
+/// See [`Decision`]: a generation not newer than `current` changes nothing.
+pub fn decide(current: Option<u64>, m: &Membership, pod: &str) -> Decision {
+    if current.is_some_and(|c| m.generation <= c) {
+        return Decision::Stay;
+    }
+    match m.rank_of(pod) {
+        Some(r) => Decision::Join(r),
+        None => Decision::NotMember,
+    }
+}
+
+/// A [`RingSource`] fed by the ring ConfigMap (see the module docs).
+pub struct KubeRing {
+    env: WorkerEnv,
+    key: Vec<u8>,
+    rt: tokio::runtime::Runtime,
+    heartbeat: Api<ConfigMap>,
+    rx: mpsc::Receiver<Membership>,
+    latest: Option<Membership>,
+    current: Option<Membership>,
+    in_flight: Arc<Mutex<Option<(u64, AbortHandle)>>>,
+    last_progress: Option<Instant>,
+}
+
+impl std::fmt::Debug for KubeRing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeRing")
+            .field("env", &self.env)
+            .field("current", &self.current.as_ref().map(|m| m.generation))
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why the Kubernetes side could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeError {
+    /// No client configuration (kubeconfig / in-cluster) or runtime.
+    #[error("kubernetes client: {0}")]
+    Client(String),
+    /// The watch ended before this pod was a member of any generation.
+    #[error("the ring ConfigMap {0} never listed this pod")]
+    NoMembership(String),
+    /// The ring port could not be bound.
+    #[error("binding the ring port {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl KubeRing {
+    /// Connects to the API server (`KUBECONFIG` or in-cluster config) and starts watching the
+    /// ring ConfigMap.
+    ///
+    /// # Errors
+    /// [`KubeError::Client`] when no client can be built.
+    pub fn start(env: WorkerEnv, key: Vec<u8>) -> Result<KubeRing, KubeError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(|e| KubeError::Client(e.to_string()))?;
+        let client = rt
+            .block_on(kube::Client::try_default())
+            .map_err(|e| KubeError::Client(e.to_string()))?;
+        let ring: Api<ConfigMap> = Api::namespaced(client.clone(), &env.namespace);
+        let heartbeat = Api::namespaced(client, &env.namespace);
+        let (tx, rx) = mpsc::channel();
+        let in_flight: Arc<Mutex<Option<(u64, AbortHandle)>>> = Arc::default();
+        let slot = in_flight.clone();
+        let fields = format!("metadata.name={}", env.membership);
+        rt.spawn(async move {
+            let mut events = watcher(ring, watcher::Config::default().fields(&fields)).boxed();
+            while let Some(ev) = events.next().await {
+                let cm = match ev {
+                    Ok(watcher::Event::Apply(cm) | watcher::Event::InitApply(cm)) => cm,
+                    Ok(_) => continue,
+                    Err(e) => {
+                        eprintln!("diphoma-worker: warning: ring watch: {e}");
+                        continue;
+                    }
+                };
+                let Some(json) = cm.data.as_ref().and_then(|d| d.get(MEMBERSHIP_KEY)) else {
+                    continue;
+                };
+                let m = match Membership::parse(json) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        eprintln!("diphoma-worker: warning: ignoring ring membership: {e}");
+                        continue;
+                    }
+                };
+                if let Some((g, h)) = slot.lock().expect("slot").as_ref()
+                    && m.generation > *g
+                {
+                    h.abort();
+                }
+                if tx.send(m).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(KubeRing {
+            env,
+            key,
+            rt,
+            heartbeat,
+            rx,
+            latest: None,
+            current: None,
+            in_flight,
+            last_progress: None,
+        })
+    }
+
+    /// Takes every membership seen so far; keeps the newest.
+    fn drain(&mut self) {
+        while let Ok(m) = self.rx.try_recv() {
+            if self
+                .latest
+                .as_ref()
+                .is_none_or(|l| m.generation >= l.generation)
+            {
+                self.latest = Some(m);
+            }
+        }
+    }
+
+    /// Waits up to `wait` for a membership newer than `than` (or any, when `None`).
+    fn wait_newer(&mut self, than: Option<u64>, wait: Duration) {
+        let deadline = Instant::now() + wait;
+        loop {
+            self.drain();
+            if self
+                .latest
+                .as_ref()
+                .is_some_and(|l| than.is_none_or(|t| l.generation > t))
+            {
+                return;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            match self.rx.recv_timeout(left) {
+                Ok(m) => {
+                    if self
+                        .latest
+                        .as_ref()
+                        .is_none_or(|l| m.generation >= l.generation)
+                    {
+                        self.latest = Some(m);
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => return,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+        }
+    }
+
+    /// Binds the ring port and builds generation `m` for rank `rank`.
+    fn join(&mut self, m: Membership, rank: usize) -> Result<Generation, KubeError> {
+        let addr = SocketAddr::new(self.env.pod_ip, self.env.ring_port);
+        let listener =
+            TcpListener::bind(addr).map_err(|source| KubeError::Bind { addr, source })?;
+        let mut config = Config::new(
+            rank,
+            m.members.len(),
+            m.addresses(),
+            m.generation,
+            m.job_uid.clone(),
+            self.key.clone(),
+        );
+        config.timeout = OP_TIMEOUT;
+        self.current = Some(m);
+        Ok(Generation { config, listener })
+    }
+
+    /// Blocks until a generation lists this pod, and returns it.
+    ///
+    /// # Errors
+    /// [`KubeError::NoMembership`] when the watch ends first; [`KubeError::Bind`].
+    pub fn first_generation(&mut self) -> Result<Generation, KubeError> {
+        loop {
+            self.wait_newer(None, Duration::from_secs(3600));
+            let Some(m) = self.latest.clone() else {
+                return Err(KubeError::NoMembership(self.env.membership.clone()));
+            };
+            if let Some(r) = m.rank_of(&self.env.pod_name) {
+                return self.join(m, r);
+            }
+            // Not (yet) a member: wait for the next generation.
+            let g = m.generation;
+            self.wait_newer(Some(g), Duration::from_secs(3600));
+        }
+    }
+
+    fn patch_heartbeat(&self, key: String, value: String) -> impl Future<Output = ()> + use<> {
+        let api = self.heartbeat.clone();
+        let name = contract::heartbeat_configmap_name(&self.env.job_name);
+        async move {
+            let body = serde_json::json!({"data": {key.clone(): value}});
+            if let Err(e) = api
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&body))
+                .await
+            {
+                eprintln!("diphoma-worker: warning: writing {key} into {name}: {e}");
+            }
+        }
+    }
+
+    fn decision(&mut self) -> Control {
+        self.drain();
+        let cur = self.current.as_ref().map(|m| m.generation);
+        let Some(m) = self.latest.clone() else {
+            return Control::Continue;
+        };
+        match decide(cur, &m, &self.env.pod_name) {
+            Decision::Stay => Control::Continue,
+            Decision::NotMember => Control::Leave,
+            Decision::Join(r) => match self.join(m, r) {
+                Ok(g) => Control::Switch(g),
+                Err(e) => {
+                    eprintln!("diphoma-worker: {e}");
+                    Control::Leave
+                }
+            },
+        }
+    }
+}
+
+fn now() -> String {
+    jiff::Timestamp::now().to_string()
+}
+
+impl RingSource for KubeRing {
+    fn connected(&mut self, generation: u64, _rank: usize, abort: AbortHandle) {
+        *self.in_flight.lock().expect("slot") = Some((generation, abort));
+    }
+
+    fn after_commit(&mut self, p: &Progress) -> Control {
+        let last = p.step == p.total_steps;
+        if p.rank == 0
+            && (last
+                || self
+                    .last_progress
+                    .is_none_or(|t| t.elapsed() >= PROGRESS_EVERY))
+        {
+            self.last_progress = Some(Instant::now());
+            let report = ProgressReport {
+                generation: p.generation,
+                step: p.step,
+                total_steps: Some(p.total_steps),
+                loss: Some(f64::from(p.loss)),
+                samples_per_second: Some(p.samples_per_second),
+                last_checkpoint_step: p.last_checkpoint,
+                time: now(),
+            };
+            let write = self.patch_heartbeat(
+                contract::PROGRESS_KEY.to_string(),
+                serde_json::to_string(&report).expect("serializable"),
+            );
+            if last {
+                self.rt.block_on(async {
+                    let _ = tokio::time::timeout(Duration::from_secs(10), write).await;
+                });
+            } else {
+                self.rt.spawn(write);
+            }
+        }
+        self.decision()
+    }
+
+    fn after_failure(&mut self, err: &CommError) -> Option<Generation> {
+        eprintln!("diphoma-worker: collective failed: {err}");
+        let cur = self.current.as_ref().map(|m| m.generation);
+        if !matches!(err, CommError::Aborted) {
+            let suspect = match err {
+                CommError::PeerLost { rank, .. } => self
+                    .current
+                    .as_ref()
+                    .and_then(|m| m.members.get(*rank))
+                    .map(|m| m.pod.clone()),
+                _ => None,
+            };
+            let report = FailureReport {
+                generation: cur.unwrap_or(0),
+                reporter: self.env.pod_name.clone(),
+                suspect,
+                error: err.metric_label().to_string(),
+                time: now(),
+            };
+            let write = self.patch_heartbeat(
+                format!("{}{}", contract::REPORT_KEY_PREFIX, self.env.pod_name),
+                serde_json::to_string(&report).expect("serializable"),
+            );
+            self.rt.block_on(async {
+                let _ = tokio::time::timeout(Duration::from_secs(5), write).await;
+            });
+        }
+        // Prefer a newer generation; else re-form the newest known one (possibly the same).
+        // Not a member of it: give up (the operator has removed this pod).
+        self.wait_newer(cur, REJOIN_WAIT);
+        let m = self.latest.clone()?;
+        let r = m.rank_of(&self.env.pod_name)?;
+        match self.join(m, r) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                eprintln!("diphoma-worker: {e}");
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn full() -> std::collections::HashMap<&'static str, String> {
+        [
+            (ENV_JOB_NAME, "demo"),
+            (ENV_JOB_UID, "u-1"),
+            (ENV_NAMESPACE, "ns"),
+            (ENV_POD_NAME, "demo-worker-0"),
+            (ENV_POD_IP, "127.0.0.5"),
+            (ENV_RING_PORT, "29500"),
+            (ENV_KEY_FILE, "/var/run/diphoma/ring.key"),
+            (ENV_MEMBERSHIP, "demo-ring"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k, v.to_string()))
+        .collect()
+    }
+
+    #[test]
+    fn env_is_parsed_and_errors_name_the_variable() {
+        let env = full();
+        let w = WorkerEnv::from_lookup(|n| env.get(n).cloned()).unwrap();
+        assert_eq!(w.ring_port, 29500);
+        assert_eq!(w.pod_ip.to_string(), "127.0.0.5");
+        for var in env.keys() {
+            let mut e = env.clone();
+            e.remove(var);
+            let err = WorkerEnv::from_lookup(|n| e.get(n).cloned())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(var), "{err}");
+        }
+        for (var, bad) in [
+            (ENV_RING_PORT, "0"),
+            (ENV_RING_PORT, "http"),
+            (ENV_POD_IP, "pod"),
+        ] {
+            let mut e = env.clone();
+            e.insert(var, bad.to_string());
+            let err = WorkerEnv::from_lookup(|n| e.get(n).cloned())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(var) && err.contains(bad), "{err}");
+        }
+    }
+
+    #[test]
+    fn decisions() {
+        let m = |g: u64, pods: &[&str]| Membership {
+            generation: g,
+            job_uid: "u".into(),
+            members: pods
+                .iter()
+                .enumerate()
+                .map(|(i, p)| contract::Member {
+                    rank: i as u32,
+                    pod: p.to_string(),
+                    address: "127.0.0.1".parse().unwrap(),
+                    port: 1,
+                })
+                .collect(),
+        };
+        assert_eq!(decide(None, &m(1, &["a", "b"]), "b"), Decision::Join(1));
+        assert_eq!(decide(Some(1), &m(1, &["a", "b"]), "b"), Decision::Stay);
+        assert_eq!(decide(Some(2), &m(1, &["a"]), "b"), Decision::Stay);
+        assert_eq!(decide(Some(1), &m(2, &["b", "c"]), "b"), Decision::Join(0));
+        assert_eq!(
+            decide(Some(1), &m(2, &["a", "c"]), "b"),
+            Decision::NotMember
+        );
+    }
+}
