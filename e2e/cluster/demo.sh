@@ -1,17 +1,70 @@
 #!/usr/bin/env bash
-# demo.sh DIR — on a cluster started by cluster-up.sh: show the GPU nodes, run the ring-allreduce
-# benchmark (4 ranks) as a pod that asks for 4 GPUs, wait for it and print its table.
-# Until the operator exists this is a plain Pod; the DiphomaJob demo replaces it.
+# demo.sh DIR — on a cluster started by cluster-up.sh: install the DiphomaJob CRD, run the operator,
+# apply a 4-worker GPU job, show its ring, kill -9 one worker and show the ring re-formed at a new
+# generation with the repair counted, then run the allreduce benchmark as a 4-GPU pod.
+# Until the training worker lands, the job's workers run `diphoma-probe` (they only live).
 set -euo pipefail
 D=${1:?usage: $0 DIR}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 # shellcheck disable=SC1091
 source "$D/env"
 ns=diphoma-demo
+step() { printf '\n== %s\n' "$*"; }
+wait_for() { # what timeout_s cmd...
+  local what=$1 t=$2; shift 2
+  for ((i = 0; i < t * 2; i++)); do "$@" >/dev/null 2>&1 && return 0; sleep 0.5; done
+  echo "timed out waiting for $what" >&2; kubectl -n "$ns" get dpj,pods -o wide >&2; return 1
+}
+gen() { kubectl -n "$ns" get dpj ring-demo -o jsonpath='{.status.ring.generation}'; }
+
+step "GPU nodes of the process kubelet"
+kubectl get nodes -L nvidia.com/gpu.product,nvidia.com/gpu.count
+
+step "install the DiphomaJob CRD and start the operator"
+kubectl apply -f "$ROOT/crds/diphomajob.yaml" >/dev/null
+kubectl wait --for=condition=Established crd/diphomajobs.diphoma.io --timeout=60s >/dev/null
+diphoma-operator run --metrics-addr 127.0.0.1:0 </dev/null >"$D/logs/operator.log" 2>&1 &
+echo $! >"$D/operator.pid"
 kubectl create namespace "$ns" >/dev/null
 kubectl -n "$ns" wait --for=create serviceaccount/default --timeout=60s >/dev/null
-echo "== nodes"
-kubectl get nodes -L nvidia.com/gpu.product,nvidia.com/gpu.count
-kubectl -n "$ns" apply -f - >/dev/null <<YAML
+
+step "a DiphomaJob: 4 workers × 2 GPUs"
+kubectl -n "$ns" apply -f - <<'YAML'
+apiVersion: diphoma.io/v1alpha1
+kind: DiphomaJob
+metadata: {name: ring-demo}
+spec:
+  replicas: 4
+  gpusPerWorker: 2
+  faultTolerance: {detectionSeconds: 5}
+  template:
+    spec:
+      terminationGracePeriodSeconds: 2
+      containers:
+      - name: worker
+        image: diphoma-probe:dev
+        args: [--sleep, "3600"]
+YAML
+wait_for "the ring" 90 bash -c "[[ \$(kubectl -n $ns get dpj ring-demo -o jsonpath='{.status.phase}') == Running ]]"
+kubectl -n "$ns" get dpj ring-demo
+kubectl -n "$ns" get pods -o wide
+echo "ring membership (generation $(gen)):"
+kubectl -n "$ns" get configmap ring-demo-ring -o jsonpath='{.data.membership\.json}'; echo
+
+step "kill -9 the process of worker 1"
+pid=$(kubectl -n "$ns" get pod ring-demo-worker-1 -o jsonpath='{.status.containerStatuses[0].containerID}')
+pid=${pid#process://}
+kill -9 "$pid"
+start=$(date +%s%N)
+wait_for "the repaired ring" 90 bash -c "[[ \$(kubectl -n $ns get dpj ring-demo -o jsonpath='{.status.ring.generation}') -ge 2 && \$(kubectl -n $ns get dpj ring-demo -o jsonpath='{.status.phase}') == Running ]]"
+ms=$(( ($(date +%s%N) - start) / 1000000 ))
+echo "ring re-formed at generation $(gen), ${ms} ms after the kill (as seen by polling kubectl)"
+kubectl -n "$ns" get dpj ring-demo
+kubectl -n "$ns" get dpj ring-demo -o jsonpath='repairs: {.status.repairs}{"\n"}lastFailure: {.status.lastFailure}{"\n"}'
+kubectl -n "$ns" get events --field-selector involvedObject.kind=DiphomaJob -o custom-columns=REASON:.reason,MESSAGE:.message | tail -6
+
+step "the allreduce runtime: a benchmark pod with 4 GPUs (4 ranks)"
+kubectl -n "$ns" apply -f - >/dev/null <<'YAML'
 apiVersion: v1
 kind: Pod
 metadata: {name: allreduce-bench}
@@ -23,12 +76,9 @@ spec:
     args: [bench, --world, "4", --sizes, "1K,64K,1M,16M", --samples, "5"]
     resources: {limits: {nvidia.com/gpu: "4"}}
 YAML
-echo "== pod allreduce-bench (4 GPUs) scheduled and running"
-kubectl -n "$ns" wait --for=condition=PodScheduled pod/allreduce-bench --timeout=60s >/dev/null
-kubectl -n "$ns" get pod allreduce-bench -o wide
 kubectl -n "$ns" wait --for=jsonpath='{.status.phase}'=Succeeded pod/allreduce-bench --timeout=300s >/dev/null || {
   kubectl -n "$ns" get pod allreduce-bench -o yaml >&2; exit 1; }
 uid=$(kubectl -n "$ns" get pod allreduce-bench -o jsonpath='{.metadata.uid}')
-echo "== its output (the process kubelet keeps container logs under $D/kubelet/logs)"
 cat "$D/kubelet/logs/${ns}_allreduce-bench_${uid}/bench.log"
-kubectl -n "$ns" get pod allreduce-bench -o jsonpath='{"exit code: "}{.status.containerStatuses[0].state.terminated.exitCode}{"\n"}'
+echo
+echo "demo done. Logs: $D/logs (operator.log, kubelet.log) and $D/kubelet/logs."
