@@ -37,6 +37,11 @@ pub const DEFAULT_RING_PORT: u16 = 29500;
 /// Name of the ring port on the worker container.
 pub const RING_PORT_NAME: &str = "ring";
 
+/// Default TCP port of the worker's `/metrics` endpoint (on the pod IP).
+pub const DEFAULT_METRICS_PORT: u16 = 9400;
+/// Name of the metrics port on the worker container.
+pub const METRICS_PORT_NAME: &str = "metrics";
+
 /// Label on every worker pod: the owning job's name.
 pub const LABEL_JOB_NAME: &str = "diphoma.io/job-name";
 /// Label on every worker pod: its replica index (stable pod identity, not the ring rank, which

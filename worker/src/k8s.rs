@@ -23,6 +23,7 @@ use crate::contract::{
     self, ENV_JOB_NAME, ENV_JOB_UID, ENV_KEY_FILE, ENV_MEMBERSHIP, ENV_NAMESPACE, ENV_POD_IP,
     ENV_POD_NAME, ENV_RING_PORT, FailureReport, MEMBERSHIP_KEY, Membership, ProgressReport,
 };
+use crate::metrics::WorkerMetrics;
 use crate::train::{Control, Generation, Progress, RingSource};
 use crate::{AbortHandle, CommError, Config};
 
@@ -159,6 +160,7 @@ pub struct KubeRing {
     current: Option<Membership>,
     in_flight: Arc<Mutex<Option<(u64, AbortHandle)>>>,
     last_progress: Option<Instant>,
+    metrics: WorkerMetrics,
 }
 
 impl std::fmt::Debug for KubeRing {
@@ -179,8 +181,8 @@ pub enum KubeError {
     /// The watch ended before this pod was a member of any generation.
     #[error("the ring ConfigMap {0} never listed this pod")]
     NoMembership(String),
-    /// The ring port could not be bound.
-    #[error("binding the ring port {addr}: {source}")]
+    /// The ring or metrics port could not be bound.
+    #[error("binding {addr}: {source}")]
     Bind {
         /// The address.
         addr: SocketAddr,
@@ -191,17 +193,31 @@ pub enum KubeError {
 }
 
 impl KubeRing {
-    /// Connects to the API server (`KUBECONFIG` or in-cluster config) and starts watching the
-    /// ring ConfigMap.
+    /// Connects to the API server (`KUBECONFIG` or in-cluster config), serves `/metrics` on
+    /// the pod IP at `metrics_port` (0: no endpoint) and starts watching the ring ConfigMap.
     ///
     /// # Errors
-    /// [`KubeError::Client`] when no client can be built.
-    pub fn start(env: WorkerEnv, key: Vec<u8>) -> Result<KubeRing, KubeError> {
+    /// [`KubeError::Client`] when no client can be built; [`KubeError::Bind`] when the metrics
+    /// port cannot be bound.
+    pub fn start(env: WorkerEnv, key: Vec<u8>, metrics_port: u16) -> Result<KubeRing, KubeError> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
             .build()
             .map_err(|e| KubeError::Client(e.to_string()))?;
+        let metrics = WorkerMetrics::new();
+        if metrics_port != 0 {
+            let addr = SocketAddr::new(env.pod_ip, metrics_port);
+            let l = rt
+                .block_on(tokio::net::TcpListener::bind(addr))
+                .map_err(|source| KubeError::Bind { addr, source })?;
+            let m = metrics.clone();
+            rt.spawn(async move {
+                if let Err(e) = m.serve(l).await {
+                    eprintln!("diphoma-worker: warning: /metrics server: {e}");
+                }
+            });
+        }
         let client = rt
             .block_on(kube::Client::try_default())
             .map_err(|e| KubeError::Client(e.to_string()))?;
@@ -252,6 +268,7 @@ impl KubeRing {
             current: None,
             in_flight,
             last_progress: None,
+            metrics,
         })
     }
 
@@ -377,10 +394,12 @@ fn now() -> String {
 
 impl RingSource for KubeRing {
     fn connected(&mut self, generation: u64, _rank: usize, abort: AbortHandle) {
+        self.metrics.ring_generation.set(generation as i64);
         *self.in_flight.lock().expect("slot") = Some((generation, abort));
     }
 
     fn after_commit(&mut self, p: &Progress) -> Control {
+        self.metrics.observe(p);
         let last = p.step == p.total_steps;
         if p.rank == 0
             && (last
@@ -446,7 +465,10 @@ impl RingSource for KubeRing {
         let m = self.latest.clone()?;
         let r = m.rank_of(&self.env.pod_name)?;
         match self.join(m, r) {
-            Ok(g) => Some(g),
+            Ok(g) => {
+                self.metrics.repairs.inc();
+                Some(g)
+            }
             Err(e) => {
                 eprintln!("diphoma-worker: {e}");
                 None

@@ -28,6 +28,7 @@
 //! | [`checkpoint`] | safetensors checkpoints with a SHA-256 in the metadata; atomic writes, newest-valid reads | decide when to write |
 //! | [`train`] | one rank's step loop: fused allreduce, commit, roll-back, generation changes, state sync | parse the contract's env or talk to Kubernetes |
 //! | [`k8s`] | Kubernetes mode of `train`: contract env, the ring ConfigMap as a [`train::RingSource`], heartbeat writes | train |
+//! | [`metrics`] | the `diphoma_worker_*` Prometheus metrics and the `/metrics` endpoint | decide what to record |
 //! | `main.rs` (binary) | the `diphoma-worker` CLI: `train`, `bench`, its hidden `bench-rank` | hold runtime logic |
 
 //!
@@ -59,6 +60,7 @@ pub mod data;
 pub mod error;
 pub mod frame;
 pub mod k8s;
+pub mod metrics;
 pub mod model;
 pub mod plan;
 pub mod reduce;

@@ -131,6 +131,9 @@ struct TrainArgs {
     /// Directory of the checkpoints; training resumes from the newest valid one in it.
     #[arg(long)]
     checkpoint_dir: Option<std::path::PathBuf>,
+    /// Kubernetes mode: port of `/metrics` on the pod IP (0: none).
+    #[arg(long, default_value_t = diphoma_worker::contract::DEFAULT_METRICS_PORT)]
+    metrics_port: u16,
 }
 
 #[derive(Args)]
@@ -254,7 +257,7 @@ fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
             (outs.swap_remove(0), a.world)
         }
         Some((env, key)) => {
-            let mut ring = k8s::KubeRing::start(env, key)?;
+            let mut ring = k8s::KubeRing::start(env, key, a.metrics_port)?;
             let first = ring.first_generation()?;
             let world = first.config.world;
             let out = train::train_rank(&cfg, &train_set, first, &mut ring)?;

@@ -113,6 +113,10 @@ pub struct Progress {
     pub samples_per_second: f64,
     /// Step of the last checkpoint written by this rank, if any.
     pub last_checkpoint: Option<u64>,
+    /// Duration of the step's allreduce, in seconds.
+    pub allreduce_seconds: f64,
+    /// Size of the step's fused allreduce buffer, in bytes.
+    pub allreduce_bytes: u64,
 }
 
 /// Why training stopped with an error.
@@ -235,7 +239,8 @@ fn maybe_checkpoint(cfg: &TrainConfig, c: &Committed) -> Option<u64> {
 }
 
 /// One step on this rank: local gradient of its shard, the fused allreduce, the SGD update.
-/// Returns the global mean loss. On a [`CommError`] the parameters are untouched.
+/// Returns the global mean loss, the allreduce's duration (s) and its size (bytes). On a
+/// [`CommError`] the parameters are untouched.
 fn step_once(
     cfg: &TrainConfig,
     train: &Dataset,
@@ -243,19 +248,21 @@ fn step_once(
     opt: &mut candle_nn::SGD,
     comm: &mut Communicator,
     step: u64,
-) -> Result<f32, StepError> {
+) -> Result<(f32, f64, u64), StepError> {
     let idx = data::step_indices(train.len(), cfg.batch, cfg.seed, step);
     let mine = data::shard(idx.len(), comm.world(), comm.rank());
     let (grads, loss) = model.grad_sum(&train.gather(&idx[mine]))?;
     let mut buf = fuse(&grads, &[loss]);
+    let t0 = std::time::Instant::now();
     comm.allreduce(&mut buf, ReduceOp::Sum)
         .map_err(StepError::Comm)?;
+    let (secs, bytes) = (t0.elapsed().as_secs_f64(), 4 * buf.len() as u64);
     let inv = 1.0 / cfg.batch as f32;
     buf.iter_mut().for_each(|x| *x *= inv);
     let parts = unfuse(&buf, &model.lens());
     let mean_loss = parts.last().expect("extra")[0];
     model.apply(opt, &buf[..buf.len() - 1])?;
-    Ok(mean_loss)
+    Ok((mean_loss, secs, bytes))
 }
 
 enum StepError {
@@ -337,8 +344,8 @@ pub fn train_rank(
         let (gen_start, gen_first_step) = (std::time::Instant::now(), committed.step);
         while committed.step < cfg.steps {
             let s = committed.step;
-            match step_once(cfg, train, &model, &mut opt, &mut comm, s) {
-                Ok(loss) => {
+            let (ar_secs, ar_bytes) = match step_once(cfg, train, &model, &mut opt, &mut comm, s) {
+                Ok((loss, secs, bytes)) => {
                     committed = Committed {
                         step: s + 1,
                         params: model.flat_params()?,
@@ -353,6 +360,7 @@ pub fn train_rank(
                     {
                         println!("step {} generation {gen_no} loss {loss:.5}", s + 1);
                     }
+                    (secs, bytes)
                 }
                 Err(StepError::Model(e)) => return Err(e.into()),
                 Err(StepError::Comm(e)) => {
@@ -360,7 +368,7 @@ pub fn train_rank(
                     next = Some(source.after_failure(&e).ok_or(TrainError::Ring(e))?);
                     continue 'generations;
                 }
-            }
+            };
             let progress = Progress {
                 step: committed.step,
                 total_steps: cfg.steps,
@@ -370,6 +378,8 @@ pub fn train_rank(
                 samples_per_second: ((committed.step - gen_first_step) * cfg.batch as u64) as f64
                     / gen_start.elapsed().as_secs_f64().max(1e-9),
                 last_checkpoint,
+                allreduce_seconds: ar_secs,
+                allreduce_bytes: ar_bytes,
             };
             match source.after_commit(&progress) {
                 Control::Continue => {}

@@ -1,0 +1,163 @@
+//! The worker's Prometheus metrics (own registry, `diphoma_worker_` prefix, no labels) and the
+//! `/metrics` endpoint.
+
+use prometheus::{
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Registry, TextEncoder,
+};
+
+use crate::train::Progress;
+
+/// Every metric the worker exports.
+#[derive(Clone, Debug)]
+pub struct WorkerMetrics {
+    registry: Registry,
+    /// `diphoma_worker_allreduce_seconds`: duration of each step's fused gradient allreduce.
+    pub allreduce_seconds: Histogram,
+    /// `diphoma_worker_allreduce_bytes_total`: bytes allreduced (buffer size per call).
+    pub allreduce_bytes: IntCounter,
+    /// `diphoma_worker_step`: last committed step.
+    pub step: IntGauge,
+    /// `diphoma_worker_loss`: global mean training loss of the last committed step.
+    pub loss: Gauge,
+    /// `diphoma_worker_samples_per_second`: over the ring, since the generation started.
+    pub samples_per_second: Gauge,
+    /// `diphoma_worker_ring_generation`: generation this member trains in.
+    pub ring_generation: IntGauge,
+    /// `diphoma_worker_repairs_total`: failed collectives after which the ring was re-formed.
+    pub repairs: IntCounter,
+}
+
+impl Default for WorkerMetrics {
+    fn default() -> Self {
+        WorkerMetrics::new()
+    }
+}
+
+impl WorkerMetrics {
+    /// A fresh registry with every metric at zero.
+    pub fn new() -> WorkerMetrics {
+        let registry = Registry::new();
+        let n = |name: &str| format!("diphoma_worker_{name}");
+        let allreduce_seconds = Histogram::with_opts(
+            HistogramOpts::new(n("allreduce_seconds"), "Duration of each step's allreduce")
+                .buckets(prometheus::exponential_buckets(1e-5, 4.0, 12).expect("buckets")),
+        )
+        .expect("metric");
+        let allreduce_bytes =
+            IntCounter::new(n("allreduce_bytes_total"), "Bytes allreduced").expect("metric");
+        let step = IntGauge::new(n("step"), "Last committed step").expect("metric");
+        let loss = Gauge::new(n("loss"), "Training loss of the last step").expect("metric");
+        let samples_per_second =
+            Gauge::new(n("samples_per_second"), "Samples per second over the ring")
+                .expect("metric");
+        let ring_generation =
+            IntGauge::new(n("ring_generation"), "Ring generation").expect("metric");
+        let repairs = IntCounter::new(n("repairs_total"), "Ring re-formations after a failure")
+            .expect("metric");
+        for c in [
+            Box::new(allreduce_seconds.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(allreduce_bytes.clone()),
+            Box::new(step.clone()),
+            Box::new(loss.clone()),
+            Box::new(samples_per_second.clone()),
+            Box::new(ring_generation.clone()),
+            Box::new(repairs.clone()),
+        ] {
+            registry.register(c).expect("unique metric names");
+        }
+        WorkerMetrics {
+            registry,
+            allreduce_seconds,
+            allreduce_bytes,
+            step,
+            loss,
+            samples_per_second,
+            ring_generation,
+            repairs,
+        }
+    }
+
+    /// Records a committed step.
+    pub fn observe(&self, p: &Progress) {
+        self.allreduce_seconds.observe(p.allreduce_seconds);
+        self.allreduce_bytes.inc_by(p.allreduce_bytes);
+        self.step.set(p.step as i64);
+        self.loss.set(f64::from(p.loss));
+        self.samples_per_second.set(p.samples_per_second);
+        self.ring_generation.set(p.generation as i64);
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding");
+        String::from_utf8(buf).expect("utf-8")
+    }
+
+    /// Serves `GET /metrics` on `listener` until the task is dropped.
+    ///
+    /// # Errors
+    /// An I/O error of the server.
+    pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let m = self.clone();
+                async move { m.render() }
+            }),
+        );
+        axum::serve(listener, app).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn observed_progress_is_served() {
+        let m = WorkerMetrics::new();
+        m.observe(&Progress {
+            step: 7,
+            total_steps: 10,
+            generation: 3,
+            rank: 0,
+            loss: 0.25,
+            samples_per_second: 100.0,
+            last_checkpoint: None,
+            allreduce_seconds: 0.001,
+            allreduce_bytes: 4096,
+        });
+        m.repairs.inc();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let body = rt.block_on(async {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            tokio::spawn(m.serve(l));
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .await
+                .unwrap();
+            let mut out = String::new();
+            s.read_to_string(&mut out).await.unwrap();
+            out
+        });
+        for line in [
+            "diphoma_worker_step 7",
+            "diphoma_worker_ring_generation 3",
+            "diphoma_worker_loss 0.25",
+            "diphoma_worker_allreduce_bytes_total 4096",
+            "diphoma_worker_repairs_total 1",
+            "diphoma_worker_samples_per_second 100",
+            "diphoma_worker_allreduce_seconds_count 1",
+        ] {
+            assert!(body.contains(line), "{line} missing from {body}");
+        }
+    }
+}
