@@ -11,13 +11,14 @@
 
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt, watcher};
 
 use crate::contract::{
     self, ENV_JOB_NAME, ENV_JOB_UID, ENV_KEY_FILE, ENV_MEMBERSHIP, ENV_NAMESPACE, ENV_POD_IP,
@@ -161,6 +162,7 @@ pub struct KubeRing {
     in_flight: Arc<Mutex<Option<(u64, AbortHandle)>>>,
     last_progress: Option<Instant>,
     metrics: WorkerMetrics,
+    terminating: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for KubeRing {
@@ -178,9 +180,6 @@ pub enum KubeError {
     /// No client configuration (kubeconfig / in-cluster) or runtime.
     #[error("kubernetes client: {0}")]
     Client(String),
-    /// The watch ended before this pod was a member of any generation.
-    #[error("the ring ConfigMap {0} never listed this pod")]
-    NoMembership(String),
     /// The ring or metrics port could not be bound.
     #[error("binding {addr}: {source}")]
     Bind {
@@ -205,6 +204,19 @@ impl KubeRing {
             .enable_all()
             .build()
             .map_err(|e| KubeError::Client(e.to_string()))?;
+        // SIGTERM first: from here on it means "leave the ring and exit 0".
+        let terminating = Arc::new(AtomicBool::new(false));
+        let term = terminating.clone();
+        rt.block_on(async {
+            let mut sig = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .map_err(|e| KubeError::Client(format!("SIGTERM handler: {e}")))?;
+            tokio::spawn(async move {
+                sig.recv().await;
+                eprintln!("diphoma-worker: SIGTERM: leaving the ring after the current step");
+                term.store(true, Ordering::SeqCst);
+            });
+            Ok::<_, KubeError>(())
+        })?;
         let metrics = WorkerMetrics::new();
         if metrics_port != 0 {
             let addr = SocketAddr::new(env.pod_ip, metrics_port);
@@ -228,7 +240,9 @@ impl KubeRing {
         let slot = in_flight.clone();
         let fields = format!("metadata.name={}", env.membership);
         rt.spawn(async move {
-            let mut events = watcher(ring, watcher::Config::default().fields(&fields)).boxed();
+            let mut events = watcher(ring, watcher::Config::default().fields(&fields))
+                .default_backoff()
+                .boxed();
             while let Some(ev) = events.next().await {
                 let cm = match ev {
                     Ok(watcher::Event::Apply(cm) | watcher::Event::InitApply(cm)) => cm,
@@ -269,6 +283,7 @@ impl KubeRing {
             in_flight,
             last_progress: None,
             metrics,
+            terminating,
         })
     }
 
@@ -335,23 +350,31 @@ impl KubeRing {
         Ok(Generation { config, listener })
     }
 
-    /// Blocks until a generation lists this pod, and returns it.
+    /// True once SIGTERM arrived: the rank leaves at the next step boundary, or gives up
+    /// re-forming after a failure, and the process exits 0.
+    pub fn terminating(&self) -> bool {
+        self.terminating.load(Ordering::SeqCst)
+    }
+
+    /// Blocks until a generation lists this pod, and returns it; `None` when SIGTERM arrives
+    /// first.
     ///
     /// # Errors
-    /// [`KubeError::NoMembership`] when the watch ends first; [`KubeError::Bind`].
-    pub fn first_generation(&mut self) -> Result<Generation, KubeError> {
-        loop {
-            self.wait_newer(None, Duration::from_secs(3600));
+    /// [`KubeError::Bind`] when the ring port cannot be bound.
+    pub fn first_generation(&mut self) -> Result<Option<Generation>, KubeError> {
+        let mut seen = None;
+        while !self.terminating() {
+            self.wait_newer(seen, Duration::from_millis(500));
             let Some(m) = self.latest.clone() else {
-                return Err(KubeError::NoMembership(self.env.membership.clone()));
+                continue;
             };
             if let Some(r) = m.rank_of(&self.env.pod_name) {
-                return self.join(m, r);
+                return self.join(m, r).map(Some);
             }
             // Not (yet) a member: wait for the next generation.
-            let g = m.generation;
-            self.wait_newer(Some(g), Duration::from_secs(3600));
+            seen = Some(m.generation);
         }
+        Ok(None)
     }
 
     fn patch_heartbeat(&self, key: String, value: String) -> impl Future<Output = ()> + use<> {
@@ -400,6 +423,9 @@ impl RingSource for KubeRing {
 
     fn after_commit(&mut self, p: &Progress) -> Control {
         self.metrics.observe(p);
+        if self.terminating() {
+            return Control::Leave;
+        }
         let last = p.step == p.total_steps;
         if p.rank == 0
             && (last
@@ -434,6 +460,9 @@ impl RingSource for KubeRing {
 
     fn after_failure(&mut self, err: &CommError) -> Option<Generation> {
         eprintln!("diphoma-worker: collective failed: {err}");
+        if self.terminating() {
+            return None;
+        }
         let cur = self.current.as_ref().map(|m| m.generation);
         if !matches!(err, CommError::Aborted) {
             let suspect = match err {

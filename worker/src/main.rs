@@ -258,9 +258,18 @@ fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         }
         Some((env, key)) => {
             let mut ring = k8s::KubeRing::start(env, key, a.metrics_port)?;
-            let first = ring.first_generation()?;
+            let Some(first) = ring.first_generation()? else {
+                println!("terminated before joining a ring");
+                return Ok(ExitCode::SUCCESS);
+            };
             let world = first.config.world;
-            let out = train::train_rank(&cfg, &train_set, first, &mut ring)?;
+            let out = match train::train_rank(&cfg, &train_set, first, &mut ring) {
+                Err(e) if ring.terminating() => {
+                    println!("terminated: {e}");
+                    return Ok(ExitCode::SUCCESS);
+                }
+                r => r?,
+            };
             if out.left {
                 println!("left the ring after step {}", out.step);
                 return Ok(ExitCode::SUCCESS);

@@ -262,3 +262,65 @@ fn kubernetes_mode_names_a_missing_or_malformed_variable() {
         "{err}"
     );
 }
+
+#[test]
+fn kubernetes_mode_serves_metrics_and_exits_0_on_sigterm() {
+    use diphoma_worker::contract::*;
+    use std::io::{Read, Write};
+    let dir = scratch("k8s");
+    let key = dir.join("ring.key");
+    std::fs::write(&key, [7u8; 32]).unwrap();
+    // An API server that is not there: the ring watch keeps failing (and retrying).
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: http://127.0.0.1:1\n\
+         users:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\n\
+         current-context: x\n",
+    )
+    .unwrap();
+    let port = |_| {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let (ring_port, metrics_port) = (port(()), port(()));
+    let mut child = worker()
+        .args(["train", "--metrics-port"])
+        .arg(metrics_port.to_string())
+        .env("KUBECONFIG", &kubeconfig)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env(ENV_JOB_NAME, "demo")
+        .env(ENV_JOB_UID, "uid-1")
+        .env(ENV_NAMESPACE, "ns")
+        .env(ENV_POD_NAME, "demo-worker-0")
+        .env(ENV_POD_IP, "127.0.0.1")
+        .env(ENV_RING_PORT, ring_port.to_string())
+        .env(ENV_KEY_FILE, &key)
+        .env(ENV_MEMBERSHIP, "demo-ring")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // /metrics answers once the worker is up (bounded retries, no timing assertion).
+    let mut body = String::new();
+    for _ in 0..200 {
+        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", metrics_port)) {
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .unwrap();
+            s.read_to_string(&mut body).unwrap();
+            break;
+        }
+        assert!(child.try_wait().unwrap().is_none(), "worker exited early");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(body.contains("diphoma_worker_step 0"), "{body}");
+    // SIGTERM while waiting for a ring: exit 0.
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}");
+    let _ = std::fs::remove_dir_all(dir);
+}
