@@ -163,6 +163,8 @@ pub struct KubeRing {
     last_progress: Option<Instant>,
     metrics: WorkerMetrics,
     terminating: Arc<AtomicBool>,
+    removed: bool,
+    reported: Option<u64>,
 }
 
 impl std::fmt::Debug for KubeRing {
@@ -284,6 +286,8 @@ impl KubeRing {
             last_progress: None,
             metrics,
             terminating,
+            removed: false,
+            reported: None,
         })
     }
 
@@ -356,6 +360,12 @@ impl KubeRing {
         self.terminating.load(Ordering::SeqCst)
     }
 
+    /// True when this rank should stop and exit 0: SIGTERM arrived, or the newest generation
+    /// no longer lists this pod (scale-down).
+    pub fn done(&self) -> bool {
+        self.terminating() || self.removed
+    }
+
     /// Blocks until a generation lists this pod, and returns it; `None` when SIGTERM arrives
     /// first.
     ///
@@ -399,7 +409,10 @@ impl KubeRing {
         };
         match decide(cur, &m, &self.env.pod_name) {
             Decision::Stay => Control::Continue,
-            Decision::NotMember => Control::Leave,
+            Decision::NotMember => {
+                self.removed = true;
+                Control::Leave
+            }
             Decision::Join(r) => match self.join(m, r) {
                 Ok(g) => Control::Switch(g),
                 Err(e) => {
@@ -464,7 +477,10 @@ impl RingSource for KubeRing {
             return None;
         }
         let cur = self.current.as_ref().map(|m| m.generation);
-        if !matches!(err, CommError::Aborted) {
+        // One report per generation: the first failure names the suspect; the failed
+        // re-connects that may follow do not overwrite it.
+        if !matches!(err, CommError::Aborted) && self.reported != cur {
+            self.reported = cur;
             let suspect = match err {
                 CommError::PeerLost { rank, .. } => self
                     .current
@@ -492,7 +508,10 @@ impl RingSource for KubeRing {
         // Not a member of it: give up (the operator has removed this pod).
         self.wait_newer(cur, REJOIN_WAIT);
         let m = self.latest.clone()?;
-        let r = m.rank_of(&self.env.pod_name)?;
+        let Some(r) = m.rank_of(&self.env.pod_name) else {
+            self.removed = true;
+            return None;
+        };
         match self.join(m, r) {
             Ok(g) => {
                 self.metrics.repairs.inc();

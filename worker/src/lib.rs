@@ -48,6 +48,22 @@
 //!   at run time, portable ones otherwise).
 //! - **Failure cascade:** on any error the communicator shuts all its sockets, so every
 //!   neighbour's call fails at once with `PeerLost` rather than at its timeout.
+//! - **Training is elastic-equivalent** ([`train`]): step `s` uses samples `[s·B, (s+1)·B)` of
+//!   a seeded permutation, sharded over the current ranks; each rank sends the gradient of its
+//!   *summed* loss (plus the loss) in one fused f32 buffer through `allreduce(Sum)` and divides
+//!   by `B`. The trajectory does not depend on the world size or its changes, up to f32
+//!   summation order (~1e-7 on the parameters after 40 steps; tests allow 1e-5).
+//! - **Commit and state sync:** a step commits only after its allreduce succeeded on this rank;
+//!   nothing changes before, so roll-back is "keep the committed copy". Because one rank's
+//!   allreduce can succeed while a peer's fails, every generation starts by adopting the state of
+//!   the member with the highest committed step (one small allreduce of the steps, one
+//!   `broadcast_bytes` of step and parameters): joiners and off-by-one survivors are the same
+//!   case. Plain SGD (candle-nn) keeps no optimizer state, so parameters and step are the state.
+//! - **Kubernetes mode** ([`k8s`]): a watch of the ring ConfigMap on a private tokio runtime; a
+//!   newer generation aborts the collective in flight; after a failure a member writes one
+//!   report per generation, waits [`k8s::REJOIN_WAIT`] for a newer generation, else re-forms the
+//!   newest it knows. Verified by hand against a real kube-apiserver (scale-down, join, kill -9,
+//!   SIGTERM); no automated test against a control plane yet.
 
 #[cfg(target_endian = "big")]
 compile_error!("the wire format is little-endian and buffers travel as raw bytes");

@@ -264,8 +264,8 @@ fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
             };
             let world = first.config.world;
             let out = match train::train_rank(&cfg, &train_set, first, &mut ring) {
-                Err(e) if ring.terminating() => {
-                    println!("terminated: {e}");
+                Err(e) if ring.done() => {
+                    println!("left the ring: {e}");
                     return Ok(ExitCode::SUCCESS);
                 }
                 r => r?,
