@@ -121,3 +121,55 @@ fn survivors_reform_and_a_joiner_catches_up() {
         max_diff(&outs[0].0.model.flat_params().unwrap(), &p_ref)
     );
 }
+
+#[test]
+fn a_generation_adopts_the_most_advanced_members_state() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/digits.csv.gz");
+    let train = data::load_digits(&path).unwrap().split().0;
+    let base = std::env::temp_dir().join(format!("diphoma-elastic-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let (ahead, fresh) = (base.join("ahead"), base.join("fresh"));
+    // A checkpoint at step 20 that only rank 1 sees; rank 0 starts from scratch.
+    let first = TrainConfig {
+        steps: 20,
+        checkpoint_every: 20,
+        checkpoint_dir: Some(ahead.clone()),
+        ..TrainConfig::default()
+    };
+    train_standalone(&first, &train, 1).unwrap();
+    let cfg = |dir: &Path| TrainConfig {
+        steps: 40,
+        checkpoint_dir: Some(dir.to_path_buf()),
+        ..TrainConfig::default()
+    };
+    let (c0, c1) = (cfg(&fresh), cfg(&ahead));
+    let gens = local_generation(2, 1, &[1u8; 32]).unwrap();
+    let outs: Vec<_> = std::thread::scope(|sc| {
+        let hs: Vec<_> = gens
+            .into_iter()
+            .zip([&c0, &c1])
+            .map(|(g, c)| {
+                let train = &train;
+                sc.spawn(move || train_rank(c, train, g, &mut Script::default()).unwrap())
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let reference = train_standalone(
+        &TrainConfig {
+            steps: 40,
+            ..TrainConfig::default()
+        },
+        &train,
+        2,
+    )
+    .unwrap();
+    let p_ref = reference[0].model.flat_params().unwrap();
+    for o in &outs {
+        // Both trained steps 21..40 only: rank 0 received rank 1's step-20 state.
+        assert!(o.losses[..20].iter().all(|l| l.is_nan()));
+        let d = max_diff(&o.model.flat_params().unwrap(), &p_ref);
+        assert!(d <= TOL, "{d} from the uninterrupted run");
+    }
+    let _ = std::fs::remove_dir_all(base);
+}
