@@ -6,20 +6,16 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use common::*;
-use diphoma_e2e::cluster::{ControlPlane, TempNamespace};
+use diphoma_e2e::cluster::ControlPlane;
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::kubelet::{FailMode, Kubelet};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{DeleteParams, ListParams};
 use kube::{Api, Client};
-use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::json;
 
 struct Ctx {
@@ -28,21 +24,9 @@ struct Ctx {
     cp: ControlPlane,
 }
 
-type TestFn = fn(Arc<Ctx>, String) -> Pin<Box<dyn Future<Output = Result<()>>>>;
-
-macro_rules! tests {
-    ($($name:ident),* $(,)?) => { vec![$((stringify!($name), (|c, ns| Box::pin($name(c, ns))) as TestFn)),*] };
-}
-
 fn main() -> Result<()> {
-    let mut args = Arguments::from_args();
-    args.test_threads = Some(1);
-    let rt = Arc::new(
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()?,
-    );
+    let args = sequential_args();
+    let rt = runtime()?;
     let cp = ControlPlane::start()?;
     let ctx = rt.block_on(async {
         let client = cp.client().await?;
@@ -68,26 +52,7 @@ fn main() -> Result<()> {
         bad_requests_name_what_is_wrong,
         failed_node_turns_notready_while_its_pods_stay_running,
     ];
-    let trials = list
-        .into_iter()
-        .map(|(name, f)| {
-            let (rt, ctx) = (rt.clone(), ctx.clone());
-            Trial::test(name, move || {
-                let prefix: String = name.chars().take(20).collect::<String>().replace('_', "-");
-                rt.block_on(async {
-                    let ns = TempNamespace::create(&ctx.client, &prefix).await?;
-                    let r = tokio::time::timeout(
-                        Duration::from_secs(240),
-                        f(ctx.clone(), ns.name.clone()),
-                    )
-                    .await;
-                    let _ = ns.delete().await;
-                    r.map_err(|_| anyhow::anyhow!("timed out after 240 s"))?
-                })
-                .map_err(|e| Failed::from(format!("{e:#}")))
-            })
-        })
-        .collect();
+    let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
     let conclusion = libtest_mimic::run(&args, trials);
     let ctx = Arc::into_inner(ctx).context("tests still hold the context")?;
     rt.block_on(ctx.kubelet.shutdown());

@@ -4,14 +4,12 @@
 
 mod common;
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use common::*;
-use diphoma_e2e::cluster::{ControlPlane, TempNamespace};
+use diphoma_e2e::cluster::ControlPlane;
 use diphoma_e2e::kubelet::Kubelet;
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_operator::api::{DiphomaJob, Phase};
@@ -20,7 +18,6 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use k8s_openapi::api::rbac::v1::Role;
 use kube::api::{DeleteParams, ListParams};
 use kube::{Api, Client, ResourceExt};
-use libtest_mimic::{Arguments, Failed, Trial};
 use tokio::sync::oneshot;
 
 struct Ctx {
@@ -55,12 +52,6 @@ impl Ctx {
     }
 }
 
-type TestFn = fn(Arc<Ctx>, String) -> Pin<Box<dyn Future<Output = Result<()>>>>;
-
-macro_rules! tests {
-    ($($name:ident),* $(,)?) => { vec![$((stringify!($name), (|c, ns| Box::pin($name(c, ns))) as TestFn)),*] };
-}
-
 fn main() -> Result<()> {
     let filter =
         tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into());
@@ -68,14 +59,8 @@ fn main() -> Result<()> {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
-    let mut args = Arguments::from_args();
-    args.test_threads = Some(1);
-    let rt = Arc::new(
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()?,
-    );
+    let args = sequential_args();
+    let rt = runtime()?;
     let cp = ControlPlane::start()?;
     let crd = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds/diphomajob.yaml");
     let out = cp.kubectl().args(["apply", "-f"]).arg(&crd).output()?;
@@ -122,26 +107,7 @@ fn main() -> Result<()> {
         two_replicas_elect_one_leader_that_serves_metrics,
         node_loss_is_detected_from_its_lease_and_workers_move,
     ];
-    let trials = list
-        .into_iter()
-        .map(|(name, f)| {
-            let (rt, ctx) = (rt.clone(), ctx.clone());
-            Trial::test(name, move || {
-                let prefix: String = name.chars().take(20).collect::<String>().replace('_', "-");
-                rt.block_on(async {
-                    let ns = TempNamespace::create(&ctx.client, &prefix).await?;
-                    let r = tokio::time::timeout(
-                        Duration::from_secs(240),
-                        f(ctx.clone(), ns.name.clone()),
-                    )
-                    .await;
-                    let _ = ns.delete().await;
-                    r.map_err(|_| anyhow::anyhow!("timed out after 240 s"))?
-                })
-                .map_err(|e| Failed::from(format!("{e:#}")))
-            })
-        })
-        .collect();
+    let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
     let conclusion = libtest_mimic::run(&args, trials);
     let ctx = Arc::into_inner(ctx).context("tests still hold the context")?;
     let Ctx {

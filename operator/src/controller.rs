@@ -439,12 +439,7 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
         ignore_missing(pods.delete(&d.pod, &dp).await.map(|_| ()))?;
     }
     for p in &plan.create {
-        match pods.create(&PostParams::default(), p).await {
-            Err(kube::Error::Api(s)) if s.is_already_exists() => {}
-            other => {
-                other?;
-            }
-        }
+        apply_one(&pods, p).await?;
     }
     if let Some(m) = &plan.publish {
         apply_one(
@@ -479,3 +474,6 @@ fn ignore_missing<T: Default>(r: Result<T, kube::Error>) -> Result<T, Error> {
         other => Ok(other?),
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -2,17 +2,21 @@
 //! pod builders and waits.
 #![allow(dead_code, missing_docs)]
 
+use std::future::Future;
 use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use diphoma_e2e::cluster::ControlPlane;
+use diphoma_e2e::cluster::{ControlPlane, TempNamespace};
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::kubelet::{Kubelet, KubeletConfig};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::PostParams;
 use kube::runtime::wait::await_condition;
 use kube::{Api, Client};
+use libtest_mimic::{Arguments, Failed, Trial};
 
 /// Directory of the workspace binaries (the test binary lives in `target/<profile>/deps`).
 pub fn bin_dir() -> std::path::PathBuf {
@@ -151,4 +155,59 @@ pub async fn eventually<F: AsyncFnMut() -> Result<bool>>(
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// One e2e test: takes the binary's shared context and a fresh namespace.
+pub type TestFn<C> = fn(Arc<C>, String) -> Pin<Box<dyn Future<Output = Result<()>>>>;
+
+/// `tests![a, b]`: the named async test functions as `(name, TestFn)` pairs.
+#[macro_export]
+macro_rules! tests {
+    ($($name:ident),* $(,)?) => { vec![$((stringify!($name), (|c, ns| Box::pin($name(c, ns))) as $crate::common::TestFn<_>)),*] };
+}
+
+/// The command-line arguments, tests forced to run one at a time (they share one cluster).
+pub fn sequential_args() -> Arguments {
+    let mut args = Arguments::from_args();
+    args.test_threads = Some(1);
+    args
+}
+
+/// A multi-thread runtime for the whole test binary.
+pub fn runtime() -> Result<Arc<tokio::runtime::Runtime>> {
+    Ok(Arc::new(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?,
+    ))
+}
+
+/// Each test as a libtest-mimic trial: run on `rt` in a temp namespace (deleted afterwards),
+/// bounded by 240 s, its error chain as the failure message.
+pub fn trials<C: Send + Sync + 'static>(
+    rt: &Arc<tokio::runtime::Runtime>,
+    ctx: &Arc<C>,
+    client: fn(&C) -> &Client,
+    list: Vec<(&'static str, TestFn<C>)>,
+) -> Vec<Trial> {
+    list.into_iter()
+        .map(|(name, f)| {
+            let (rt, ctx) = (rt.clone(), ctx.clone());
+            Trial::test(name, move || {
+                let prefix: String = name.chars().take(20).collect::<String>().replace('_', "-");
+                rt.block_on(async {
+                    let ns = TempNamespace::create(client(&ctx), &prefix).await?;
+                    let r = tokio::time::timeout(
+                        Duration::from_secs(240),
+                        f(ctx.clone(), ns.name.clone()),
+                    )
+                    .await;
+                    let _ = ns.delete().await;
+                    r.map_err(|_| anyhow::anyhow!("timed out after 240 s"))?
+                })
+                .map_err(|e| Failed::from(format!("{e:#}")))
+            })
+        })
+        .collect()
 }

@@ -1,0 +1,183 @@
+//! Reconciles against a mocked API server (tower-test): which requests one reconcile makes, in
+//! which order. A steady job must write nothing; a lost worker is counted in the status before
+//! its pod is touched.
+
+use std::sync::{Arc, Mutex};
+
+use http::{Request, Response, StatusCode};
+use kube::client::Body;
+use serde_json::{Value, json};
+
+use super::*;
+use crate::build::tests::basic;
+
+/// (method, path) of every request the reconcile made.
+type Log = Arc<Mutex<Vec<(String, String)>>>;
+
+/// A mocked API server answering GETs from `objects` (path → JSON, 404 otherwise) and every write
+/// with its own body echoed back.
+fn mock(objects: Vec<(String, Value)>) -> (Client, Log) {
+    let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let log: Log = Arc::default();
+    let seen = log.clone();
+    tokio::spawn(async move {
+        while let Some((req, send)) = handle.next_request().await {
+            let (method, path) = (req.method().to_string(), req.uri().path().to_owned());
+            seen.lock().unwrap().push((method.clone(), path.clone()));
+            let body = req.into_body().collect_bytes().await.unwrap_or_default();
+            let found = objects
+                .iter()
+                .find(|(p, _)| *p == path)
+                .map(|(_, v)| v.clone());
+            let parent = path
+                .strip_suffix("/status")
+                .and_then(|p| objects.iter().find(|(o, _)| o == p))
+                .map(|(_, v)| v.clone());
+            let (status, reply) = match (method.as_str(), found) {
+                ("GET", Some(v)) => (StatusCode::OK, v),
+                ("PATCH", None) if parent.is_some() => (StatusCode::OK, parent.unwrap()),
+                ("GET", None) => (
+                    StatusCode::NOT_FOUND,
+                    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404, "message": "not found"}),
+                ),
+                _ => {
+                    let mut v: Value = serde_json::from_slice(&body).unwrap_or(json!({}));
+                    if v.get("metadata").is_none() {
+                        v["metadata"] = json!({"name": "x", "namespace": "ml"});
+                    }
+                    (StatusCode::OK, v)
+                }
+            };
+            let resp = Response::builder()
+                .status(status)
+                .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+                .unwrap();
+            send.send_response(resp);
+        }
+    });
+    (Client::new(svc, "ml"), log)
+}
+
+fn worker(job: &DiphomaJob, i: i32, phase: &str, exit: Option<i32>) -> Value {
+    let mut p = serde_json::to_value(build::worker_pod(job, i, 0)).unwrap();
+    p["spec"]["nodeName"] = json!("n0");
+    p["status"] = match exit {
+        None => json!({"phase": phase, "podIP": format!("127.0.0.{}", i + 2),
+            "conditions": [{"type": "Ready", "status": "True"}]}),
+        Some(code) => {
+            json!({"phase": "Failed", "containerStatuses": [{"name": "w", "image": "x", "imageID": "", "ready": false, "restartCount": 0,
+            "state": {"terminated": {"exitCode": code, "reason": "Error"}}}]})
+        }
+    };
+    p
+}
+
+fn world(job: &DiphomaJob, pods: Vec<Value>) -> Vec<(String, Value)> {
+    let ring = Membership {
+        generation: 1,
+        job_uid: "uid-1".into(),
+        members: (0..4)
+            .map(|i| contract::Member {
+                rank: i as u32,
+                pod: build::pod_name("train", i, 0),
+                address: format!("127.0.0.{}", i + 2).parse().unwrap(),
+                port: 29500,
+            })
+            .collect(),
+    };
+    let now = jiff::Timestamp::now().to_string();
+    vec![
+        (
+            "/api/v1/namespaces/ml/pods".into(),
+            json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": pods}),
+        ),
+        (
+            "/api/v1/namespaces/ml/configmaps/train-ring".into(),
+            serde_json::to_value(build::ring_configmap(job, &ring)).unwrap(),
+        ),
+        (
+            "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/n0".into(),
+            json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": "n0"}, "spec": {"renewTime": now}}),
+        ),
+        (
+            "/api/v1/nodes/n0".into(),
+            json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n0"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}),
+        ),
+    ]
+}
+
+/// The job as the operator left it after the previous reconcile of `objects`.
+async fn settled(job: DiphomaJob, objects: &[(String, Value)]) -> DiphomaJob {
+    let (client, _) = mock(objects.to_vec());
+    let obs = observe(&client, &job).await.unwrap();
+    let mut j = job;
+    j.status = Some(plan::plan(&j, &obs).status);
+    j
+}
+
+#[tokio::test]
+async fn a_steady_job_only_reads() {
+    let job = basic();
+    let objects = world(
+        &job,
+        (0..4).map(|i| worker(&job, i, "Running", None)).collect(),
+    );
+    let job = settled(job, &objects).await;
+    let (client, log) = mock(objects);
+    let ctx = Arc::new(Context::new(client, Metrics::default()));
+    reconcile(Arc::new(job), ctx).await.unwrap();
+    let log = log.lock().unwrap().clone();
+    assert!(!log.is_empty());
+    let writes: Vec<_> = log.iter().filter(|(m, _)| m != "GET").collect();
+    assert!(writes.is_empty(), "a steady job wrote: {writes:?}");
+}
+
+#[tokio::test]
+async fn a_lost_worker_is_counted_before_its_pod_is_touched() {
+    let job = basic();
+    let healthy = world(
+        &job,
+        (0..4).map(|i| worker(&job, i, "Running", None)).collect(),
+    );
+    let job = settled(job, &healthy).await;
+    let mut pods: Vec<Value> = (0..4).map(|i| worker(&job, i, "Running", None)).collect();
+    pods[2] = worker(&job, 2, "Failed", Some(137));
+    let mut objects = world(&job, pods);
+    objects.push((
+        "/apis/diphoma.io/v1alpha1/namespaces/ml/diphomajobs/train".into(),
+        serde_json::to_value(&job).unwrap(),
+    ));
+    let (client, log) = mock(objects);
+    let ctx = Arc::new(Context::new(client, Metrics::default()));
+    reconcile(Arc::new(job), ctx).await.unwrap();
+    let writes: Vec<(String, String)> = log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(m, p)| m != "GET" && !p.contains("events"))
+        .cloned()
+        .collect();
+    let pos = |m: &str, p: &str| {
+        writes
+            .iter()
+            .position(|w| w.0 == m && w.1 == p)
+            .unwrap_or_else(|| panic!("no {m} {p} in {writes:?}"))
+    };
+    let status = pos(
+        "PATCH",
+        "/apis/diphoma.io/v1alpha1/namespaces/ml/diphomajobs/train/status",
+    );
+    let annotate = pos("PATCH", "/api/v1/namespaces/ml/pods/train-worker-2");
+    let delete = pos("DELETE", "/api/v1/namespaces/ml/pods/train-worker-2");
+    let create = pos("PATCH", "/api/v1/namespaces/ml/pods/train-worker-2-1");
+    assert!(
+        status < annotate && annotate < delete && delete < create,
+        "order: {writes:?}"
+    );
+    assert!(
+        !writes
+            .iter()
+            .any(|w| w.1.ends_with("/configmaps/train-ring")),
+        "a fixed-size ring waits for the replacement"
+    );
+}
