@@ -30,8 +30,8 @@ use crate::{AbortHandle, CommError, Config};
 
 /// How often rank 0 writes its progress record.
 pub const PROGRESS_EVERY: Duration = Duration::from_secs(5);
-/// Bound on each collective in Kubernetes mode: below half the default `detectionSeconds`
-/// (10 s), so a hung peer is reported in time.
+/// Default bound on each collective in Kubernetes mode: below half the default
+/// `detectionSeconds` (10 s), so a hung peer is reported in time.
 pub const OP_TIMEOUT: Duration = Duration::from_secs(4);
 /// How long a member whose collective failed waits for a newer generation before it re-joins
 /// the newest one it knows (which may be the same generation, re-formed).
@@ -165,6 +165,7 @@ pub struct KubeRing {
     terminating: Arc<AtomicBool>,
     removed: bool,
     reported: Option<u64>,
+    op_timeout: Duration,
 }
 
 impl std::fmt::Debug for KubeRing {
@@ -288,6 +289,7 @@ impl KubeRing {
             terminating,
             removed: false,
             reported: None,
+            op_timeout: OP_TIMEOUT,
         })
     }
 
@@ -349,9 +351,15 @@ impl KubeRing {
             m.job_uid.clone(),
             self.key.clone(),
         );
-        config.timeout = OP_TIMEOUT;
+        config.timeout = self.op_timeout;
         self.current = Some(m);
         Ok(Generation { config, listener })
+    }
+
+    /// Sets the bound on each collective and connect (default [`OP_TIMEOUT`]); keep it below
+    /// half the job's `faultTolerance.detectionSeconds`.
+    pub fn set_op_timeout(&mut self, t: Duration) {
+        self.op_timeout = t;
     }
 
     /// True once SIGTERM arrived: the rank leaves at the next step boundary, or gives up

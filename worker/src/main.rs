@@ -131,6 +131,10 @@ struct TrainArgs {
     /// Directory of the checkpoints; training resumes from the newest valid one in it.
     #[arg(long)]
     checkpoint_dir: Option<std::path::PathBuf>,
+    /// Kubernetes mode: bound on each collective and connect, in seconds; keep it below half
+    /// the job's faultTolerance.detectionSeconds.
+    #[arg(long, default_value_t = diphoma_worker::k8s::OP_TIMEOUT.as_secs_f64())]
+    op_timeout_s: f64,
     /// Kubernetes mode: port of `/metrics` on the pod IP (0: none).
     #[arg(long, default_value_t = diphoma_worker::contract::DEFAULT_METRICS_PORT)]
     metrics_port: u16,
@@ -257,7 +261,11 @@ fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
             (outs.swap_remove(0), a.world)
         }
         Some((env, key)) => {
+            if !(a.op_timeout_s > 0.0 && a.op_timeout_s.is_finite()) {
+                return Err(format!("--op-timeout-s {} must be positive", a.op_timeout_s).into());
+            }
             let mut ring = k8s::KubeRing::start(env, key, a.metrics_port)?;
+            ring.set_op_timeout(Duration::from_secs_f64(a.op_timeout_s));
             let Some(first) = ring.first_generation()? else {
                 println!("terminated before joining a ring");
                 return Ok(ExitCode::SUCCESS);
