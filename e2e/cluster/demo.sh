@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # demo.sh DIR — on a cluster started by cluster-up.sh: install the DiphomaJob CRD, run the operator,
-# apply a 4-worker GPU job, show its ring, kill -9 one worker and show the ring re-formed at a new
-# generation with the repair counted, then run the allreduce benchmark as a 4-GPU pod.
-# Until the training worker lands, the job's workers run `diphoma-probe` (they only live).
+# train the digits MLP with a 4-worker GPU DiphomaJob, kill -9 one worker mid-training and show the
+# ring re-formed at a new generation (survivors keep training, a replacement joins), wait for
+# Succeeded and print the test accuracy; then run the allreduce benchmark as a 4-GPU pod.
 set -euo pipefail
 D=${1:?usage: $0 DIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -15,7 +15,6 @@ wait_for() { # what timeout_s cmd...
   for ((i = 0; i < t * 2; i++)); do "$@" >/dev/null 2>&1 && return 0; sleep 0.5; done
   echo "timed out waiting for $what" >&2; kubectl -n "$ns" get dpj,pods -o wide >&2; return 1
 }
-gen() { kubectl -n "$ns" get dpj ring-demo -o jsonpath='{.status.ring.generation}'; }
 
 step "GPU nodes of the process kubelet"
 kubectl get nodes -L nvidia.com/gpu.product,nvidia.com/gpu.count
@@ -28,40 +27,51 @@ echo $! >"$D/operator.pid"
 kubectl create namespace "$ns" >/dev/null
 kubectl -n "$ns" wait --for=create serviceaccount/default --timeout=60s >/dev/null
 
-step "a DiphomaJob: 4 workers × 2 GPUs"
+step "a DiphomaJob: 4 workers × 1 GPU train the digits MLP"
 kubectl -n "$ns" apply -f - <<'YAML'
 apiVersion: diphoma.io/v1alpha1
 kind: DiphomaJob
-metadata: {name: ring-demo}
+metadata: {name: digits}
 spec:
   replicas: 4
-  gpusPerWorker: 2
+  gpusPerWorker: 1
   faultTolerance: {detectionSeconds: 5}
   template:
     spec:
-      terminationGracePeriodSeconds: 2
+      terminationGracePeriodSeconds: 5
       containers:
       - name: worker
-        image: diphoma-probe:dev
-        args: [--sleep, "3600"]
+        image: diphoma-worker:dev
+        args: [train, --steps, "4000", --log-every, "1000"]
 YAML
-wait_for "the ring" 90 bash -c "[[ \$(kubectl -n $ns get dpj ring-demo -o jsonpath='{.status.phase}') == Running ]]"
-kubectl -n "$ns" get dpj ring-demo
+field() { kubectl -n "$ns" get dpj digits -o jsonpath="{$1}"; }
+wait_for "the ring" 90 bash -c "[[ \$(kubectl -n $ns get dpj digits -o jsonpath='{.status.phase}') == Running ]]"
 kubectl -n "$ns" get pods -o wide
-echo "ring membership (generation $(gen)):"
-kubectl -n "$ns" get configmap ring-demo-ring -o jsonpath='{.data.membership\.json}'; echo
+echo "ring membership (generation $(field .status.ring.generation)):"
+kubectl -n "$ns" get configmap digits-ring -o jsonpath='{.data.membership\.json}'; echo
+wait_for "progress from rank 0" 60 bash -c "[[ -n \$(kubectl -n $ns get dpj digits -o jsonpath='{.status.progress.step}') ]]"
+kubectl -n "$ns" get dpj digits
 
-step "kill -9 the process of worker 1"
-pid=$(kubectl -n "$ns" get pod ring-demo-worker-1 -o jsonpath='{.status.containerStatuses[0].containerID}')
-pid=${pid#process://}
-kill -9 "$pid"
+step "kill -9 the process of worker 1 mid-training"
+pid=$(kubectl -n "$ns" get pod digits-worker-1 -o jsonpath='{.status.containerStatuses[0].containerID}')
+survivor=$(kubectl -n "$ns" get pod digits-worker-0 -o jsonpath='{.status.containerStatuses[0].containerID}')
+kill -9 "${pid#process://}"
 start=$(date +%s%N)
-wait_for "the repaired ring" 90 bash -c "[[ \$(kubectl -n $ns get dpj ring-demo -o jsonpath='{.status.ring.generation}') -ge 2 && \$(kubectl -n $ns get dpj ring-demo -o jsonpath='{.status.phase}') == Running ]]"
+wait_for "the repaired ring" 90 bash -c "[[ \$(kubectl -n $ns get dpj digits -o jsonpath='{.status.ring.generation}') -ge 2 ]]"
 ms=$(( ($(date +%s%N) - start) / 1000000 ))
-echo "ring re-formed at generation $(gen), ${ms} ms after the kill (as seen by polling kubectl)"
-kubectl -n "$ns" get dpj ring-demo
-kubectl -n "$ns" get dpj ring-demo -o jsonpath='repairs: {.status.repairs}{"\n"}lastFailure: {.status.lastFailure}{"\n"}'
-kubectl -n "$ns" get events --field-selector involvedObject.kind=DiphomaJob -o custom-columns=REASON:.reason,MESSAGE:.message | tail -6
+echo "ring re-formed at generation $(field .status.ring.generation), ${ms} ms after the kill (as seen by polling kubectl)"
+echo "repairs: $(field .status.repairs)"
+echo "lastFailure: $(field .status.lastFailure)"
+kubectl -n "$ns" get dpj digits
+
+step "training goes on to the end"
+wait_for "Succeeded" 300 bash -c "[[ \$(kubectl -n $ns get dpj digits -o jsonpath='{.status.phase}') == Succeeded ]]"
+kubectl -n "$ns" get dpj digits
+now=$(kubectl -n "$ns" get pod digits-worker-0 -o jsonpath='{.status.containerStatuses[0].state.terminated.exitCode}')
+echo "worker 0 kept its process through the repair (${survivor}); it exited with code ${now}"
+uid=$(kubectl -n "$ns" get pod digits-worker-0 -o jsonpath='{.metadata.uid}')
+grep -E "generation|accuracy" "$D/kubelet/logs/${ns}_digits-worker-0_${uid}/worker.log" | tail -4
+kubectl -n "$ns" get events --field-selector involvedObject.kind=DiphomaJob -o custom-columns=REASON:.reason,MESSAGE:.message | tail -8
 
 step "the allreduce runtime: a benchmark pod with 4 GPUs (4 ranks)"
 kubectl -n "$ns" apply -f - >/dev/null <<'YAML'
@@ -73,7 +83,7 @@ spec:
   containers:
   - name: bench
     image: diphoma-worker:dev
-    args: [bench, --world, "4", --sizes, "1K,64K,1M,16M", --samples, "5"]
+    args: [bench, --world, "4", --sizes, "1K,64K,1M", --samples, "5"]
     resources: {limits: {nvidia.com/gpu: "4"}}
 YAML
 kubectl -n "$ns" wait --for=jsonpath='{.status.phase}'=Succeeded pod/allreduce-bench --timeout=300s >/dev/null || {

@@ -134,6 +134,7 @@ pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Pod {
         c["env"] = json!(envs);
         let mut ports: Vec<serde_json::Value> = c["ports"].as_array().cloned().unwrap_or_default();
         ports.push(json!({"name": contract::RING_PORT_NAME, "containerPort": spec.ring_port, "protocol": "TCP"}));
+        ports.push(json!({"name": contract::METRICS_PORT_NAME, "containerPort": contract::DEFAULT_METRICS_PORT, "protocol": "TCP"}));
         c["ports"] = json!(ports);
         let mut mounts: Vec<serde_json::Value> =
             c["volumeMounts"].as_array().cloned().unwrap_or_default();
@@ -285,6 +286,15 @@ pub fn ring_configmap(job: &DiphomaJob, m: &Membership) -> ConfigMap {
             MEMBERSHIP_KEY.to_owned(),
             serde_json::to_string(m).expect("membership serializes"),
         )])),
+        ..Default::default()
+    }
+}
+
+/// The job's heartbeat ConfigMap, created empty: rank 0's progress and the workers' failure
+/// reports go into it (docs/design/heartbeat.md).
+pub fn heartbeat_configmap(job: &DiphomaJob) -> ConfigMap {
+    ConfigMap {
+        metadata: meta(job, contract::heartbeat_configmap_name(&job.name_any())),
         ..Default::default()
     }
 }

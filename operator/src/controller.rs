@@ -393,15 +393,18 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
         let key: Vec<u8> = (0..contract::MIN_KEY_LEN)
             .map(|_| rand::random::<u8>())
             .collect();
-        match Api::<Secret>::namespaced(client.clone(), &ns)
-            .create(&PostParams::default(), &build::key_secret(job, key))
-            .await
-        {
-            Err(kube::Error::Api(s)) if s.is_already_exists() => {}
-            other => {
-                other?;
-            }
-        }
+        create_once(
+            &Api::<Secret>::namespaced(client.clone(), &ns),
+            &build::key_secret(job, key),
+        )
+        .await?;
+        // The workers may patch the heartbeat object but not create it (create cannot be
+        // limited by resourceNames), so the operator creates it, empty, once.
+        create_once(
+            &Api::<ConfigMap>::namespaced(client.clone(), &ns),
+            &build::heartbeat_configmap(job),
+        )
+        .await?;
     }
     // Status first: a counted failure is never lost, even if what follows fails.
     if job.status.as_ref() != Some(&plan.status) {
@@ -466,6 +469,18 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
         }
     }
     Ok(())
+}
+
+/// Creates `obj` unless it exists (never overwritten: the key must not change under running
+/// workers, and the heartbeat's data belongs to them).
+async fn create_once<K>(api: &Api<K>, obj: &K) -> Result<(), Error>
+where
+    K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
+{
+    match api.create(&PostParams::default(), obj).await {
+        Err(kube::Error::Api(s)) if s.is_already_exists() => Ok(()),
+        other => other.map(|_| ()).map_err(Error::from),
+    }
 }
 
 fn ignore_missing<T: Default>(r: Result<T, kube::Error>) -> Result<T, Error> {
