@@ -104,6 +104,7 @@ fn main() -> Result<()> {
         lost_workers_are_replaced_at_a_new_generation_and_counted_once,
         restarted_operator_creates_no_duplicates,
         a_silent_worker_blamed_by_its_neighbours_is_replaced,
+        a_training_job_survives_a_killed_worker_and_succeeds,
         two_replicas_elect_one_leader_that_serves_metrics,
         node_loss_is_detected_from_its_lease_and_workers_move,
     ];
@@ -584,4 +585,86 @@ async fn two_replicas_elect_one_leader_that_serves_metrics(
     }
     ctx.start_operator();
     result
+}
+
+async fn a_training_job_survives_a_killed_worker_and_succeeds(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let yaml = job_yaml("digits", 3, "  faultTolerance: {detectionSeconds: 5}\n")
+        .replace("image: diphoma-probe:dev", "image: diphoma-worker:dev")
+        .replace(
+            "args: [--sleep, \"3600\"]",
+            "args: [train, --steps, \"2500\", --log-every, \"500\"]",
+        );
+    let out = kubectl_apply(&ctx, &ns, &yaml)?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let g1 = running_ring(&ctx, &ns, "digits", 3, 0).await?;
+    eventually(60, "progress reported by rank 0", async || {
+        Ok(job_status(&ctx.client, &ns, "digits")
+            .await?
+            .status
+            .and_then(|s| s.progress)
+            .is_some_and(|p| p.step > 0))
+    })
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let survivor = pid_of(&pods.get("digits-worker-0").await?)?;
+    let victim = pid_of(&pods.get("digits-worker-1").await?)?;
+    // SAFETY: kill(2) on a process this test's kubelet started.
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    eventually(60, "the ring re-formed", async || {
+        Ok(ring(&ctx.client, &ns, "digits")
+            .await?
+            .is_some_and(|r| r.generation > g1.generation))
+    })
+    .await?;
+    let mut done = None;
+    eventually(180, "digits Succeeded", async || {
+        done = job_status(&ctx.client, &ns, "digits").await?.status;
+        Ok(done.as_ref().and_then(|s| s.phase) == Some(Phase::Succeeded))
+    })
+    .await?;
+    let st = done.unwrap();
+    ensure!(
+        st.repairs.total == 1 && st.repairs.by_cause.get("ProcessExit") == Some(&1),
+        "{:?}",
+        st.repairs
+    );
+    ensure!(
+        st.progress.as_ref().map(|p| p.step) == Some(2500),
+        "{:?}",
+        st.progress
+    );
+    let w0 = pods.get("digits-worker-0").await?;
+    let exit = w0
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c[0].state.clone())
+        .and_then(|s| s.terminated)
+        .map(|t| t.exit_code);
+    ensure!(exit == Some(0), "worker 0 ended with {exit:?}");
+    let log = std::fs::read_to_string(ctx.kubelet.log_file(&w0, "worker"))?;
+    ensure!(
+        log.matches("test accuracy").count() == 1,
+        "worker 0 restarted or never finished:\n{log}"
+    );
+    let acc: f64 = log
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("test accuracy ")?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .context("no accuracy")?;
+    ensure!(acc >= 0.95, "test accuracy {acc}");
+    ensure!(!alive(survivor) && !alive(victim), "processes left");
+    Ok(())
 }
