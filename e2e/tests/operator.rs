@@ -103,6 +103,7 @@ fn main() -> Result<()> {
         job_gets_gpu_pods_children_and_a_ring,
         lost_workers_are_replaced_at_a_new_generation_and_counted_once,
         restarted_operator_creates_no_duplicates,
+        kubectl_scale_resizes_the_ring_without_counting_failures,
         a_silent_worker_blamed_by_its_neighbours_is_replaced,
         a_training_job_survives_a_killed_worker_and_succeeds,
         two_replicas_elect_one_leader_that_serves_metrics,
@@ -132,6 +133,17 @@ fn job_yaml(name: &str, replicas: i32, extra: &str) -> String {
     format!(
         "apiVersion: diphoma.io/v1alpha1\nkind: DiphomaJob\nmetadata:\n  name: {name}\nspec:\n  replicas: {replicas}\n  gpusPerWorker: 2\n{extra}  template:\n    spec:\n      terminationGracePeriodSeconds: 2\n      containers:\n      - name: worker\n        image: diphoma-probe:dev\n        args: [--sleep, \"3600\"]\n"
     )
+}
+
+/// Applies a job manifest and waits for its first ring of `size` workers.
+async fn start_job(ctx: &Ctx, ns: &str, yaml: &str, name: &str, size: usize) -> Result<Membership> {
+    let out = kubectl_apply(ctx, ns, yaml)?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    running_ring(ctx, ns, name, size, 0).await
 }
 
 fn kubectl_apply(ctx: &Ctx, ns: &str, yaml: &str) -> Result<std::process::Output> {
@@ -198,12 +210,34 @@ async fn running_ring(
         },
     )
     .await;
-    waited.with_context(|| {
-        format!(
-            "last status: {}",
+    if let Err(e) = waited {
+        let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns)
+            .list(&ListParams::default())
+            .await?
+            .items;
+        let states: Vec<String> = pods
+            .iter()
+            .map(|p| {
+                let st = p.status.clone().unwrap_or_default();
+                let waiting = st
+                    .container_statuses
+                    .iter()
+                    .flatten()
+                    .find_map(|c| c.state.clone()?.waiting);
+                format!(
+                    "{} {:?} on {:?}: {:?}",
+                    p.name_any(),
+                    st.phase,
+                    p.spec.as_ref().and_then(|s| s.node_name.clone()),
+                    waiting.map(|w| (w.reason, w.message))
+                )
+            })
+            .collect();
+        return Err(e.context(format!(
+            "last status: {}; pods: {states:#?}",
             serde_json::to_string(&last).unwrap_or_default()
-        )
-    })?;
+        )));
+    }
     Ok(found.unwrap())
 }
 
@@ -240,13 +274,7 @@ async fn invalid_manifests_are_refused_with_the_field_named(
 }
 
 async fn job_gets_gpu_pods_children_and_a_ring(ctx: Arc<Ctx>, ns: String) -> Result<()> {
-    let out = kubectl_apply(&ctx, &ns, &job_yaml("train", 3, ""))?;
-    ensure!(
-        out.status.success(),
-        "apply: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let m = running_ring(&ctx, &ns, "train", 3, 0).await?;
+    let m = start_job(&ctx, &ns, &job_yaml("train", 3, ""), "train", 3).await?;
     ensure!(
         m.generation == 1,
         "first ring is generation {}",
@@ -283,6 +311,10 @@ async fn job_gets_gpu_pods_children_and_a_ring(ctx: Arc<Ctx>, ns: String) -> Res
             "member {member:?} vs pod IP {ip}"
         );
     }
+    Api::<ConfigMap>::namespaced(ctx.client.clone(), &ns)
+        .get("train-heartbeat")
+        .await
+        .context("no heartbeat ConfigMap")?;
     Api::<Secret>::namespaced(ctx.client.clone(), &ns)
         .get("train-key")
         .await?;
@@ -319,13 +351,7 @@ async fn lost_workers_are_replaced_at_a_new_generation_and_counted_once(
     ctx: Arc<Ctx>,
     ns: String,
 ) -> Result<()> {
-    let out = kubectl_apply(&ctx, &ns, &job_yaml("train", 3, ""))?;
-    ensure!(
-        out.status.success(),
-        "apply: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let g1 = running_ring(&ctx, &ns, "train", 3, 0).await?;
+    let g1 = start_job(&ctx, &ns, &job_yaml("train", 3, ""), "train", 3).await?;
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
 
     // kubectl delete: PodDeleted.
@@ -340,8 +366,7 @@ async fn lost_workers_are_replaced_at_a_new_generation_and_counted_once(
     // kill -9 of a worker's process: ProcessExit with 137.
     let victim = pods.get("train-worker-2").await?;
     let pid = pid_of(&victim)?;
-    // SAFETY: kill(2) on a process this test's kubelet started.
-    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    signal(pid, libc::SIGKILL);
     let g3 = running_ring(&ctx, &ns, "train", 3, g2.generation).await?;
     ensure!(
         g3.members.iter().any(|m| m.pod == "train-worker-2-1"),
@@ -373,13 +398,7 @@ async fn lost_workers_are_replaced_at_a_new_generation_and_counted_once(
 }
 
 async fn restarted_operator_creates_no_duplicates(ctx: Arc<Ctx>, ns: String) -> Result<()> {
-    let out = kubectl_apply(&ctx, &ns, &job_yaml("train", 3, ""))?;
-    ensure!(
-        out.status.success(),
-        "apply: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let before = running_ring(&ctx, &ns, "train", 3, 0).await?;
+    let before = start_job(&ctx, &ns, &job_yaml("train", 3, ""), "train", 3).await?;
     ctx.stop_operator().await;
     ctx.start_operator();
     tokio::time::sleep(Duration::from_secs(5)).await;
@@ -408,28 +427,26 @@ async fn a_silent_worker_blamed_by_its_neighbours_is_replaced(
     ns: String,
 ) -> Result<()> {
     let ft = "  faultTolerance: {detectionSeconds: 4}\n";
-    let out = kubectl_apply(&ctx, &ns, &job_yaml("train", 3, ft))?;
-    ensure!(
-        out.status.success(),
-        "apply: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let g1 = running_ring(&ctx, &ns, "train", 3, 0).await?;
+    let g1 = start_job(&ctx, &ns, &job_yaml("train", 3, ft), "train", 3).await?;
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     let pid = pid_of(&pods.get("train-worker-1").await?)?;
-    // SAFETY: kill(2) on a process this test's kubelet started.
-    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    signal(pid, libc::SIGSTOP);
     // What ranks 0 and 2 write when their collective times out on the frozen rank 1.
     let now = jiff::Timestamp::now().to_string();
     let report = |reporter: &str| {
         serde_json::json!({"generation": g1.generation, "reporter": reporter, "suspect": "train-worker-1", "error": "Timeout", "time": now}).to_string()
     };
-    let cm: ConfigMap = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": "train-heartbeat"},
-        "data": {"report.train-worker-0": report("train-worker-0"), "report.train-worker-2": report("train-worker-2")}
-    }))?;
+    // The operator created the heartbeat object; workers patch their reports into it.
+    let reports = serde_json::json!({"data": {
+        "report.train-worker-0": report("train-worker-0"),
+        "report.train-worker-2": report("train-worker-2"),
+    }});
     Api::<ConfigMap>::namespaced(ctx.client.clone(), &ns)
-        .create(&Default::default(), &cm)
+        .patch(
+            "train-heartbeat",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&reports),
+        )
         .await?;
     let g2 = running_ring(&ctx, &ns, "train", 3, g1.generation).await?;
     ensure!(
@@ -451,13 +468,7 @@ async fn node_loss_is_detected_from_its_lease_and_workers_move(
     ns: String,
 ) -> Result<()> {
     let ft = "  faultTolerance: {detectionSeconds: 4}\n";
-    let out = kubectl_apply(&ctx, &ns, &job_yaml("train", 3, ft))?;
-    ensure!(
-        out.status.success(),
-        "apply: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let g1 = running_ring(&ctx, &ns, "train", 3, 0).await?;
+    let g1 = start_job(&ctx, &ns, &job_yaml("train", 3, ft), "train", 3).await?;
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     let node = pods
         .get("train-worker-0")
@@ -597,13 +608,7 @@ async fn a_training_job_survives_a_killed_worker_and_succeeds(
             "args: [--sleep, \"3600\"]",
             "args: [train, --steps, \"2500\", --log-every, \"500\"]",
         );
-    let out = kubectl_apply(&ctx, &ns, &yaml)?;
-    ensure!(
-        out.status.success(),
-        "apply: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let g1 = running_ring(&ctx, &ns, "digits", 3, 0).await?;
+    let g1 = start_job(&ctx, &ns, &yaml, "digits", 3).await?;
     eventually(60, "progress reported by rank 0", async || {
         Ok(job_status(&ctx.client, &ns, "digits")
             .await?
@@ -615,8 +620,7 @@ async fn a_training_job_survives_a_killed_worker_and_succeeds(
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     let survivor = pid_of(&pods.get("digits-worker-0").await?)?;
     let victim = pid_of(&pods.get("digits-worker-1").await?)?;
-    // SAFETY: kill(2) on a process this test's kubelet started.
-    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    signal(victim, libc::SIGKILL);
     eventually(60, "the ring re-formed", async || {
         Ok(ring(&ctx.client, &ns, "digits")
             .await?
@@ -666,5 +670,58 @@ async fn a_training_job_survives_a_killed_worker_and_succeeds(
         .context("no accuracy")?;
     ensure!(acc >= 0.95, "test accuracy {acc}");
     ensure!(!alive(survivor) && !alive(victim), "processes left");
+    Ok(())
+}
+
+async fn kubectl_scale_resizes_the_ring_without_counting_failures(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let elastic = "  elastic: {minReplicas: 2, maxReplicas: 4}\n";
+    let g1 = start_job(&ctx, &ns, &job_yaml("train", 3, elastic), "train", 3).await?;
+    let scale = |n: &str| {
+        ctx.cp
+            .kubectl()
+            .args([
+                "-n",
+                &ns,
+                "scale",
+                "dpj",
+                "train",
+                &format!("--replicas={n}"),
+            ])
+            .output()
+    };
+    let out = scale("2")?;
+    ensure!(
+        out.status.success(),
+        "kubectl scale: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let g2 = running_ring(&ctx, &ns, "train", 2, g1.generation).await?;
+    let out = scale("4")?;
+    ensure!(
+        out.status.success(),
+        "kubectl scale: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let g3 = running_ring(&ctx, &ns, "train", 4, g2.generation).await?;
+    let survivors: Vec<&str> = g3.members.iter().map(|m| m.pod.as_str()).collect();
+    ensure!(
+        survivors.contains(&"train-worker-0") && survivors.contains(&"train-worker-1"),
+        "{survivors:?}"
+    );
+    let st = job_status(&ctx.client, &ns, "train").await?.status.unwrap();
+    ensure!(
+        st.failures.total == 0 && st.repairs.total == 0,
+        "scaling was counted: {:?} {:?}",
+        st.failures,
+        st.repairs
+    );
+    let out = scale("5")?;
+    ensure!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("spec.replicas"),
+        "scaling past maxReplicas was accepted"
+    );
     Ok(())
 }

@@ -165,7 +165,9 @@ pub async fn run(
         let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &le.lease_name)
             .with_namespace(&le.namespace)
             .with_identity(&le.identity)
-            .with_field_manager(FIELD_MANAGER)
+            // Per identity: the Lease's server-side-apply conflicts are what keep two replicas
+            // from both holding it.
+            .with_field_manager(format!("{FIELD_MANAGER}-{}", le.identity))
             .build()
             .await
             .map_err(|source| RunError::Lease { lease, source })?;

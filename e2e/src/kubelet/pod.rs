@@ -34,6 +34,12 @@ pub enum PodEvent {
     Deleted,
 }
 
+/// Interval of the periodic pod sync.
+const RESYNC: Duration = Duration::from_secs(5);
+
+/// How long a pod waits for GPUs that a deleted pod still holds.
+const GPU_WAIT: Duration = Duration::from_secs(30);
+
 /// Restart back-off: 1 s, 2 s, 4 s, … capped at 10 s (the real kubelet starts at 10 s, capped at
 /// 5 min; shorter here so that tests of crash loops finish).
 fn backoff(restarts: i32) -> Duration {
@@ -179,16 +185,22 @@ impl Worker {
             .map(|c| self.sh.cfg.images.resolve(c.image.as_deref().unwrap_or("")))
             .collect::<Result<Vec<_>, _>>()?;
         let want = gpus_requested(&self.pod);
-        self.gpus = self
-            .node
-            .gpus
-            .lock()
-            .unwrap()
-            .allocate(want)
-            .ok_or_else(|| Error::Unsupported {
-                pod: self.key(),
-                what: format!("{want} {GPU_RESOURCE} requested but the node has fewer free"),
-            })?;
+        // The scheduler frees a deleted pod's GPUs as soon as its object is gone, which can be a
+        // moment before this kubelet has reaped its processes: wait for them briefly, as the
+        // device plugin's allocation would.
+        let deadline = Instant::now() + GPU_WAIT;
+        self.gpus = loop {
+            if let Some(g) = self.node.gpus.lock().unwrap().allocate(want) {
+                break g;
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Unsupported {
+                    pod: self.key(),
+                    what: format!("{want} {GPU_RESOURCE} requested but the node has fewer free"),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
         let ip = self
             .node
             .ips
@@ -422,12 +434,24 @@ impl Worker {
         failed.mark_changed();
         let mut shutdown = self.sh.shutdown.subscribe();
         shutdown.mark_changed();
+        // Periodic sync, as the real kubelet's: a watch event that never arrived (a deletion, a
+        // readiness-gate change) is caught by reading the pod again.
+        let mut resync = tokio::time::interval(RESYNC);
+        resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             if self.pod.metadata.deletion_timestamp.is_some() {
                 return self.terminate(my_exits).await;
             }
             let next_restart = self.restart_at.iter().flatten().min().copied();
             tokio::select! {
+                _ = resync.tick() => {
+                    let name = self.pod.metadata.name.clone().unwrap_or_default();
+                    match self.api.get_opt(&name).await {
+                        Ok(Some(p)) if p.metadata.uid == self.pod.metadata.uid => self.pod = p,
+                        Ok(_) => return self.kill_and_reap(my_exits).await,
+                        Err(e) => tracing::debug!(pod = %self.key(), error = %e, "resync"),
+                    }
+                }
                 ev = rx.recv() => match ev {
                     Some(PodEvent::Updated(p)) => {
                         self.pod = *p;
@@ -522,6 +546,7 @@ impl Worker {
                 };
             }
         }
+        self.release_gpus(); // before the pod object goes: the scheduler frees them then
         self.report().await;
         let name = self.pod.metadata.name.clone().unwrap_or_default();
         let dp = DeleteParams {
@@ -539,14 +564,19 @@ impl Worker {
 
     /// Frees the IP and GPUs and removes the pod's directory (logs stay).
     fn cleanup(&mut self) {
+        self.release_gpus();
         if let Some(ip) = self.pod_ip.take() {
             self.node.ips.lock().unwrap().release(&ip);
         }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+
+    /// Returns the pod's GPUs to the node (once its processes are gone).
+    fn release_gpus(&mut self) {
         self.node
             .gpus
             .lock()
             .unwrap()
             .release(&std::mem::take(&mut self.gpus));
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

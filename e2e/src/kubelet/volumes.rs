@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{
-    KeyToPath, PersistentVolume, PersistentVolumeClaim, Pod, ServiceAccount, Volume,
+    DownwardAPIVolumeFile, KeyToPath, PersistentVolume, PersistentVolumeClaim, Pod, ServiceAccount,
+    Volume,
 };
 use kube::api::PostParams;
 use kube::{Api, Client};
@@ -167,33 +168,45 @@ async fn volume_dir(
     if let Some(claim) = &v.persistent_volume_claim {
         return claim_dir(client, pod, &claim.claim_name).await;
     }
-    if let Some(cm) = &v.config_map {
-        let what = format!("configmap {:?}", cm.name);
+    let config_map = |name: &str, items: Option<&Vec<KeyToPath>>, optional: Option<bool>| {
+        let what = format!("configmap {name:?}");
         write_keys(
             &own,
-            sources.config_maps.get(&cm.name),
-            cm.items.as_ref(),
+            sources.config_maps.get(name),
+            items,
             &what,
-            cm.optional == Some(true),
-        )?;
-    } else if let Some(s) = &v.secret {
-        let name = s.secret_name.clone().unwrap_or_default();
+            optional == Some(true),
+        )
+    };
+    let secret = |name: &str, items: Option<&Vec<KeyToPath>>, optional: Option<bool>| {
         let what = format!("secret {name:?}");
         write_keys(
             &own,
-            sources.secrets.get(&name),
-            s.items.as_ref(),
+            sources.secrets.get(name),
+            items,
             &what,
-            s.optional == Some(true),
-        )?;
-    } else if let Some(d) = &v.downward_api {
-        for item in d.items.iter().flatten() {
+            optional == Some(true),
+        )
+    };
+    let downward = |items: &[DownwardAPIVolumeFile]| {
+        items.iter().try_for_each(|item| {
             let value = item
                 .field_ref
                 .as_ref()
                 .and_then(|f| field_value(pod, facts, &f.field_path));
-            write(&own.join(&item.path), &value.unwrap_or_default())?;
-        }
+            write(&own.join(&item.path), &value.unwrap_or_default())
+        })
+    };
+    if let Some(cm) = &v.config_map {
+        config_map(&cm.name, cm.items.as_ref(), cm.optional)?;
+    } else if let Some(s) = &v.secret {
+        secret(
+            s.secret_name.as_deref().unwrap_or_default(),
+            s.items.as_ref(),
+            s.optional,
+        )?;
+    } else if let Some(d) = &v.downward_api {
+        downward(d.items.as_deref().unwrap_or_default())?;
     } else if let Some(p) = &v.projected {
         for src in p.sources.iter().flatten() {
             if let Some(t) = &src.service_account_token {
@@ -201,35 +214,13 @@ async fn volume_dir(
                 write(&own.join(&t.path), &token)?;
             }
             if let Some(cm) = &src.config_map {
-                let what = format!("configmap {:?}", cm.name);
-                write_keys(
-                    &own,
-                    sources.config_maps.get(&cm.name),
-                    cm.items.as_ref(),
-                    &what,
-                    cm.optional == Some(true),
-                )?;
+                config_map(&cm.name, cm.items.as_ref(), cm.optional)?;
             }
             if let Some(s) = &src.secret {
-                let what = format!("secret {:?}", s.name);
-                write_keys(
-                    &own,
-                    sources.secrets.get(&s.name),
-                    s.items.as_ref(),
-                    &what,
-                    s.optional == Some(true),
-                )?;
+                secret(&s.name, s.items.as_ref(), s.optional)?;
             }
-            for item in src
-                .downward_api
-                .iter()
-                .flat_map(|d| d.items.iter().flatten())
-            {
-                let value = item
-                    .field_ref
-                    .as_ref()
-                    .and_then(|f| field_value(pod, facts, &f.field_path));
-                write(&own.join(&item.path), &value.unwrap_or_default())?;
+            if let Some(d) = &src.downward_api {
+                downward(d.items.as_deref().unwrap_or_default())?;
             }
         }
     } else if v.empty_dir.is_none() {

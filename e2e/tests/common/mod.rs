@@ -134,6 +134,12 @@ pub fn proc_state(pid: u32) -> Option<char> {
     stat.rsplit(')').next()?.trim_start().chars().next()
 }
 
+/// Sends `sig` to a pod process (one this test's kubelet started, by its recorded pid).
+pub fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe { libc::kill(pid as i32, sig) };
+}
+
 /// Whether a process exists and is not a zombie.
 pub fn alive(pid: u32) -> bool {
     proc_state(pid).is_some_and(|s| s != 'Z')
