@@ -25,6 +25,8 @@ pub const MANAGED_BY: &str = "diphoma-operator";
 pub const ANNOT_DELETED_BY_OPERATOR: &str = "diphoma.io/deleted-by-operator";
 /// Annotation recording that a pod's failure has been counted (its value is the cause).
 pub const ANNOT_FAILURE_COUNTED: &str = "diphoma.io/failure-counted";
+/// Where the checkpoint volume is mounted when the template does not mount it itself.
+pub const CHECKPOINT_MOUNT_DIR: &str = "/var/lib/diphoma/checkpoints";
 /// Extended resource name of NVIDIA GPUs.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
 
@@ -138,6 +140,23 @@ pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Pod {
         c["ports"] = json!(ports);
         let mut mounts: Vec<serde_json::Value> =
             c["volumeMounts"].as_array().cloned().unwrap_or_default();
+        if let Some(cp) = &spec.checkpoint {
+            // Rank 0 checkpoints into the named volume: where the template mounts it, else here.
+            let path = match mounts.iter().find(|m| m["name"] == cp.volume.as_str()) {
+                Some(m) => m["mountPath"]
+                    .as_str()
+                    .unwrap_or(CHECKPOINT_MOUNT_DIR)
+                    .to_owned(),
+                None => {
+                    mounts.push(json!({"name": cp.volume, "mountPath": CHECKPOINT_MOUNT_DIR}));
+                    CHECKPOINT_MOUNT_DIR.to_owned()
+                }
+            };
+            let mut envs = c["env"].as_array().cloned().unwrap_or_default();
+            envs.push(json!({"name": contract::ENV_CHECKPOINT_DIR, "value": path}));
+            envs.push(json!({"name": contract::ENV_CHECKPOINT_EVERY, "value": cp.every_steps.to_string()}));
+            c["env"] = json!(envs);
+        }
         mounts.push(json!({"name": "diphoma-key", "mountPath": KEY_MOUNT_DIR, "readOnly": true}));
         c["volumeMounts"] = json!(mounts);
         if spec.gpus_per_worker > 0 {
@@ -404,6 +423,30 @@ pub(crate) mod tests {
             Some(GPU_RESOURCE)
         );
         assert_eq!(spec.service_account_name.as_deref(), Some("train-worker"));
+    }
+
+    #[test]
+    fn checkpoint_volume_is_mounted_and_passed_to_the_worker() {
+        let mut j = basic();
+        j.spec.checkpoint = Some(crate::api::Checkpoint {
+            volume: "ckpt".into(),
+            every_steps: 25,
+        });
+        let c = worker_pod(&j, 0, 0).spec.unwrap().containers.remove(0);
+        let env: BTreeMap<String, String> = c
+            .env
+            .unwrap()
+            .into_iter()
+            .filter_map(|e| Some((e.name, e.value?)))
+            .collect();
+        assert_eq!(env[contract::ENV_CHECKPOINT_DIR], CHECKPOINT_MOUNT_DIR);
+        assert_eq!(env[contract::ENV_CHECKPOINT_EVERY], "25");
+        assert!(
+            c.volume_mounts
+                .unwrap()
+                .iter()
+                .any(|m| m.name == "ckpt" && m.mount_path == CHECKPOINT_MOUNT_DIR)
+        );
     }
 
     #[test]

@@ -31,6 +31,10 @@ pub const ENV_RING_PORT: &str = "DIPHOMA_RING_PORT";
 pub const ENV_KEY_FILE: &str = "DIPHOMA_KEY_FILE";
 /// Env: name of the ConfigMap holding the ring membership.
 pub const ENV_MEMBERSHIP: &str = "DIPHOMA_MEMBERSHIP";
+/// Env: directory of the checkpoints (the mount path of `spec.checkpoint.volume`); unset: none.
+pub const ENV_CHECKPOINT_DIR: &str = "DIPHOMA_CHECKPOINT_DIR";
+/// Env: steps between two checkpoints (`spec.checkpoint.everySteps`).
+pub const ENV_CHECKPOINT_EVERY: &str = "DIPHOMA_CHECKPOINT_EVERY";
 
 /// Default TCP port of the ring (`spec.ringPort`).
 pub const DEFAULT_RING_PORT: u16 = 29500;

@@ -126,10 +126,10 @@ struct TrainArgs {
     #[arg(long, default_value_t = 50)]
     log_every: u64,
     /// Rank 0 writes a checkpoint every this many steps (0: never).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = diphoma_worker::contract::ENV_CHECKPOINT_EVERY, default_value_t = 0)]
     checkpoint_every: u64,
     /// Directory of the checkpoints; training resumes from the newest valid one in it.
-    #[arg(long)]
+    #[arg(long, env = diphoma_worker::contract::ENV_CHECKPOINT_DIR)]
     checkpoint_dir: Option<std::path::PathBuf>,
     /// Kubernetes mode: bound on each collective and connect, in seconds; keep it below half
     /// the job's faultTolerance.detectionSeconds.
