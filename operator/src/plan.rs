@@ -438,12 +438,11 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
         }
         if let Some(r) = &ring {
             // Every member leaves by the operator's hand: none of them is a failure later.
-            status.ring = Some(RingStatus {
-                generation: r.generation as i64,
-                size: r.members.len() as i32,
-                config_map: diphoma_worker::contract::membership_configmap_name(&name),
-                departed: r.members.iter().map(|m| m.pod.clone()).collect(),
-            });
+            status.ring = Some(ring_status(
+                &name,
+                r,
+                r.members.iter().map(|m| m.pod.clone()).collect(),
+            ));
         }
         status.phase = Some(Phase::Suspended);
         status.ready_replicas = 0;
@@ -554,12 +553,7 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
             "RingReformed",
             format!("generation {generation} with {} workers", m.members.len()),
         ));
-        status.ring = Some(RingStatus {
-            generation: generation as i64,
-            size: m.members.len() as i32,
-            config_map: diphoma_worker::contract::membership_configmap_name(&name),
-            departed: vec![],
-        });
+        status.ring = Some(ring_status(&name, &m, vec![]));
         plan.publish = Some(m);
     } else if let Some(r) = &ring {
         departed.extend(
@@ -574,12 +568,7 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
                 .filter(|d| r.rank_of(&d.pod).is_some())
                 .map(|d| d.pod.clone()),
         );
-        status.ring = Some(RingStatus {
-            generation: r.generation as i64,
-            size: r.members.len() as i32,
-            config_map: diphoma_worker::contract::membership_configmap_name(&name),
-            departed: departed.into_iter().collect(),
-        });
+        status.ring = Some(ring_status(&name, r, departed.into_iter().collect()));
     }
     let ring_size = status.ring.as_ref().map_or(0, |r| r.size);
     let members: BTreeSet<&str> = plan
@@ -759,6 +748,16 @@ fn record(status: &mut DiphomaJobStatus, plan: &mut Plan, f: Failure) {
             force: f.cause.force_delete(),
             reason: "Replaced",
         });
+    }
+}
+
+/// The status view of ring generation `m` of job `job`.
+fn ring_status(job: &str, m: &Membership, departed: Vec<String>) -> RingStatus {
+    RingStatus {
+        generation: m.generation as i64,
+        size: m.members.len() as i32,
+        config_map: diphoma_worker::contract::membership_configmap_name(job),
+        departed,
     }
 }
 
