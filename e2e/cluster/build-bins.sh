@@ -97,5 +97,7 @@ if [[ -n "$KUBECONFORM_VERSION" && ! -x "$OUT/kubeconform" ]]; then
 fi
 
 "$OUT/kube-apiserver" --version >&2    # expect: Kubernetes v1.35.4
-"$OUT/etcd" --version | head -1 >&2
+# no `| head` here: under pipefail, etcd killed by SIGPIPE would fail the script (exit 141)
+etcd_version=$("$OUT/etcd" --version)
+echo "${etcd_version%%$'\n'*}" >&2
 echo "$OUT"
