@@ -7,8 +7,10 @@
 //!
 //! ```text
 //! initiator (higher rank)                       acceptor (lower rank)
-//!   Hello{job_uid, gen, world, from, to, Ni}  →   checks job (WrongJob), gen (StaleGeneration),
-//!                                                 world and ranks (Protocol)
+//!   Hello{job_uid, gen, world, from, to, Ni}  →   checks job (WrongJob), an older gen
+//!                                                 (StaleGeneration), world and ranks (Protocol);
+//!                                                 a newer gen is authenticated at that gen, then
+//!                                                 refused (we are the stale one)
 //!                                           ←   Challenge{Na, MAC(key, T ‖ "A")}
 //!   verifies the acceptor's tag (AuthFailed)
 //!   Proof{MAC(key, T ‖ "I")}                  →   verifies the initiator's tag (AuthFailed)
@@ -259,7 +261,12 @@ pub fn initiate<S: Read + Write>(
 /// this rank still expects. Returns the authenticated peer's rank.
 ///
 /// On refusal a `Reject` is sent (best effort) and the error returned; the caller counts it
-/// ([`RefusalCounters::record`]) and keeps listening.
+/// ([`RefusalCounters::record`]) and keeps listening. A hello of an older generation is refused
+/// at once. A hello of a *newer* generation means this rank's generation is stale: the peer is
+/// first authenticated at its own generation and world (so a hello without the key cannot make
+/// a ring give up), then refused with our generation, and
+/// `StaleGeneration { ours, theirs }` with `theirs > ours` is returned so the caller can stop
+/// joining a generation that will never form.
 ///
 /// # Errors
 /// [`CommError::WrongJob`], [`CommError::StaleGeneration`], [`CommError::AuthFailed`],
@@ -290,17 +297,31 @@ pub fn accept<S: Read + Write>(
             theirs: hello.job_uid.to_string(),
         });
     }
-    if hello.generation != p.generation {
+    if hello.generation < p.generation {
         refuse(s, RejectReason::Generation);
         return Err(CommError::StaleGeneration {
             ours: p.generation,
             theirs: hello.generation,
         });
     }
-    if hello.world != p.world || hello.to != me || hello.from >= p.world || !wanted(hello.from) {
+    // A peer of a newer generation means that ours is stale. It is authenticated at its own
+    // generation (a hello alone proves nothing) before we believe it, then refused.
+    let (newer, ours) = (hello.generation > p.generation, *p);
+    let theirs = AuthParams {
+        generation: hello.generation,
+        world: hello.world,
+        ..*p
+    };
+    if !newer
+        && (hello.world != p.world
+            || hello.to != me
+            || hello.from >= p.world
+            || !wanted(hello.from))
+    {
         refuse(s, RejectReason::Protocol);
         return Err(ProtocolError::Malformed("hello: ranks do not fit this ring").into());
     }
+    let p = &theirs;
     let from = hello.from;
     let ni = hello.nonce;
     let na = nonce();
@@ -326,6 +347,13 @@ pub fn accept<S: Read + Write>(
         return Err(CommError::AuthFailed {
             peer: format!("rank {from}"),
             reason: "initiator's proof does not verify",
+        });
+    }
+    if newer {
+        refuse(s, RejectReason::Generation);
+        return Err(CommError::StaleGeneration {
+            ours: ours.generation,
+            theirs: p.generation,
         });
     }
     s.write_all(frame::accept_frame().as_bytes())

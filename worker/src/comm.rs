@@ -249,7 +249,9 @@ impl Communicator {
     /// [`CommError::Config`] on an unusable config; [`CommError::Timeout`] when not every peer
     /// joined within `config.timeout`; [`CommError::AuthFailed`], [`CommError::WrongJob`],
     /// [`CommError::StaleGeneration`] (peer newer than us) or [`CommError::Protocol`] when a peer
-    /// we connected to refused us or failed to prove the key.
+    /// we connected to refused us or failed to prove the key. `StaleGeneration` with
+    /// `theirs > ours` also comes back, without waiting for the timeout, when a peer that
+    /// proved the key connected to us from a newer generation: ours will not form.
     pub fn connect(config: Config, listener: TcpListener) -> Result<Communicator, CommError> {
         config.validate()?;
         let start = Instant::now();
@@ -267,11 +269,15 @@ impl Communicator {
         let counters = &config.counters;
         let (acc, con) = std::thread::scope(|sc| {
             let acc = sc.spawn(|| {
-                accept_peers(
+                let r = accept_peers(
                     &listener, &params, rank, &higher, start, deadline, &stop, counters,
-                )
+                );
+                if r.is_err() {
+                    stop.store(true, Ordering::SeqCst);
+                }
+                r
             });
-            let con = connect_peers(&config, &params, &lower, start, deadline, counters);
+            let con = connect_peers(&config, &params, &lower, start, deadline, &stop, counters);
             if con.is_err() {
                 stop.store(true, Ordering::SeqCst);
             }
@@ -281,8 +287,14 @@ impl Communicator {
                 con,
             )
         });
+        // Whichever half failed first stopped the other (which then says `Aborted` or
+        // `Timeout`): report the first failure.
+        let con = match con {
+            Err(CommError::Aborted) => return Err(acc.err().unwrap_or(CommError::Aborted)),
+            c => c?,
+        };
         let mut links: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-        for (p, s) in con?.into_iter().chain(acc?) {
+        for (p, s) in con.into_iter().chain(acc?) {
             s.set_nodelay(true).map_err(|source| CommError::Io {
                 op: "connect",
                 source,
@@ -1006,6 +1018,11 @@ fn accept_peers(
                 got.retain(|(p, _)| *p != from as usize);
                 got.push((from as usize, s));
             }
+            // An authenticated peer is at a newer generation: ours will never form.
+            Err(e @ CommError::StaleGeneration { ours, theirs }) if theirs > ours => {
+                counters.record(&e);
+                return Err(e);
+            }
             Err(e) => counters.record(&e),
         }
     }
@@ -1018,11 +1035,15 @@ fn connect_peers(
     lower: &[usize],
     start: Instant,
     deadline: Instant,
+    stop: &AtomicBool,
     counters: &RefusalCounters,
 ) -> Result<Vec<(usize, TcpStream)>, CommError> {
     let mut out = Vec::new();
     for &p in lower {
         loop {
+            if stop.load(Ordering::SeqCst) {
+                return Err(CommError::Aborted);
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(timeout_err("connect", start));

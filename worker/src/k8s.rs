@@ -486,8 +486,10 @@ impl RingSource for KubeRing {
         }
         let cur = self.current.as_ref().map(|m| m.generation);
         // One report per generation: the first failure names the suspect; the failed
-        // re-connects that may follow do not overwrite it.
-        if !matches!(err, CommError::Aborted) && self.reported != cur {
+        // re-connects that may follow do not overwrite it. A peer of a newer generation is no
+        // failure: this rank only has to catch up.
+        let behind = matches!(err, CommError::StaleGeneration { ours, theirs } if theirs > ours);
+        if !matches!(err, CommError::Aborted) && !behind && self.reported != cur {
             self.reported = cur;
             let suspect = match err {
                 CommError::PeerLost { rank, .. } => self

@@ -394,3 +394,51 @@ fn connect_times_out_without_peers() {
         Err(CommError::Timeout { .. })
     ));
 }
+
+/// A rank still joining generation 6 when its peer already joins 7 learns at once that its own
+/// generation is stale, from the peer's connection (authenticated at generation 7), instead of
+/// waiting for its connect timeout; a hello of a newer generation without the key does not
+/// make it give up. It then joins 7 on the same address, and the peer, which kept retrying,
+/// gets through.
+#[test]
+fn a_stale_member_learns_it_from_a_newer_peer() {
+    let mut cfgs = common::configs(2, 7, TIMEOUT);
+    let (c1, l1) = cfgs.pop().unwrap();
+    let (mut c0, l0) = cfgs.pop().unwrap();
+    c0.generation = 6; // rank 0 (the acceptor) has not seen generation 7 yet
+    let addr0 = c0.addresses[0];
+    let counters = c0.counters.clone();
+    let stale = {
+        let c0 = c0.clone();
+        std::thread::spawn(move || Communicator::connect(c0, l0))
+    };
+    // A keyless intruder claiming generation 8 is refused; rank 0 keeps waiting.
+    intrude(addr0, |s| {
+        let p = AuthParams {
+            key: b"not-the-key-not-the-key-not-the-",
+            job_uid: "job-uid-1",
+            generation: 8,
+            world: 2,
+        };
+        let e = auth::initiate(s, &p, 1, 0);
+        assert!(matches!(e, Err(CommError::AuthFailed { .. })), "{e:?}");
+    });
+    let newer = std::thread::spawn(move || Communicator::connect(c1, l1));
+    let e = stale.join().unwrap().unwrap_err();
+    assert!(
+        matches!(e, CommError::StaleGeneration { ours: 6, theirs: 7 }),
+        "{e:?}"
+    );
+    assert_eq!(counters.auth_failed.load(Ordering::Relaxed), 1);
+    assert_eq!(counters.stale_generation.load(Ordering::Relaxed), 1);
+    // Rank 0 joins generation 7 on the same address.
+    c0.generation = 7;
+    let l0 = TcpListener::bind(addr0).unwrap();
+    let r0 = std::thread::spawn(move || Communicator::connect(c0, l0));
+    let comms = vec![r0.join().unwrap().unwrap(), newer.join().unwrap().unwrap()];
+    let (_, ok) = common::on_all(comms, |r, c| {
+        let mut b = vec![r as f32 + 1.0; 5];
+        c.allreduce(&mut b, ReduceOp::Sum).is_ok() && b == vec![3.0; 5]
+    });
+    assert!(ok.iter().all(|&x| x));
+}
