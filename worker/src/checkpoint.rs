@@ -1,11 +1,20 @@
-//! Checkpoints: the model's parameters, the step and the data-order seed in one `safetensors`
-//! file, written atomically and verified by a SHA-256 stored in the file's metadata.
+//! Checkpoints: the model's parameters, the optimizer's state, the step and the data-order seed
+//! in one `safetensors` file, written atomically and verified by a SHA-256 stored in the file's
+//! metadata.
 //!
-//! File `ckpt-<step, 12 digits>.safetensors` in the checkpoint directory; tensors named as
-//! [`crate::model::PARAM_NAMES`] (f32, shapes of [`crate::model::param_shapes`]); metadata
-//! `format` = [`FORMAT`], `step`, `seed`, `hidden`, and `sha256`: the hex SHA-256 of `step`,
-//! `seed`, `hidden` (u64 LE each) followed by every tensor's bytes in order. Plain SGD has no
-//! optimizer state, so nothing else is needed to resume exactly.
+//! File `ckpt-<step, 12 digits>.safetensors` in the checkpoint directory. Format [`FORMAT`]:
+//! tensors named as [`crate::model::param_names`] (f32, shapes of
+//! [`crate::model::param_shapes`]); for AdamW also `adamw.m.<name>` and `adamw.v.<name>` (the
+//! first and second moments, same shapes); metadata `format`, `step`, `seed`, `widths` (the
+//! layer widths, comma-separated), `optimizer` (`sgd` or `adamw`), `optimizer_step` (AdamW's
+//! update count; `0` for SGD), and `sha256`: the hex SHA-256 of `step`, `seed`, the number of
+//! widths and each width (u64 LE each), the optimizer's name (its length as u64 LE, then its
+//! bytes), `optimizer_step` (u64 LE), then every tensor's bytes in the order above.
+//!
+//! Files of the previous format [`FORMAT_V1`] (digits MLP, metadata `hidden`, no optimizer
+//! state) are still read: they hold SGD runs, and SGD has no state, so they resume an SGD run
+//! exactly. An AdamW run refuses them (skipped with a warning, like a checkpoint of another
+//! seed), since their moments are unknown.
 //!
 //! Writing: a temporary file in the same directory, `fsync`, `rename`, `fsync` of the directory,
 //! so a crash leaves either the old set of files or the new one, never a partial checkpoint
@@ -19,10 +28,13 @@ use std::path::{Path, PathBuf};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use sha2::{Digest, Sha256};
 
-use crate::model::{PARAM_NAMES, param_shapes};
+use crate::model::{digits_widths, param_names, param_shapes, unfuse};
+use crate::optim::{OptState, OptimizerKind};
 
-/// Value of the `format` metadata key.
-pub const FORMAT: &str = "diphoma-mlp-v1";
+/// Value of the `format` metadata key of the checkpoints written.
+pub const FORMAT: &str = "diphoma-mlp-v2";
+/// The previous format (digits MLP and SGD only), still read.
+pub const FORMAT_V1: &str = "diphoma-mlp-v1";
 /// Checkpoints kept in the directory after a write (the newest ones).
 pub const KEEP: usize = 3;
 
@@ -33,10 +45,12 @@ pub struct Checkpoint {
     pub step: u64,
     /// Data-order (and initialisation) seed of the run.
     pub seed: u64,
-    /// Hidden units of the MLP (fixes the parameter shapes).
-    pub hidden: usize,
-    /// All parameters, flattened in [`PARAM_NAMES`] order.
+    /// Layer widths of the MLP `[input, hidden…, classes]` (fix the parameter shapes).
+    pub widths: Vec<usize>,
+    /// All parameters, flattened in [`param_names`] order.
     pub params: Vec<f32>,
+    /// The optimizer's state, flattened in the same order.
+    pub optimizer: OptState,
 }
 
 /// Why a checkpoint file was refused.
@@ -56,7 +70,8 @@ pub enum CheckpointError {
     Checksum,
 }
 
-fn checksum(step: u64, seed: u64, hidden: usize, tensors: &[&[u8]]) -> String {
+/// [`FORMAT_V1`]'s checksum: step, seed, hidden (u64 LE each), the tensors.
+fn checksum_v1(step: u64, seed: u64, hidden: usize, tensors: &[&[u8]]) -> String {
     let mut h = Sha256::new();
     h.update(step.to_le_bytes());
     h.update(seed.to_le_bytes());
@@ -67,56 +82,121 @@ fn checksum(step: u64, seed: u64, hidden: usize, tensors: &[&[u8]]) -> String {
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// [`FORMAT`]'s checksum (see the module docs).
+fn checksum_v2(
+    step: u64,
+    seed: u64,
+    widths: &[usize],
+    optimizer: &str,
+    opt_step: u64,
+    tensors: &[&[u8]],
+) -> String {
+    let mut h = Sha256::new();
+    h.update(step.to_le_bytes());
+    h.update(seed.to_le_bytes());
+    h.update((widths.len() as u64).to_le_bytes());
+    for &w in widths {
+        h.update((w as u64).to_le_bytes());
+    }
+    h.update((optimizer.len() as u64).to_le_bytes());
+    h.update(optimizer.as_bytes());
+    h.update(opt_step.to_le_bytes());
+    for t in tensors {
+        h.update(t);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
 fn f32_bytes(xs: &[f32]) -> Vec<u8> {
     xs.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// Names of the tensors of a checkpoint of an MLP of `layers` layers with `kind`, in order.
+fn tensor_names(layers: usize, kind: OptimizerKind) -> Vec<String> {
+    let names = param_names(layers);
+    let mut all = names.clone();
+    if kind == OptimizerKind::AdamW {
+        for prefix in ["adamw.m.", "adamw.v."] {
+            all.extend(names.iter().map(|n| format!("{prefix}{n}")));
+        }
+    }
+    all
+}
+
 impl Checkpoint {
-    /// The safetensors bytes of this checkpoint.
+    /// The safetensors bytes of this checkpoint (always [`FORMAT`]).
     ///
     /// # Errors
-    /// [`CheckpointError::Invalid`] when `params` does not fit `hidden`.
+    /// [`CheckpointError::Invalid`] when `params` or the optimizer state does not fit `widths`.
     pub fn encode(&self) -> Result<Vec<u8>, CheckpointError> {
-        let shapes = param_shapes(self.hidden);
+        let shapes = param_shapes(&self.widths);
         let lens: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
-        if lens.iter().sum::<usize>() != self.params.len() {
+        let n = lens.iter().sum::<usize>();
+        if self.widths.len() < 2 || n != self.params.len() {
             return Err(CheckpointError::Invalid(format!(
-                "{} parameters for hidden {}",
+                "{} parameters for widths {:?}",
                 self.params.len(),
-                self.hidden
+                self.widths
             )));
         }
-        let parts: Vec<Vec<u8>> = crate::model::unfuse(&self.params, &lens)
-            .into_iter()
-            .take(lens.len())
+        let mut flats: Vec<&[f32]> = vec![&self.params];
+        let opt_step = match &self.optimizer {
+            OptState::Sgd => 0,
+            OptState::AdamW { step, m, v } => {
+                if m.len() != n || v.len() != n {
+                    return Err(CheckpointError::Invalid(format!(
+                        "AdamW moments of {} and {} values for {n} parameters",
+                        m.len(),
+                        v.len()
+                    )));
+                }
+                flats.extend([m.as_slice(), v.as_slice()]);
+                *step
+            }
+        };
+        let parts: Vec<Vec<u8>> = flats
+            .iter()
+            .flat_map(|f| unfuse(f, &lens).into_iter().take(lens.len()))
             .map(f32_bytes)
             .collect();
         let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        let kind = self.optimizer.kind();
+        let widths: Vec<String> = self.widths.iter().map(usize::to_string).collect();
+        let sum = checksum_v2(
+            self.step,
+            self.seed,
+            &self.widths,
+            kind.name(),
+            opt_step,
+            &refs,
+        );
         let meta = HashMap::from([
             ("format".to_string(), FORMAT.to_string()),
             ("step".to_string(), self.step.to_string()),
             ("seed".to_string(), self.seed.to_string()),
-            ("hidden".to_string(), self.hidden.to_string()),
-            (
-                "sha256".to_string(),
-                checksum(self.step, self.seed, self.hidden, &refs),
-            ),
+            ("widths".to_string(), widths.join(",")),
+            ("optimizer".to_string(), kind.name().to_string()),
+            ("optimizer_step".to_string(), opt_step.to_string()),
+            ("sha256".to_string(), sum),
         ]);
-        let views = PARAM_NAMES
+        let names = tensor_names(self.widths.len() - 1, kind);
+        let all_shapes = shapes.iter().cycle().take(names.len());
+        let views = names
             .iter()
-            .zip(shapes)
+            .zip(all_shapes)
             .zip(&parts)
-            .map(|((n, s), d)| Ok((*n, TensorView::new(Dtype::F32, s, d)?)))
+            .map(|((n, s), d)| Ok((n.as_str(), TensorView::new(Dtype::F32, s.clone(), d)?)))
             .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
         Ok(safetensors::serialize(views, Some(meta))?)
     }
 
-    /// Decodes and verifies checkpoint bytes.
+    /// Decodes and verifies checkpoint bytes ([`FORMAT`] or [`FORMAT_V1`]).
     ///
     /// # Errors
     /// [`CheckpointError::Format`] for a truncated or malformed file,
-    /// [`CheckpointError::Invalid`] for a missing key or tensor or a wrong shape,
-    /// [`CheckpointError::Checksum`] when the contents do not match the stored SHA-256.
+    /// [`CheckpointError::Invalid`] for a missing key or tensor, a wrong shape or an unknown
+    /// format or optimizer, [`CheckpointError::Checksum`] when the contents do not match the
+    /// stored SHA-256.
     pub fn decode(bytes: &[u8]) -> Result<Checkpoint, CheckpointError> {
         let st = SafeTensors::deserialize(bytes)?;
         let (_, meta) = SafeTensors::read_metadata(bytes)?;
@@ -128,20 +208,40 @@ impl Checkpoint {
             meta.get(k)
                 .ok_or_else(|| CheckpointError::Invalid(format!("metadata {k} missing")))
         };
-        let num = |k: &str| {
-            get(k)?
-                .parse::<u64>()
-                .map_err(|_| CheckpointError::Invalid(format!("metadata {k} is not a number")))
+        let bad_num = |k: &str| CheckpointError::Invalid(format!("metadata {k} is not a number"));
+        let num = |k: &str| get(k)?.parse::<u64>().map_err(|_| bad_num(k));
+        let format = get("format")?.as_str();
+        let (step, seed) = (num("step")?, num("seed")?);
+        let (widths, kind, opt_step) = match format {
+            FORMAT => {
+                let widths = get("widths")?
+                    .split(',')
+                    .map(|w| w.parse::<usize>().map_err(|_| bad_num("widths")))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let name = get("optimizer")?;
+                let kind = OptimizerKind::from_name(name).ok_or_else(|| {
+                    CheckpointError::Invalid(format!("unknown optimizer {name:?}"))
+                })?;
+                (widths, kind, num("optimizer_step")?)
+            }
+            FORMAT_V1 => (
+                digits_widths(num("hidden")? as usize),
+                OptimizerKind::Sgd,
+                0,
+            ),
+            other => {
+                return Err(CheckpointError::Invalid(format!(
+                    "format {other:?}, expected {FORMAT} or {FORMAT_V1}"
+                )));
+            }
         };
-        if get("format")? != FORMAT {
-            return Err(CheckpointError::Invalid(format!(
-                "format {:?}, expected {FORMAT}",
-                get("format")?
-            )));
+        if widths.len() < 2 || widths.contains(&0) {
+            return Err(CheckpointError::Invalid(format!("widths {widths:?}")));
         }
-        let (step, seed, hidden) = (num("step")?, num("seed")?, num("hidden")? as usize);
+        let shapes = param_shapes(&widths);
+        let names = tensor_names(widths.len() - 1, kind);
         let mut datas = Vec::new();
-        for (name, shape) in PARAM_NAMES.iter().zip(param_shapes(hidden)) {
+        for (name, shape) in names.iter().zip(shapes.iter().cycle()) {
             let t = st.tensor(name)?;
             if t.dtype() != Dtype::F32 || t.shape() != shape.as_slice() {
                 return Err(CheckpointError::Invalid(format!(
@@ -152,19 +252,35 @@ impl Checkpoint {
             }
             datas.push(t.data());
         }
-        if checksum(step, seed, hidden, &datas) != *get("sha256")? {
+        let sum = if format == FORMAT_V1 {
+            checksum_v1(step, seed, widths[1], &datas)
+        } else {
+            checksum_v2(step, seed, &widths, kind.name(), opt_step, &datas)
+        };
+        if sum != *get("sha256")? {
             return Err(CheckpointError::Checksum);
         }
-        let params = datas
-            .iter()
-            .flat_map(|d| d.chunks_exact(4))
-            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-            .collect();
+        let floats = |ds: &[&[u8]]| -> Vec<f32> {
+            ds.iter()
+                .flat_map(|d| d.chunks_exact(4))
+                .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+                .collect()
+        };
+        let k = shapes.len();
+        let optimizer = match kind {
+            OptimizerKind::Sgd => OptState::Sgd,
+            OptimizerKind::AdamW => OptState::AdamW {
+                step: opt_step,
+                m: floats(&datas[k..2 * k]),
+                v: floats(&datas[2 * k..]),
+            },
+        };
         Ok(Checkpoint {
             step,
             seed,
-            hidden,
-            params,
+            widths,
+            params: floats(&datas[..k]),
+            optimizer,
         })
     }
 }
@@ -262,15 +378,30 @@ mod tests {
     use super::*;
 
     fn sample(step: u64) -> Checkpoint {
-        let n: usize = param_shapes(4)
-            .iter()
-            .map(|s| s.iter().product::<usize>())
-            .sum();
+        let widths = digits_widths(4);
+        let n = crate::model::count_params(&widths);
         Checkpoint {
             step,
             seed: 9,
-            hidden: 4,
+            widths,
             params: (0..n).map(|i| i as f32 * 0.25 - 3.0).collect(),
+            optimizer: OptState::Sgd,
+        }
+    }
+
+    fn sample_adamw(step: u64) -> Checkpoint {
+        let widths = vec![5, 3, 3, 2];
+        let n = crate::model::count_params(&widths);
+        Checkpoint {
+            step,
+            seed: 9,
+            widths,
+            params: (0..n).map(|i| i as f32 * 0.5).collect(),
+            optimizer: OptState::AdamW {
+                step,
+                m: (0..n).map(|i| i as f32 * -0.25).collect(),
+                v: (0..n).map(|i| i as f32 * 0.125).collect(),
+            },
         }
     }
 
@@ -284,13 +415,65 @@ mod tests {
     fn roundtrip() {
         let c = sample(7);
         assert_eq!(Checkpoint::decode(&c.encode().unwrap()).unwrap(), c);
+        let c = sample_adamw(7);
+        assert_eq!(Checkpoint::decode(&c.encode().unwrap()).unwrap(), c);
+        // Moments that do not fit the widths are refused at encoding.
+        let mut bad = c.clone();
+        if let OptState::AdamW { m, .. } = &mut bad.optimizer {
+            m.pop();
+        }
+        assert!(matches!(bad.encode(), Err(CheckpointError::Invalid(_))));
         assert_eq!(step_of(&file_name(42)), Some(42));
         assert_eq!(step_of("ckpt-x.safetensors"), None);
     }
 
+    /// A file of the previous format, as the previous version wrote it.
+    fn v1_bytes(c: &Checkpoint) -> Vec<u8> {
+        let shapes = param_shapes(&c.widths);
+        let lens: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
+        let parts: Vec<Vec<u8>> = unfuse(&c.params, &lens)
+            .into_iter()
+            .take(lens.len())
+            .map(f32_bytes)
+            .collect();
+        let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        let meta = HashMap::from([
+            ("format".to_string(), FORMAT_V1.to_string()),
+            ("step".to_string(), c.step.to_string()),
+            ("seed".to_string(), c.seed.to_string()),
+            ("hidden".to_string(), c.widths[1].to_string()),
+            (
+                "sha256".to_string(),
+                checksum_v1(c.step, c.seed, c.widths[1], &refs),
+            ),
+        ]);
+        let names = param_names(2);
+        let views: Vec<_> = names
+            .iter()
+            .zip(shapes)
+            .zip(&parts)
+            .map(|((n, s), d)| (n.as_str(), TensorView::new(Dtype::F32, s, d).unwrap()))
+            .collect();
+        safetensors::serialize(views, Some(meta)).unwrap()
+    }
+
+    #[test]
+    fn previous_format_reads_as_an_sgd_checkpoint() {
+        let c = sample(5);
+        let bytes = v1_bytes(&c);
+        assert_eq!(Checkpoint::decode(&bytes).unwrap(), c);
+        let mut flipped = bytes.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 1;
+        assert!(matches!(
+            Checkpoint::decode(&flipped),
+            Err(CheckpointError::Checksum)
+        ));
+    }
+
     #[test]
     fn corrupt_and_truncated_are_refused() {
-        let bytes = sample(7).encode().unwrap();
+        let bytes = sample_adamw(7).encode().unwrap();
         let mut flipped = bytes.clone();
         let last = flipped.len() - 3;
         flipped[last] ^= 0x40;

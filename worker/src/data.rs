@@ -1,5 +1,6 @@
-//! The training data and its order: loading the scikit-learn `digits` set, the deterministic
-//! test split, the seeded per-epoch permutation, and the split of a global batch over ranks.
+//! The training data and its order: loading the scikit-learn `digits` set, the seeded synthetic
+//! set of the bandwidth model ([`synthetic`]), the deterministic test split, the seeded per-epoch
+//! permutation, and the split of a global batch over ranks.
 //!
 //! Everything but [`load_digits`] is a pure function, so the data order of step `s` is the same
 //! whatever the world size, the generation or the process that computes it.
@@ -16,13 +17,16 @@ pub const PIXEL_MAX: f32 = 16.0;
 /// Every `TEST_EVERY`-th sample (index ≡ 0 mod 5) is held out for testing: 20 %.
 pub const TEST_EVERY: usize = 5;
 
-/// Labelled images: `x` is row-major `len × FEATURES` in `[0, 1]`, `y` the labels in `0..CLASSES`.
+/// Labelled samples: `x` is row-major `len × features`, `y` the class labels. For the digits
+/// set `features` is [`FEATURES`], pixels are in `[0, 1]` and labels in `0..CLASSES`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Dataset {
-    /// Pixels, `len × FEATURES`, scaled into `[0, 1]`.
+    /// Inputs, `len × features`, row-major.
     pub x: Vec<f32>,
-    /// Labels, `len`, each in `0..CLASSES`.
+    /// Labels, `len`.
     pub y: Vec<u32>,
+    /// Input values per sample (the row length of `x`).
+    pub features: usize,
 }
 
 /// Why the data file could not be used. Every variant names the file.
@@ -76,6 +80,7 @@ pub fn parse_digits_csv(text: &str, path: &Path) -> Result<Dataset, DataError> {
     let mut d = Dataset {
         x: Vec::new(),
         y: Vec::new(),
+        features: FEATURES,
     };
     for (i, line) in text.lines().enumerate() {
         let bad = |problem: String| DataError::Malformed {
@@ -145,15 +150,47 @@ impl Dataset {
 
     /// The samples at `idx`, in that order.
     pub fn gather(&self, idx: &[usize]) -> Dataset {
-        let mut x = Vec::with_capacity(idx.len() * FEATURES);
+        let f = self.features;
+        let mut x = Vec::with_capacity(idx.len() * f);
         for &i in idx {
-            x.extend_from_slice(&self.x[i * FEATURES..(i + 1) * FEATURES]);
+            x.extend_from_slice(&self.x[i * f..(i + 1) * f]);
         }
         Dataset {
             x,
             y: idx.iter().map(|&i| self.y[i]).collect(),
+            features: f,
         }
     }
+}
+
+/// A seeded synthetic classification set of `n` samples (the data of the bandwidth model):
+/// `classes` centres drawn uniformly from `[-1, 1]^features`, and sample `i` is the centre of a
+/// uniformly drawn label plus independent noise uniform in `[-2, 2]` on every input, all from
+/// one [`SplitMix64`] seeded from `seed`. The same arguments give the same set in every
+/// process. Learnable (the centres are far apart in many dimensions) but not linearly trivial
+/// at the first step, so the loss curve is a real one.
+///
+/// # Panics
+/// When `classes` is 0 or does not fit a `u32`.
+pub fn synthetic(n: usize, features: usize, classes: usize, seed: u64) -> Dataset {
+    let classes32 = u32::try_from(classes).expect("classes fit u32");
+    assert!(classes32 > 0, "at least one class");
+    let mut rng = SplitMix64::new(seed ^ 0x7379_6E74_6865_7469);
+    let centres: Vec<f32> = (0..classes * features)
+        .map(|_| rng.next_f32() * 2.0 - 1.0)
+        .collect();
+    let mut x = Vec::with_capacity(n * features);
+    let mut y = Vec::with_capacity(n);
+    for _ in 0..n {
+        let c = rng.below(classes);
+        y.push(c as u32);
+        x.extend(
+            centres[c * features..(c + 1) * features]
+                .iter()
+                .map(|m| m + (rng.next_f32() * 4.0 - 2.0)),
+        );
+    }
+    Dataset { x, y, features }
 }
 
 /// SplitMix64: a tiny, fully specified generator, so data order and initial weights never
@@ -287,10 +324,23 @@ mod tests {
         let d = Dataset {
             x: (0..10 * FEATURES).map(|i| i as f32).collect(),
             y: (0..10).collect(),
+            features: FEATURES,
         };
         let (train, test) = d.split();
         assert_eq!(test.y, vec![0, 5]);
         assert_eq!(train.len(), 8);
         assert_eq!(train.x[..FEATURES], d.x[FEATURES..2 * FEATURES]);
+    }
+
+    #[test]
+    fn synthetic_set_is_seeded_and_shaped() {
+        let d = synthetic(50, 7, 3, 11);
+        assert_eq!((d.len(), d.x.len(), d.features), (50, 350, 7));
+        assert!(d.y.iter().all(|&c| c < 3));
+        assert!(d.x.iter().all(|v| (-3.0..3.0).contains(v)));
+        assert_eq!(d, synthetic(50, 7, 3, 11));
+        assert_ne!(d, synthetic(50, 7, 3, 12));
+        // Every class occurs: a real classification problem.
+        assert!((0..3).all(|c| d.y.contains(&c)));
     }
 }

@@ -78,6 +78,7 @@ pub mod frame;
 pub mod k8s;
 pub mod metrics;
 pub mod model;
+pub mod optim;
 pub mod plan;
 pub mod reduce;
 pub mod train;

@@ -1,7 +1,8 @@
 //! `diphoma-worker`: the binary that worker pods run.
 //!
-//! Subcommands: `train` (elastic data-parallel training of the digits MLP; `--standalone` runs N
-//! ranks as threads on 127.0.0.1), `bench` (allreduce benchmark with N local rank processes,
+//! Subcommands: `train` (elastic data-parallel training of the digits MLP, or with
+//! `--model synthetic` of a deep MLP of `--params` parameters on seeded synthetic data that
+//! stresses the allreduce; `--standalone` runs N ranks as threads on 127.0.0.1), `bench` (allreduce benchmark with N local rank processes,
 //! printing the table of `performance.md` §1) and its hidden per-rank half `bench-rank`.
 
 use std::io::{BufRead, BufReader, Write};
@@ -27,7 +28,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Data-parallel training of an MLP on the digits set; prints the test accuracy.
+    /// Data-parallel training of an MLP on the digits set (or of the synthetic bandwidth model);
+    /// prints samples/s, the allreduce time and the test accuracy.
     Train(TrainArgs),
     /// Allreduce benchmark: spawns N local ranks on 127.0.0.1 and prints
     /// `size(B) count k/samp time(us) min(us) algbw busbw #wrong` (nccl-tests style).
@@ -42,6 +44,23 @@ enum DTypeArg {
     F32,
     F16,
     Bf16,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum ModelArg {
+    /// `64 → --hidden → 10` on the digits set.
+    Digits,
+    /// A deep MLP of about `--params` parameters (`--layers` hidden layers of one width,
+    /// 256 inputs, 16 classes) on seeded synthetic data.
+    Synthetic,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum OptimizerArg {
+    /// candle-nn's SGD (no state).
+    Sgd,
+    /// AdamW (candle-nn's update and defaults; its moments travel in checkpoints and syncs).
+    Adamw,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -113,10 +132,22 @@ struct TrainArgs {
     /// Seed of the data order and of the initial weights.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// SGD learning rate.
-    #[arg(long, default_value_t = 0.5)]
-    lr: f64,
-    /// Hidden units of the MLP.
+    /// The model and its data.
+    #[arg(long, value_enum, default_value = "digits")]
+    model: ModelArg,
+    /// Synthetic model: its parameter count (the hidden width is chosen to come closest).
+    #[arg(long, default_value_t = 20_000_000)]
+    params: usize,
+    /// Synthetic model: number of hidden layers.
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// The optimizer.
+    #[arg(long, value_enum, default_value = "sgd")]
+    optimizer: OptimizerArg,
+    /// Learning rate (default: 0.5 for sgd, 0.001 for adamw).
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Hidden units of the digits MLP.
     #[arg(long, default_value_t = 64)]
     hidden: usize,
     /// The digits CSV (gzip).
@@ -234,8 +265,12 @@ fn common_args(c: &Common) -> Vec<String> {
     v
 }
 
+/// Samples of the synthetic set (a fifth held out for testing, as for digits).
+const SYNTHETIC_SAMPLES: usize = 5120;
+
 fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
-    use diphoma_worker::{data, k8s, train};
+    use diphoma_worker::optim::OptimizerKind;
+    use diphoma_worker::{data, k8s, model, train};
     // Kubernetes mode checks its environment before anything else.
     let kube_env = if a.standalone {
         None
@@ -244,13 +279,45 @@ fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         let key = env.read_key()?;
         Some((env, key))
     };
-    let (train_set, test_set) = data::load_digits(&a.data)?.split();
+    let (widths, (train_set, test_set)) = match a.model {
+        ModelArg::Digits => (
+            model::digits_widths(a.hidden),
+            data::load_digits(&a.data)?.split(),
+        ),
+        ModelArg::Synthetic => {
+            if a.layers == 0 || a.params == 0 {
+                return Err("--params and --layers must be positive".into());
+            }
+            let set = data::synthetic(
+                SYNTHETIC_SAMPLES,
+                model::SYNTHETIC_FEATURES,
+                model::SYNTHETIC_CLASSES,
+                a.seed,
+            );
+            (model::synthetic_widths(a.params, a.layers), set.split())
+        }
+    };
+    let optimizer = match a.optimizer {
+        OptimizerArg::Sgd => OptimizerKind::Sgd,
+        OptimizerArg::Adamw => OptimizerKind::AdamW,
+    };
+    let lr = a.lr.unwrap_or(optimizer.default_lr());
+    if !(lr > 0.0 && lr.is_finite()) {
+        return Err(format!("--lr {lr} must be positive").into());
+    }
+    println!(
+        "model {:?}: {} parameters, optimizer {} (lr {lr})",
+        widths,
+        model::count_params(&widths),
+        optimizer.name()
+    );
     let cfg = train::TrainConfig {
         steps: a.steps,
         batch: a.batch,
         seed: a.seed,
-        lr: a.lr,
-        hidden: a.hidden,
+        lr,
+        widths,
+        optimizer,
         checkpoint_every: a.checkpoint_every,
         checkpoint_dir: a.checkpoint_dir,
         log_every: a.log_every,
@@ -285,6 +352,15 @@ fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
             (out, world)
         }
     };
+    let st = &out.stats;
+    println!(
+        "throughput {:.1} samples/s, allreduce {:.2} ms per step of {:.2} MB ({:.3} GB/s), {} steps on rank 0",
+        st.samples_per_second(cfg.batch),
+        st.allreduce_per_step() * 1e3,
+        st.allreduce_bytes as f64 / 1e6,
+        st.allreduce_bytes as f64 / st.allreduce_per_step().max(1e-12) / 1e9,
+        st.steps,
+    );
     let acc = out.model.accuracy(&test_set)?;
     println!(
         "test accuracy {acc:.4} ({} of {} held-out samples) after {} steps, world {world}",

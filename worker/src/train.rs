@@ -13,17 +13,21 @@
 //! starts with a state sync: the member with the highest committed step (the lowest rank among
 //! equals) broadcasts its step and parameters with `broadcast_bytes`, so a joiner receives the
 //! model, and a survivor whose last allreduce succeeded locally while a peer's failed (ranks can
-//! differ by one step) agrees with the others again. Plain SGD keeps no optimizer state, so the
-//! parameters and the step are the whole state.
+//! differ by one step) agrees with the others again. The state is the step, the parameters and
+//! the optimizer's state ([`crate::optim::OptState`]: nothing for SGD, AdamW's moments and step
+//! count), and all of it travels in that broadcast and in checkpoints.
+//!
+//! The model and the data are the run's choice ([`TrainConfig::widths`], the [`Dataset`] given):
+//! the digits MLP on the digits set, or the synthetic bandwidth model on
+//! [`crate::data::synthetic`] data; the loop is the same.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
 
-use candle_nn::Optimizer;
-
 use crate::checkpoint;
 use crate::data::{self, Dataset};
-use crate::model::{Mlp, fuse, unfuse};
+use crate::model::{Mlp, digits_widths, fuse, unfuse};
+use crate::optim::{OptState, Optim, OptimizerKind};
 use crate::{AbortHandle, CommError, Communicator, Config, ReduceOp};
 
 /// Hyper-parameters and schedule of a training run (identical on every rank).
@@ -35,10 +39,14 @@ pub struct TrainConfig {
     pub batch: usize,
     /// Seed of the data order and of the initial weights.
     pub seed: u64,
-    /// SGD learning rate.
+    /// Learning rate of the optimizer.
     pub lr: f64,
-    /// Hidden units of the MLP.
-    pub hidden: usize,
+    /// Layer widths of the MLP `[input, hidden…, classes]`
+    /// ([`crate::model::digits_widths`], [`crate::model::synthetic_widths`]); the input width
+    /// must be the data's `features`.
+    pub widths: Vec<usize>,
+    /// The optimizer.
+    pub optimizer: OptimizerKind,
     /// Rank 0 writes a checkpoint every this many steps (0: never).
     pub checkpoint_every: u64,
     /// Where checkpoints are written and resumed from.
@@ -54,7 +62,8 @@ impl Default for TrainConfig {
             batch: 64,
             seed: 1,
             lr: 0.5,
-            hidden: 64,
+            widths: digits_widths(64),
+            optimizer: OptimizerKind::Sgd,
             checkpoint_every: 0,
             checkpoint_dir: None,
             log_every: 0,
@@ -138,6 +147,8 @@ pub enum TrainError {
 pub struct Outcome {
     /// The model after the last committed step.
     pub model: Mlp,
+    /// The optimizer after the last committed step (its state: [`Optim::state`]).
+    pub optimizer: Optim,
     /// Last committed step count (`steps` unless the rank left).
     pub step: u64,
     /// Global mean training loss of each committed step, indexed by step (NaN for the steps
@@ -149,29 +160,115 @@ pub struct Outcome {
     pub last_checkpoint: Option<u64>,
     /// True when the rank left through [`Control::Leave`].
     pub left: bool,
+    /// Time spent in this rank's committed steps.
+    pub stats: Stats,
 }
 
-/// The committed state kept in memory for roll-back.
-struct Committed {
-    step: u64,
-    params: Vec<f32>,
+/// Time spent by one rank in its committed steps (not in connects, state syncs or failed
+/// steps).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Stats {
+    /// Steps committed by this rank.
+    pub steps: u64,
+    /// Wall time of those steps (gradient, allreduce, update, checkpoint), in seconds.
+    pub seconds: f64,
+    /// Time in their allreduces, in seconds.
+    pub allreduce_seconds: f64,
+    /// Size of one step's fused allreduce buffer (gradients and loss, f32), in bytes.
+    pub allreduce_bytes: u64,
 }
 
-/// The state as bytes: the step (u64 LE), then the parameters (f32 LE).
-fn encode_state(c: &Committed, out: &mut [u8]) {
-    out[..8].copy_from_slice(&c.step.to_le_bytes());
-    for (o, p) in out[8..].chunks_exact_mut(4).zip(&c.params) {
-        o.copy_from_slice(&p.to_le_bytes());
+impl Stats {
+    /// Samples per second over the ring (`batch` samples per step).
+    pub fn samples_per_second(&self, batch: usize) -> f64 {
+        (self.steps * batch as u64) as f64 / self.seconds.max(1e-9)
+    }
+
+    /// Mean allreduce time per step, in seconds.
+    pub fn allreduce_per_step(&self) -> f64 {
+        self.allreduce_seconds / self.steps.max(1) as f64
     }
 }
 
-fn decode_state(buf: &[u8]) -> Committed {
-    let step = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
-    let params = buf[8..]
+/// The whole training state: what a joiner receives and a checkpoint holds.
+#[derive(Debug, Clone, PartialEq)]
+struct State {
+    step: u64,
+    params: Vec<f32>,
+    opt: OptState,
+}
+
+/// The state of the live model and optimizer after `step` committed steps.
+fn snapshot(step: u64, model: &Mlp, opt: &Optim) -> candle_core::Result<State> {
+    Ok(State {
+        step,
+        params: model.flat_params()?,
+        opt: opt.state()?,
+    })
+}
+
+/// Sets the live model and optimizer to `s`; returns its step.
+fn restore(s: &State, model: &Mlp, opt: &mut Optim) -> candle_core::Result<u64> {
+    model.set_flat_params(&s.params)?;
+    opt.set_state(&s.opt)?;
+    Ok(s.step)
+}
+
+/// Bytes of the encoded state of a model of `params` parameters with `kind`: the step (u64),
+/// the parameters (f32), then for AdamW its step count (u64) and both moments (f32).
+fn state_len(params: usize, kind: OptimizerKind) -> usize {
+    let opt = match kind {
+        OptimizerKind::Sgd => 0,
+        OptimizerKind::AdamW => 8,
+    };
+    8 + 4 * params + opt + 4 * kind.state_floats(params)
+}
+
+fn put_f32s(out: &mut [u8], xs: &[f32]) -> usize {
+    for (o, p) in out.chunks_exact_mut(4).zip(xs) {
+        o.copy_from_slice(&p.to_le_bytes());
+    }
+    4 * xs.len()
+}
+
+fn get_f32s(buf: &[u8], n: usize) -> Vec<f32> {
+    buf[..4 * n]
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-        .collect();
-    Committed { step, params }
+        .collect()
+}
+
+/// The state as little-endian bytes (see [`state_len`]); `out` has exactly that length.
+fn encode_state(s: &State, out: &mut [u8]) {
+    out[..8].copy_from_slice(&s.step.to_le_bytes());
+    let mut at = 8 + put_f32s(&mut out[8..], &s.params);
+    if let OptState::AdamW { step, m, v } = &s.opt {
+        out[at..at + 8].copy_from_slice(&step.to_le_bytes());
+        at += 8;
+        at += put_f32s(&mut out[at..], m);
+        put_f32s(&mut out[at..], v);
+    }
+}
+
+/// Decodes [`encode_state`]'s bytes of a model of `params` parameters with `kind`.
+fn decode_state(buf: &[u8], params: usize, kind: OptimizerKind) -> State {
+    let u64_at = |at: usize| u64::from_le_bytes(buf[at..at + 8].try_into().expect("8 bytes"));
+    let step = u64_at(0);
+    let p = get_f32s(&buf[8..], params);
+    let at = 8 + 4 * params;
+    let opt = match kind {
+        OptimizerKind::Sgd => OptState::Sgd,
+        OptimizerKind::AdamW => OptState::AdamW {
+            step: u64_at(at),
+            m: get_f32s(&buf[at + 8..], params),
+            v: get_f32s(&buf[at + 8 + 4 * params..], params),
+        },
+    };
+    State {
+        step,
+        params: p,
+        opt,
+    }
 }
 
 /// The rank whose state a new generation adopts, from every rank's committed step: the highest
@@ -188,64 +285,85 @@ pub fn sync_root(steps: &[u64]) -> usize {
 
 /// Agrees on the state at the start of a generation (see the module docs): gathers every rank's
 /// committed step (as two exact 24-bit halves in f32, one-hot by rank, through one allreduce),
-/// then broadcasts the chosen rank's step and parameters.
-fn sync_state(comm: &mut Communicator, c: &mut Committed) -> Result<(), CommError> {
+/// then broadcasts the chosen rank's step, parameters and optimizer state into the live model
+/// and optimizer of every other rank. Returns the agreed step. Nothing changes on a failure.
+fn sync_state(
+    comm: &mut Communicator,
+    step: u64,
+    model: &Mlp,
+    opt: &mut Optim,
+) -> Result<u64, StepError> {
     let (w, r) = (comm.world(), comm.rank());
     if w == 1 {
-        return Ok(());
+        return Ok(step);
     }
     let mut v = vec![0f32; 2 * w];
-    v[2 * r] = (c.step >> 24) as f32;
-    v[2 * r + 1] = (c.step & 0xFF_FFFF) as f32;
-    comm.allreduce(&mut v, ReduceOp::Sum)?;
+    v[2 * r] = (step >> 24) as f32;
+    v[2 * r + 1] = (step & 0xFF_FFFF) as f32;
+    comm.allreduce(&mut v, ReduceOp::Sum)
+        .map_err(StepError::Comm)?;
     let steps: Vec<u64> = (0..w)
         .map(|q| ((v[2 * q] as u64) << 24) | v[2 * q + 1] as u64)
         .collect();
     let root = sync_root(&steps);
-    let mut buf = vec![0u8; 8 + 4 * c.params.len()];
+    let (n, kind) = (model.param_count(), opt.kind());
+    let mut buf = vec![0u8; state_len(n, kind)];
     if r == root {
-        encode_state(c, &mut buf);
+        encode_state(&snapshot(step, model, opt)?, &mut buf);
     }
-    comm.broadcast_bytes(&mut buf, root)?;
-    *c = decode_state(&buf);
-    Ok(())
+    comm.broadcast_bytes(&mut buf, root)
+        .map_err(StepError::Comm)?;
+    if r == root {
+        return Ok(step);
+    }
+    Ok(restore(&decode_state(&buf, n, kind), model, opt)?)
 }
 
-/// Writes the checkpoint of `c` when its step is due (or the last one); returns its step. A
-/// failed write is reported and training goes on (the previous checkpoint stays valid).
-fn maybe_checkpoint(cfg: &TrainConfig, c: &Committed) -> Option<u64> {
-    let dir = cfg.checkpoint_dir.as_ref()?;
-    let every = cfg.checkpoint_every;
-    if every == 0 || !(c.step.is_multiple_of(every) || c.step == cfg.steps) {
-        return None;
-    }
-    let ck = checkpoint::Checkpoint {
-        step: c.step,
-        seed: cfg.seed,
-        hidden: cfg.hidden,
-        params: c.params.clone(),
+/// Writes the checkpoint of the live state after `step` when that step is due (or the last
+/// one); returns its step. A failed write is reported and training goes on (the previous
+/// checkpoint stays valid).
+fn maybe_checkpoint(
+    cfg: &TrainConfig,
+    step: u64,
+    model: &Mlp,
+    opt: &Optim,
+) -> candle_core::Result<Option<u64>> {
+    let Some(dir) = cfg.checkpoint_dir.as_ref() else {
+        return Ok(None);
     };
-    match checkpoint::write_atomic(dir, &ck) {
-        Ok(_) => Some(c.step),
+    let every = cfg.checkpoint_every;
+    if every == 0 || !(step.is_multiple_of(every) || step == cfg.steps) {
+        return Ok(None);
+    }
+    let s = snapshot(step, model, opt)?;
+    let ck = checkpoint::Checkpoint {
+        step,
+        seed: cfg.seed,
+        widths: cfg.widths.clone(),
+        params: s.params,
+        optimizer: s.opt,
+    };
+    Ok(match checkpoint::write_atomic(dir, &ck) {
+        Ok(_) => Some(step),
         Err(e) => {
             eprintln!(
-                "diphoma-worker: warning: checkpoint of step {} into {} failed: {e}",
-                c.step,
+                "diphoma-worker: warning: checkpoint of step {step} into {} failed: {e}",
                 dir.display()
             );
             None
         }
-    }
+    })
 }
 
-/// One step on this rank: local gradient of its shard, the fused allreduce, the SGD update.
-/// Returns the global mean loss, the allreduce's duration (s) and its size (bytes). On a
-/// [`CommError`] the parameters are untouched.
+/// One step on this rank: local gradient of its shard, the fused allreduce, the optimizer's
+/// update. Returns the global mean loss, the allreduce's duration (s) and its size (bytes). On
+/// a [`CommError`] the model and the optimizer are untouched: they still hold the committed
+/// state, so roll-back needs no copy.
 fn step_once(
     cfg: &TrainConfig,
     train: &Dataset,
     model: &Mlp,
-    opt: &mut candle_nn::SGD,
+    opt: &mut Optim,
     comm: &mut Communicator,
     step: u64,
 ) -> Result<(f32, f64, u64), StepError> {
@@ -253,6 +371,7 @@ fn step_once(
     let mine = data::shard(idx.len(), comm.world(), comm.rank());
     let (grads, loss) = model.grad_sum(&train.gather(&idx[mine]))?;
     let mut buf = fuse(&grads, &[loss]);
+    drop(grads);
     let t0 = std::time::Instant::now();
     comm.allreduce(&mut buf, ReduceOp::Sum)
         .map_err(StepError::Comm)?;
@@ -281,7 +400,9 @@ impl From<candle_core::Error> for StepError {
 ///
 /// # Errors
 /// [`TrainError::Ring`] when a collective failed and `source` offered no new generation;
-/// [`TrainError::Model`] on a tensor error; [`TrainError::Config`] on a zero batch.
+/// [`TrainError::Model`] on a tensor error; [`TrainError::Config`] on a zero batch, an empty
+/// training set, widths that do not fit the data, or a checkpoint directory that cannot be
+/// listed.
 pub fn train_rank(
     cfg: &TrainConfig,
     train: &Dataset,
@@ -293,18 +414,28 @@ pub fn train_rank(
             "batch and training set must not be empty".into(),
         ));
     }
-    let model = Mlp::new(cfg.hidden, cfg.seed)?;
-    let mut opt = candle_nn::SGD::new(model.vars.clone(), cfg.lr)?;
-    let mut committed = Committed {
-        step: 0,
-        params: model.flat_params()?,
-    };
+    if cfg.widths.first() != Some(&train.features) {
+        return Err(TrainError::Config(format!(
+            "widths {:?} for samples of {} inputs",
+            cfg.widths, train.features
+        )));
+    }
+    let model = Mlp::new(&cfg.widths, cfg.seed)?;
+    let mut opt = Optim::new(cfg.optimizer, model.vars.clone(), cfg.lr)?;
+    // The committed step; the live model and optimizer are always its state (see step_once).
+    let mut step = 0;
     if let Some(dir) = &cfg.checkpoint_dir {
         let resumed = checkpoint::load_newest(dir, |c| {
-            if c.seed != cfg.seed || c.hidden != cfg.hidden {
+            let kind = c.optimizer.kind();
+            if c.seed != cfg.seed || c.widths != cfg.widths || kind != cfg.optimizer {
                 return Err(format!(
-                    "seed {} hidden {}, this run has seed {} hidden {}",
-                    c.seed, c.hidden, cfg.seed, cfg.hidden
+                    "seed {} widths {:?} optimizer {}, this run has seed {} widths {:?} optimizer {}",
+                    c.seed,
+                    c.widths,
+                    kind.name(),
+                    cfg.seed,
+                    cfg.widths,
+                    cfg.optimizer.name()
                 ));
             }
             Ok(())
@@ -316,66 +447,77 @@ pub fn train_rank(
                 path.display(),
                 c.step
             );
-            committed = Committed {
+            let s = State {
                 step: c.step,
                 params: c.params,
+                opt: c.optimizer,
             };
+            step = restore(&s, &model, &mut opt)?;
         }
     }
     let mut last_checkpoint = None;
     let mut losses: Vec<f32> = Vec::new();
     let mut generations = Vec::new();
+    let mut stats = Stats::default();
     let mut next = Some(first);
     'generations: while let Some(g) = next.take() {
         let gen_no = g.config.generation;
-        let mut comm = match Communicator::connect(g.config, g.listener)
-            .and_then(|mut c| sync_state(&mut c, &mut committed).map(|_| c))
-        {
-            Ok(c) => c,
-            Err(e) => {
+        let synced = match Communicator::connect(g.config, g.listener) {
+            Ok(mut c) => sync_state(&mut c, step, &model, &mut opt).map(|s| (c, s)),
+            Err(e) => Err(StepError::Comm(e)),
+        };
+        let mut comm = match synced {
+            Ok((c, s)) => {
+                step = s;
+                c
+            }
+            Err(StepError::Model(e)) => return Err(e.into()),
+            Err(StepError::Comm(e)) => {
                 next = Some(source.after_failure(&e).ok_or(TrainError::Ring(e))?);
                 continue;
             }
         };
-        model.set_flat_params(&committed.params)?;
-        losses.resize(committed.step as usize, f32::NAN);
+        losses.resize(step as usize, f32::NAN);
         generations.push(gen_no);
         source.connected(gen_no, comm.rank(), comm.abort_handle());
-        let (gen_start, gen_first_step) = (std::time::Instant::now(), committed.step);
-        while committed.step < cfg.steps {
-            let s = committed.step;
+        let (gen_start, gen_first_step) = (std::time::Instant::now(), step);
+        while step < cfg.steps {
+            let s = step;
+            let t0 = std::time::Instant::now();
             let (ar_secs, ar_bytes) = match step_once(cfg, train, &model, &mut opt, &mut comm, s) {
                 Ok((loss, secs, bytes)) => {
-                    committed = Committed {
-                        step: s + 1,
-                        params: model.flat_params()?,
-                    };
+                    step = s + 1;
                     losses.push(loss);
                     if comm.rank() == 0 {
-                        last_checkpoint = maybe_checkpoint(cfg, &committed).or(last_checkpoint);
+                        last_checkpoint =
+                            maybe_checkpoint(cfg, step, &model, &opt)?.or(last_checkpoint);
                     }
-                    if comm.rank() == 0
-                        && cfg.log_every > 0
-                        && (s + 1).is_multiple_of(cfg.log_every)
-                    {
-                        println!("step {} generation {gen_no} loss {loss:.5}", s + 1);
+                    stats.steps += 1;
+                    stats.seconds += t0.elapsed().as_secs_f64();
+                    stats.allreduce_seconds += secs;
+                    stats.allreduce_bytes = bytes;
+                    if comm.rank() == 0 && cfg.log_every > 0 && step.is_multiple_of(cfg.log_every) {
+                        println!(
+                            "step {step} generation {gen_no} loss {loss:.5} samples/s {:.1} allreduce {:.2} ms",
+                            stats.samples_per_second(cfg.batch),
+                            secs * 1e3
+                        );
                     }
                     (secs, bytes)
                 }
                 Err(StepError::Model(e)) => return Err(e.into()),
                 Err(StepError::Comm(e)) => {
-                    model.set_flat_params(&committed.params)?;
                     next = Some(source.after_failure(&e).ok_or(TrainError::Ring(e))?);
                     continue 'generations;
                 }
             };
             let progress = Progress {
-                step: committed.step,
+                step,
                 total_steps: cfg.steps,
                 generation: gen_no,
                 rank: comm.rank(),
                 loss: losses.last().copied().unwrap_or(f32::NAN),
-                samples_per_second: ((committed.step - gen_first_step) * cfg.batch as u64) as f64
+                samples_per_second: ((step - gen_first_step) * cfg.batch as u64) as f64
                     / gen_start.elapsed().as_secs_f64().max(1e-9),
                 last_checkpoint,
                 allreduce_seconds: ar_secs,
@@ -390,11 +532,13 @@ pub fn train_rank(
                 Control::Leave => {
                     return Ok(Outcome {
                         model,
-                        step: committed.step,
+                        optimizer: opt,
+                        step,
                         losses,
                         generations,
                         last_checkpoint,
                         left: true,
+                        stats,
                     });
                 }
             }
@@ -402,11 +546,13 @@ pub fn train_rank(
     }
     Ok(Outcome {
         model,
-        step: committed.step,
+        optimizer: opt,
+        step,
         losses,
         generations,
         last_checkpoint,
         left: false,
+        stats,
     })
 }
 
@@ -504,13 +650,23 @@ mod tests {
 
     #[test]
     fn state_bytes_roundtrip() {
-        let c = Committed {
-            step: (1 << 40) + 3,
-            params: vec![1.5, -2.0, f32::MIN_POSITIVE],
-        };
-        let mut b = vec![0; 8 + 12];
-        encode_state(&c, &mut b);
-        let d = decode_state(&b);
-        assert_eq!((d.step, d.params), (c.step, c.params));
+        for opt in [
+            OptState::Sgd,
+            OptState::AdamW {
+                step: 5,
+                m: vec![0.25, -1.0, 3.0],
+                v: vec![1e-9, 2.0, 0.0],
+            },
+        ] {
+            let s = State {
+                step: (1 << 40) + 3,
+                params: vec![1.5, -2.0, f32::MIN_POSITIVE],
+                opt,
+            };
+            let kind = s.opt.kind();
+            let mut b = vec![0; state_len(3, kind)];
+            encode_state(&s, &mut b);
+            assert_eq!(decode_state(&b, 3, kind), s);
+        }
     }
 }
