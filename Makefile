@@ -6,7 +6,7 @@ NODES ?= 4
 GPUS ?= 8
 CARGO ?= cargo
 
-.PHONY: help deps tools build test unit e2e fmt-check bench cluster-up cluster-down demo
+.PHONY: help deps tools build generate test unit e2e fmt-check bench cluster-up cluster-down demo
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -14,11 +14,17 @@ help: ## list the targets
 deps: ## install Debian packages the scripts need (idempotent)
 	@bash scripts/install-deps.sh
 
-tools: deps ## build the pinned control plane, etcd and helm from Go modules (cached outside the repo)
+tools: deps ## build the pinned control plane, etcd and helm from Go modules; fetch Prometheus (cached outside the repo)
 	@bash e2e/cluster/build-bins.sh >/dev/null
+	@bash e2e/cluster/fetch-prometheus.sh >/dev/null
 
 build: deps ## build every binary of the workspace
 	$(CARGO) build --workspace --bins --locked
+
+generate: tools ## regenerate the derived files: the CRD (crds/ and the chart's copy), manifests/install.yaml
+	$(CARGO) run -q -p diphoma-operator -- crd > crds/diphomajob.yaml
+	cp crds/diphomajob.yaml charts/diphoma-operator/crds/diphomajob.yaml
+	bash scripts/render-install.sh "$$(bash e2e/cluster/build-bins.sh 2>/dev/null)/helm" > manifests/install.yaml
 
 fmt-check:
 	$(CARGO) fmt --all -- --check

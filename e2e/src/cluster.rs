@@ -24,12 +24,17 @@ pub fn scripts_dir() -> PathBuf {
 ///
 /// Errors: [`Error::Script`] when the build fails (its stderr is in the message).
 pub fn k8s_bin_dir() -> Result<PathBuf, Error> {
-    if let Ok(dir) = std::env::var("DIPHOMA_K8S_BIN") {
-        return Ok(PathBuf::from(dir));
+    env_or_script("DIPHOMA_K8S_BIN", "build-bins.sh")
+}
+
+/// The path in `$var`, else the last line printed by `script` (in [`scripts_dir`]), which builds
+/// or fetches what is missing.
+pub(crate) fn env_or_script(var: &str, script: &str) -> Result<PathBuf, Error> {
+    if let Ok(path) = std::env::var(var) {
+        return Ok(PathBuf::from(path));
     }
-    let out = run_script(&scripts_dir().join("build-bins.sh"), &[], &[])?;
-    let last = out.lines().last().unwrap_or_default().trim();
-    Ok(PathBuf::from(last))
+    let out = run_script(&scripts_dir().join(script), &[], &[])?;
+    Ok(PathBuf::from(out.lines().last().unwrap_or_default().trim()))
 }
 
 /// A running control plane. Dropping it stops every process it started (by recorded id) and
@@ -82,6 +87,13 @@ impl ControlPlane {
     /// `kubectl` with this control plane's admin kubeconfig.
     pub fn kubectl(&self) -> Command {
         let mut cmd = Command::new(self.bin_dir.join("kubectl"));
+        cmd.env("KUBECONFIG", &self.kubeconfig);
+        cmd
+    }
+
+    /// `helm` with `KUBECONFIG` set to the admin kubeconfig.
+    pub fn helm(&self) -> Command {
+        let mut cmd = Command::new(self.bin_dir.join("helm"));
         cmd.env("KUBECONFIG", &self.kubeconfig);
         cmd
     }

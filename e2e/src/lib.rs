@@ -7,6 +7,7 @@
 //! - [`kubelet`]: the process kubelet. Its pure parts (node and lease objects, pod status, env and
 //!   path resolution, IP and GPU allocation, the image table) are plain functions with unit tests;
 //!   [`kubelet::Kubelet`] is the I/O shell that watches pods and runs processes.
+//! - [`prometheus`]: a real Prometheus server (Debian's package) for the dashboard tests.
 //! - `src/bin/diphoma-kubelet.rs`: the kubelet as a daemon with a control socket (`fail-node`).
 //! - `src/bin/diphoma-probe.rs`: a tiny program used as a pod image by the tests.
 //! - `tests/`: acceptance tests against the real control plane (custom harness: one control plane
@@ -16,6 +17,7 @@
 
 pub mod cluster;
 pub mod kubelet;
+pub mod prometheus;
 
 use std::path::PathBuf;
 

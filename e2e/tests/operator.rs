@@ -543,6 +543,7 @@ async fn two_replicas_elect_one_leader_that_serves_metrics(
                 lease_name: "diphoma-operator".into(),
                 identity: id.into(),
             }),
+            ..Default::default()
         };
         let (tx, rx) = oneshot::channel::<()>();
         let client = ctx.client.clone();

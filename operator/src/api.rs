@@ -301,6 +301,18 @@ pub enum Phase {
 }
 
 impl Phase {
+    /// Every phase, in lifecycle order (metric label values are initialized from it).
+    pub const ALL: [Phase; 8] = [
+        Phase::Pending,
+        Phase::Starting,
+        Phase::Running,
+        Phase::Repairing,
+        Phase::Scaling,
+        Phase::Suspended,
+        Phase::Succeeded,
+        Phase::Failed,
+    ];
+
     /// Whether the job has finished for good.
     pub fn is_terminal(self) -> bool {
         matches!(self, Phase::Succeeded | Phase::Failed)

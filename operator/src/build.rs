@@ -11,6 +11,7 @@ use diphoma_worker::contract::{
     MEMBERSHIP_KEY, Membership,
 };
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::{Resource, ResourceExt};
@@ -260,6 +261,27 @@ pub fn service(job: &DiphomaJob) -> Service {
     .expect("static service")
 }
 
+/// The job's NetworkPolicy (created when the operator runs with `--network-policy`): the ring
+/// port of its workers accepts only this job's workers; the metrics port stays open to scrapers.
+/// Other ingress to the workers is denied (the policy selects them).
+pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
+    let workers = json!({"matchLabels": {LABEL_JOB_NAME: job.name_any()}});
+    serde_json::from_value(json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": meta(job, job.name_any()),
+        "spec": {
+            "podSelector": workers,
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": workers}],
+                 "ports": [{"protocol": "TCP", "port": job.spec.ring_port}]},
+                {"ports": [{"protocol": "TCP", "port": contract::DEFAULT_METRICS_PORT}]}
+            ]
+        }
+    }))
+    .expect("static network policy")
+}
+
 /// The workers' ServiceAccount.
 pub fn service_account(job: &DiphomaJob) -> ServiceAccount {
     ServiceAccount {
@@ -351,6 +373,7 @@ pub fn attempt_of(job: &str, pod: &str) -> i32 {
 pub(crate) mod tests {
     use super::*;
     use crate::api::DiphomaJobSpec;
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
     /// A stored job (name, namespace, uid set) from a spec given as JSON.
     pub fn job(spec: serde_json::Value) -> DiphomaJob {
@@ -447,6 +470,26 @@ pub(crate) mod tests {
                 .iter()
                 .any(|m| m.name == "ckpt" && m.mount_path == CHECKPOINT_MOUNT_DIR)
         );
+    }
+
+    #[test]
+    fn network_policy_opens_the_ring_port_to_the_jobs_own_workers_only() {
+        let np = network_policy(&basic());
+        let spec = np.spec.unwrap();
+        let own = Some(BTreeMap::from([(
+            LABEL_JOB_NAME.to_owned(),
+            "train".to_owned(),
+        )]));
+        assert_eq!(spec.pod_selector.unwrap().match_labels, own);
+        let rules = spec.ingress.unwrap();
+        let ring = &rules[0];
+        let from = ring.from.as_ref().unwrap();
+        assert_eq!(from.len(), 1);
+        assert_eq!(from[0].pod_selector.as_ref().unwrap().match_labels, own);
+        assert!(from[0].namespace_selector.is_none(), "same namespace only");
+        let port = &ring.ports.as_ref().unwrap()[0].port;
+        assert_eq!(port, &Some(IntOrString::Int(basic().spec.ring_port)));
+        assert!(rules[1].from.is_none(), "metrics open to scrapers");
     }
 
     #[test]

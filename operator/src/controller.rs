@@ -15,6 +15,7 @@ use diphoma_worker::contract::{self, FailureReport, MEMBERSHIP_KEY, Membership, 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
@@ -47,6 +48,9 @@ pub enum Error {
 }
 
 impl Error {
+    /// Every value of [`Error::metric_label`] (metric label values are initialized from it).
+    pub const LABELS: [&'static str; 2] = ["kube", "ring"];
+
     /// Bounded label for metrics and logs.
     pub fn metric_label(&self) -> &'static str {
         match self {
@@ -64,6 +68,8 @@ pub struct Context {
     pub recorder: Recorder,
     /// Prometheus metrics.
     pub metrics: Metrics,
+    /// Whether each job gets a NetworkPolicy ([`Options::network_policy`]).
+    pub network_policy: bool,
 }
 
 impl Context {
@@ -77,6 +83,7 @@ impl Context {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             metrics,
+            network_policy: false,
         }
     }
 }
@@ -99,6 +106,8 @@ pub struct Options {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// Reconcile only while holding this Lease (none: always).
     pub leader_election: Option<LeaderElection>,
+    /// Give each job a NetworkPolicy that opens its ring port only to its own workers.
+    pub network_policy: bool,
 }
 
 /// Why [`run`] stopped before its shutdown signal.
@@ -201,7 +210,10 @@ pub async fn run(
     let stop = async move {
         let _ = stop_rx.await;
     };
-    let ctx = Arc::new(Context::new(client, metrics.clone()));
+    let ctx = Arc::new(Context {
+        network_policy: opts.network_policy,
+        ..Context::new(client, metrics.clone())
+    });
     let drive = controller
         .graceful_shutdown_on(stop)
         .run(reconcile, error_policy, ctx)
@@ -392,6 +404,13 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
             &build::service(job),
         )
         .await?;
+        if ctx.network_policy {
+            apply_one(
+                &Api::<NetworkPolicy>::namespaced(client.clone(), &ns),
+                &build::network_policy(job),
+            )
+            .await?;
+        }
         let key: Vec<u8> = (0..contract::MIN_KEY_LEN)
             .map(|_| rand::random::<u8>())
             .collect();

@@ -41,6 +41,9 @@ struct RunArgs {
     /// This replica's identity in the Lease (default: `$POD_NAME`).
     #[arg(long, env = "POD_NAME", default_value = "diphoma-operator")]
     identity: String,
+    /// Give each job a NetworkPolicy that opens its ring port only to its own workers.
+    #[arg(long, env = "DIPHOMA_NETWORK_POLICY")]
+    network_policy: bool,
 }
 
 #[tokio::main]
@@ -79,6 +82,7 @@ async fn main() {
                     lease_name: args.lease_name,
                     identity: args.identity,
                 }),
+                network_policy: args.network_policy,
             };
             tracing::info!(metrics = ?opts.metrics_addr, leader_election = opts.leader_election.is_some(), "diphoma-operator running");
             let stop = async {

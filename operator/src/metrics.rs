@@ -15,7 +15,7 @@ use prometheus::{
 };
 
 use crate::api::{DiphomaJob, Phase};
-use crate::plan::Plan;
+use crate::plan::{Cause, Plan};
 
 /// Every metric the operator exports.
 #[derive(Clone)]
@@ -114,6 +114,15 @@ impl Default for Metrics {
         ] {
             m.registry.register(c).expect("unique metric");
         }
+        // Every known label value exists from the start at 0, so that rates and dashboards have
+        // data before the first error or repair (Prometheus: "avoid missing metrics").
+        for l in crate::controller::Error::LABELS {
+            m.errors.with_label_values(&[l]);
+        }
+        for c in Cause::ALL {
+            m.repairs.with_label_values(&[c.as_str()]);
+            m.failures.with_label_values(&[c.as_str()]);
+        }
         m
     }
 }
@@ -143,6 +152,11 @@ impl Metrics {
     /// The text exposition, with the job and worker gauges computed from `jobs`.
     pub fn render(&self, jobs: &[Arc<DiphomaJob>]) -> String {
         self.jobs.reset();
+        for p in Phase::ALL {
+            self.jobs
+                .with_label_values(&[format!("{p:?}").as_str()])
+                .set(0);
+        }
         let (mut desired, mut ready) = (0, 0);
         for j in jobs {
             let st = j.status.clone().unwrap_or_default();
@@ -193,7 +207,7 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{Cause, Failure};
+    use crate::plan::Failure;
 
     #[test]
     fn plans_feed_counters_and_gauges_come_from_jobs() {
@@ -230,6 +244,15 @@ mod tests {
             text.contains("diphoma_operator_jobs{phase=\"Running\"} 1"),
             "{text}"
         );
+        // Known label values exist before anything happened to them.
+        for zero in [
+            "diphoma_operator_jobs{phase=\"Failed\"} 0",
+            "diphoma_operator_ring_repairs_total{cause=\"Hung\"} 0",
+            "diphoma_operator_worker_failures_total{cause=\"Evicted\"} 0",
+            "diphoma_operator_reconcile_errors_total{error=\"kube\"} 0",
+        ] {
+            assert!(text.contains(zero), "{zero} missing from {text}");
+        }
         assert!(
             text.contains("diphoma_operator_workers{state=\"ready\"} 3"),
             "{text}"

@@ -57,6 +57,16 @@ impl Cause {
         matches!(self, Cause::NodeLost | Cause::Hung)
     }
 
+    /// Every cause, in declaration order (metric label values are initialized from it).
+    pub const ALL: [Cause; 6] = [
+        Cause::ProcessExit,
+        Cause::PodDeleted,
+        Cause::Evicted,
+        Cause::Preempted,
+        Cause::NodeLost,
+        Cause::Hung,
+    ];
+
     /// The PascalCase name used in status, events and metric labels.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use diphoma_worker::CommError;
 use diphoma_worker::data;
+use diphoma_worker::optim::{OptState, OptimizerKind};
 use diphoma_worker::train::{
     Control, Generation, Progress, RingSource, TrainConfig, local_generation, train_rank,
     train_standalone,
@@ -48,12 +49,27 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn survivors_reform_and_a_joiner_catches_up() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/digits.csv.gz");
-    let train = data::load_digits(&path).unwrap().split().0;
-    let cfg = TrainConfig {
+    survivors_reform_and_a_joiner_catches_up_with(TrainConfig {
         steps: 40,
         ..TrainConfig::default()
-    };
+    });
+}
+
+/// The same with AdamW, whose moments and step count the joiner must receive with the
+/// parameters (without them its updates, and so everyone's parameters, would differ).
+#[test]
+fn survivors_reform_and_a_joiner_catches_up_with_adamw() {
+    survivors_reform_and_a_joiner_catches_up_with(TrainConfig {
+        steps: 40,
+        optimizer: OptimizerKind::AdamW,
+        lr: 0.01,
+        ..TrainConfig::default()
+    });
+}
+
+fn survivors_reform_and_a_joiner_catches_up_with(cfg: TrainConfig) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/digits.csv.gz");
+    let train = data::load_digits(&path).unwrap().split().0;
     let key = [42u8; 32];
     // Generation 1: four ranks. Rank 3 dies after step 10 (drops its sockets: the others' next
     // allreduce fails). Generation 2: the three survivors. After step 25 the operator adds a
@@ -115,9 +131,31 @@ fn survivors_reform_and_a_joiner_catches_up() {
         let d = max_diff(&p, &p_ref);
         assert!(d <= TOL, "member {r}: {d} from the undisturbed run");
         assert_eq!(p, outs[0].0.model.flat_params().unwrap());
+        // The optimizer's state too: bit-identical on every member (the joiner's came by
+        // broadcast), and the undisturbed run's within the tolerance.
+        let st = o.optimizer.state().unwrap();
+        assert_eq!(st, outs[0].0.optimizer.state().unwrap(), "member {r}");
+        let st_ref = reference[0].optimizer.state().unwrap();
+        if let (
+            OptState::AdamW { step, m, v },
+            OptState::AdamW {
+                step: s0,
+                m: m0,
+                v: v0,
+            },
+        ) = (&st, &st_ref)
+        {
+            assert_eq!(step, s0);
+            assert_eq!(*step, 40);
+            let (dm, dv) = (max_diff(m, m0), max_diff(v, v0));
+            assert!(dm <= TOL && dv <= TOL, "member {r}: moments {dm} {dv} away");
+        } else {
+            assert_eq!(st, st_ref);
+        }
     }
     eprintln!(
-        "max parameter gap disturbed vs undisturbed: {:e}",
+        "{}: max parameter gap disturbed vs undisturbed: {:e}",
+        cfg.optimizer.name(),
         max_diff(&outs[0].0.model.flat_params().unwrap(), &p_ref)
     );
 }

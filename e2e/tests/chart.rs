@@ -1,0 +1,557 @@
+//! The Helm chart on the local control plane. The binary installs the chart into a namespace that
+//! enforces the Pod Security "restricted" profile, so the operator runs as a pod (the process
+//! kubelet maps its image to the built binary) under exactly the chart's RBAC. Then: lint,
+//! schema and `manifests/install.yaml` freshness, server-side dry runs of every manifest, the RBAC
+//! checked with `kubectl auth can-i`, a training job run by that operator while a real Prometheus
+//! (Debian's package) scrapes it and every dashboard query returns data, and finally `helm
+//! upgrade` to two replicas and `helm uninstall`, which leaves only the CRD behind.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail, ensure};
+use common::*;
+use diphoma_e2e::cluster::ControlPlane;
+use diphoma_e2e::kubelet::Kubelet;
+use diphoma_e2e::kubelet::node::NodeConfig;
+use diphoma_e2e::prometheus::{Prometheus, prometheus_bin, write_targets};
+use diphoma_worker::contract::LABEL_JOB_NAME;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::ListParams;
+use kube::{Api, Client, ResourceExt};
+
+/// The release and the namespace the chart is installed into (as in manifests/install.yaml).
+const RELEASE: &str = "diphoma-operator";
+const NS: &str = "diphoma-system";
+const SELECT_RELEASE: &str = "app.kubernetes.io/instance=diphoma-operator";
+
+struct Ctx {
+    client: Client,
+    kubelet: Kubelet,
+    cp: ControlPlane,
+}
+
+fn main() -> Result<()> {
+    let args = sequential_args();
+    let rt = runtime()?;
+    let cp = ControlPlane::start()?;
+    let ctx = rt.block_on(async {
+        let client = cp.client().await?;
+        let nodes = (0..3)
+            .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), 4))
+            .collect();
+        let kubelet = start_kubelet(&cp, &client, nodes).await?;
+        let ctx = Arc::new(Ctx {
+            client,
+            kubelet,
+            cp,
+        });
+        run_ok(ctx.cp.kubectl().args(["create", "namespace", NS]))?;
+        run_ok(ctx.cp.kubectl().args([
+            "label",
+            "namespace",
+            NS,
+            "pod-security.kubernetes.io/enforce=restricted",
+        ]))?;
+        run_ok(ctx.cp.helm().args(["install", RELEASE]).arg(chart()).args([
+            "-n",
+            NS,
+            "--wait",
+            "--timeout",
+            "120s",
+        ]))
+        .context("helm install")?;
+        anyhow::Ok(ctx)
+    })?;
+    let list = tests![
+        chart_lints_validates_values_and_install_yaml_is_fresh,
+        every_manifest_passes_a_server_side_dry_run,
+        the_operator_runs_as_a_pod_under_exactly_its_chart_rbac,
+        a_job_run_by_the_chart_operator_feeds_every_dashboard_query,
+        helm_upgrade_to_two_replicas_then_uninstall_leaves_only_the_crd,
+    ];
+    let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
+    let conclusion = libtest_mimic::run(&args, trials);
+    let Ctx { kubelet, cp, .. } = Arc::into_inner(ctx).context("tests still hold the context")?;
+    rt.block_on(kubelet.shutdown());
+    drop(cp);
+    conclusion.exit()
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn chart() -> PathBuf {
+    root().join("charts/diphoma-operator")
+}
+
+/// Runs `cmd`; its stdout when it succeeds, else an error with the command and its stderr.
+fn run_ok(cmd: &mut Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("{cmd:?}"))?;
+    ensure!(
+        out.status.success(),
+        "{cmd:?}: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+async fn chart_lints_validates_values_and_install_yaml_is_fresh(
+    ctx: Arc<Ctx>,
+    _ns: String,
+) -> Result<()> {
+    let helm = || ctx.cp.helm();
+    run_ok(helm().args(["lint", "--strict"]).arg(chart()))?;
+    // Every optional part renders and lints too.
+    let all_on = [
+        "--set=replicaCount=2",
+        "--set=serviceMonitor.enabled=true",
+        "--set=podMonitor.enabled=true",
+        "--set=networkPolicy.enabled=true",
+    ];
+    run_ok(helm().args(["lint", "--strict"]).arg(chart()).args(all_on))?;
+    let rendered = run_ok(helm().args(["template", RELEASE]).arg(chart()).args(all_on))?;
+    for kind in [
+        "kind: ServiceMonitor",
+        "kind: PodMonitor",
+        "kind: Lease",
+        "DIPHOMA_LEADER_ELECT",
+        "DIPHOMA_NETWORK_POLICY",
+        "resources: [networkpolicies]",
+    ] {
+        ensure!(
+            rendered.contains(kind),
+            "{kind} missing with every option on"
+        );
+    }
+    // values.schema.json refuses bad values and names them.
+    for (set, named) in [
+        ("replicaCount=-1", "replicaCount"),
+        ("metrics.port=70000", "metrics/port"),
+        ("image.pullPolicy=Sometimes", "pullPolicy"),
+        ("replicas=2", "replicas"),
+    ] {
+        let out = helm()
+            .args(["template", RELEASE])
+            .arg(chart())
+            .args(["--set", set])
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            !out.status.success() && err.contains(named),
+            "--set {set}: expected a schema error naming {named}, got {}: {err}",
+            out.status
+        );
+    }
+    // manifests/install.yaml is the chart rendered by scripts/render-install.sh.
+    let fresh = run_ok(
+        Command::new("bash")
+            .arg(root().join("scripts/render-install.sh"))
+            .arg(ctx.cp.bin_dir.join("helm")),
+    )?;
+    let committed = std::fs::read_to_string(root().join("manifests/install.yaml"))?;
+    ensure!(
+        fresh == committed,
+        "manifests/install.yaml is stale: run `make generate`"
+    );
+    Ok(())
+}
+
+async fn every_manifest_passes_a_server_side_dry_run(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    let install = root().join("manifests/install.yaml");
+    run_ok(
+        ctx.cp
+            .kubectl()
+            .args(["apply", "--dry-run=server", "-f"])
+            .arg(&install),
+    )?;
+    let examples = root().join("manifests/examples");
+    let mut n = 0;
+    for e in std::fs::read_dir(&examples)? {
+        let path = e?.path();
+        run_ok(
+            ctx.cp
+                .kubectl()
+                .args(["apply", "--dry-run=server", "-n", &ns, "-f"])
+                .arg(&path),
+        )?;
+        n += 1;
+    }
+    ensure!(n >= 3, "expected at least 3 examples in {examples:?}");
+    Ok(())
+}
+
+/// The operator pods of the release (non-terminating).
+async fn operator_pods(client: &Client) -> Result<Vec<Pod>> {
+    Ok(Api::<Pod>::namespaced(client.clone(), NS)
+        .list(&ListParams::default().labels(SELECT_RELEASE))
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect())
+}
+
+async fn the_operator_runs_as_a_pod_under_exactly_its_chart_rbac(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let pods = operator_pods(&ctx.client).await?;
+    ensure!(
+        pods.len() == 1,
+        "expected one operator pod, got {}",
+        pods.len()
+    );
+    let pid = pid_of(&pods[0])?;
+    ensure!(alive(pid), "the operator process {pid} is not running");
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe"))?;
+    ensure!(
+        exe.ends_with("diphoma-operator"),
+        "the pod runs {exe:?}, not the operator binary"
+    );
+
+    let sa = format!("--as=system:serviceaccount:{NS}:{RELEASE}");
+    let can = |args: &[&str]| -> Result<bool> {
+        let out = ctx
+            .cp
+            .kubectl()
+            .args(["auth", "can-i", &sa])
+            .args(args)
+            .output()?;
+        match out.status.code() {
+            Some(0) => Ok(true),
+            Some(1) => Ok(false),
+            _ => bail!("can-i {args:?}: {}", String::from_utf8_lossy(&out.stderr)),
+        }
+    };
+    let n = ["-n", ns.as_str()];
+    let in_ns = |v: &[&'static str]| [v, &n[..]].concat();
+    // What operator/src/controller.rs calls.
+    let allowed: Vec<Vec<&str>> = vec![
+        vec!["list", "diphomajobs.diphoma.io", "-A"],
+        vec!["watch", "diphomajobs.diphoma.io", "-A"],
+        in_ns(&["get", "diphomajobs.diphoma.io"]),
+        in_ns(&["delete", "diphomajobs.diphoma.io"]),
+        in_ns(&["patch", "diphomajobs.diphoma.io", "--subresource=status"]),
+        vec!["watch", "pods", "-A"],
+        in_ns(&["create", "pods"]),
+        in_ns(&["patch", "pods"]),
+        in_ns(&["delete", "pods"]),
+        in_ns(&["get", "configmaps"]),
+        in_ns(&["create", "configmaps"]),
+        in_ns(&["patch", "configmaps"]),
+        in_ns(&["create", "secrets"]),
+        in_ns(&["patch", "services"]),
+        in_ns(&["patch", "serviceaccounts"]),
+        in_ns(&["patch", "roles.rbac.authorization.k8s.io"]),
+        in_ns(&["patch", "rolebindings.rbac.authorization.k8s.io"]),
+        in_ns(&["create", "events.events.k8s.io"]),
+        vec!["get", "nodes"],
+        vec!["get", "leases.coordination.k8s.io", "-n", "kube-node-lease"],
+    ];
+    // Beyond it: secrets are never read, nothing is escalated, nodes and the job spec are
+    // never written, no leader Lease with one replica, no NetworkPolicies unless enabled.
+    let denied: Vec<Vec<&str>> = vec![
+        in_ns(&["get", "secrets"]),
+        vec!["list", "secrets", "-A"],
+        in_ns(&["delete", "configmaps"]),
+        in_ns(&["delete", "secrets"]),
+        in_ns(&["update", "pods"]),
+        in_ns(&["create", "pods", "--subresource=exec"]),
+        in_ns(&["patch", "diphomajobs.diphoma.io"]),
+        in_ns(&["create", "deployments.apps"]),
+        in_ns(&["escalate", "roles.rbac.authorization.k8s.io"]),
+        vec!["bind", "clusterroles.rbac.authorization.k8s.io"],
+        vec!["create", "clusterrolebindings.rbac.authorization.k8s.io"],
+        vec!["patch", "nodes"],
+        vec!["list", "nodes"],
+        vec!["delete", "namespaces"],
+        vec!["get", "leases.coordination.k8s.io", "-n", NS],
+        vec![
+            "create",
+            "leases.coordination.k8s.io",
+            "-n",
+            "kube-node-lease",
+        ],
+        in_ns(&["create", "networkpolicies.networking.k8s.io"]),
+    ];
+    let mut wrong = vec![];
+    for a in &allowed {
+        if !can(a)? {
+            wrong.push(format!("denied but needed: {}", a.join(" ")));
+        }
+    }
+    for d in &denied {
+        if can(d)? {
+            wrong.push(format!("allowed but not needed: {}", d.join(" ")));
+        }
+    }
+    ensure!(wrong.is_empty(), "RBAC: {wrong:#?}");
+    Ok(())
+}
+
+/// Every PromQL expression of a dashboard: (panel or annotation title, expression).
+fn dashboard_queries(board: &serde_json::Value) -> Vec<(String, String)> {
+    let mut out = vec![];
+    for p in board["panels"].as_array().into_iter().flatten() {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            let title = p["title"].as_str().unwrap_or_default();
+            out.push((
+                title.to_owned(),
+                t["expr"].as_str().unwrap_or_default().to_owned(),
+            ));
+        }
+    }
+    for a in board["annotations"]["list"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        if let Some(expr) = a["expr"].as_str() {
+            let name = a["name"].as_str().unwrap_or_default();
+            out.push((format!("annotation {name}"), expr.to_owned()));
+        }
+    }
+    out
+}
+
+/// The dashboard's conventions: `${DS_PROMETHEUS}`, variables namespace and job, a unit and a
+/// description on every panel. Returns what is missing.
+fn dashboard_conventions(name: &str, board: &serde_json::Value) -> Vec<String> {
+    let mut missing = vec![];
+    let vars: Vec<&str> = board["templating"]["list"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    for v in ["DS_PROMETHEUS", "namespace", "job"] {
+        if !vars.contains(&v) {
+            missing.push(format!("{name}: variable {v}"));
+        }
+    }
+    for p in board["panels"].as_array().into_iter().flatten() {
+        if p["type"] == "row" {
+            continue;
+        }
+        let title = p["title"].as_str().unwrap_or("?");
+        if p["description"].as_str().is_none_or(str::is_empty) {
+            missing.push(format!("{name}/{title}: description"));
+        }
+        if p["fieldConfig"]["defaults"]["unit"]
+            .as_str()
+            .is_none_or(str::is_empty)
+        {
+            missing.push(format!("{name}/{title}: unit"));
+        }
+        if p["datasource"]["uid"] != "${DS_PROMETHEUS}" {
+            missing.push(format!("{name}/{title}: datasource ${{DS_PROMETHEUS}}"));
+        }
+    }
+    missing
+}
+
+/// Grafana's variables and interval macros replaced for a query against Prometheus.
+fn substitute(expr: &str, namespace: &str, job: &str) -> String {
+    expr.replace("$namespace", namespace)
+        .replace("$job", job)
+        .replace("$__rate_interval", "10s")
+        .replace("$__interval", "2s")
+        .replace("$__range", "10m")
+}
+
+/// Whether a query_range answer has at least one finite sample.
+fn has_data(result: &[serde_json::Value]) -> bool {
+    result.iter().any(|s| {
+        s["values"].as_array().into_iter().flatten().any(|v| {
+            v[1].as_str()
+                .and_then(|x| x.parse::<f64>().ok())
+                .is_some_and(f64::is_finite)
+        })
+    })
+}
+
+async fn a_job_run_by_the_chart_operator_feeds_every_dashboard_query(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let prom = Prometheus::start(
+        &prometheus_bin()?,
+        &ctx.cp.dir.join("prometheus"),
+        &["diphoma-operator", "diphoma-workers"],
+    )
+    .await?;
+    // Service discovery (Debian's Prometheus has no Kubernetes SD): the operator's and this
+    // job's pods, every second, with the labels of docs/prometheus-scrape.yaml.
+    let discovery = {
+        let (client, prom_dir, ns) = (ctx.client.clone(), prom.dir.clone(), ns.clone());
+        tokio::spawn(async move {
+            loop {
+                for (scrape_job, namespace) in [("diphoma-operator", NS), ("diphoma-workers", &ns)]
+                {
+                    if let Ok(pods) = Api::<Pod>::namespaced(client.clone(), namespace)
+                        .list(&ListParams::default())
+                        .await
+                    {
+                        let _ = write_targets(&prom_dir, scrape_job, &pods.items, LABEL_JOB_NAME);
+                    }
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        })
+    };
+    let result = train_and_query(&ctx, &ns, &prom).await;
+    discovery.abort();
+    result
+}
+
+async fn train_and_query(ctx: &Ctx, ns: &str, prom: &Prometheus) -> Result<()> {
+    let start = jiff::Timestamp::now().as_second() as f64;
+    let job = "digits";
+    let yaml = format!(
+        "apiVersion: diphoma.io/v1alpha1\nkind: DiphomaJob\nmetadata: {{name: {job}, namespace: {ns}}}\nspec:\n  replicas: 3\n  gpusPerWorker: 1\n  faultTolerance: {{detectionSeconds: 5}}\n  template:\n    spec:\n      terminationGracePeriodSeconds: 5\n      containers:\n      - name: worker\n        image: diphoma-worker:dev\n        args: [train, --steps, \"2500\", --log-every, \"500\"]\n"
+    );
+    let manifest = ctx.cp.dir.join(format!("{ns}-{job}.yaml"));
+    std::fs::write(&manifest, yaml)?;
+    run_ok(ctx.cp.kubectl().args(["apply", "-f"]).arg(&manifest))?;
+    let field = |path: &str| -> Result<String> {
+        run_ok(ctx.cp.kubectl().args([
+            "-n",
+            &ns,
+            "get",
+            "dpj",
+            job,
+            "-o",
+            &format!("jsonpath={{{path}}}"),
+        ]))
+    };
+    // Training, and Prometheus scrapes the workers: then one worker is killed for a repair.
+    eventually(120, "workers scraped while training", async || {
+        let up = prom.query_range(
+            &format!(
+                "up{{job=\"diphoma-workers\", diphoma_job=\"{job}\", namespace=\"{ns}\"}} == 1"
+            ),
+            jiff::Timestamp::now().as_second() as f64 - 1.0,
+            jiff::Timestamp::now().as_second() as f64,
+            1.0,
+        )?;
+        let step: i64 = field(".status.progress.step")?.parse().unwrap_or(0);
+        Ok(up.len() == 3 && step >= 200)
+    })
+    .await?;
+    let victim: Pod = Api::namespaced(ctx.client.clone(), &ns)
+        .get(&format!("{job}-worker-1"))
+        .await?;
+    signal(pid_of(&victim)?, libc::SIGKILL);
+    eventually(120, "the job Succeeded after a repair", async || {
+        let phase = field(".status.phase")?;
+        ensure!(phase != "Failed", "the job failed: {}", field(".status")?);
+        Ok(phase == "Succeeded" && field(".status.ring.generation")?.parse::<i64>()? >= 2)
+    })
+    .await?;
+    // A few more scrapes of the operator after the end.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let end = jiff::Timestamp::now().as_second() as f64;
+
+    let mut missing = vec![];
+    for (file, namespace, scrape_job) in [
+        ("diphoma-operator.json", NS, "diphoma-operator"),
+        ("diphoma-training.json", ns, job),
+    ] {
+        let text = std::fs::read_to_string(chart().join("dashboards").join(file))?;
+        let board: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("dashboards/{file}"))?;
+        missing.extend(dashboard_conventions(file, &board));
+        let queries = dashboard_queries(&board);
+        ensure!(queries.len() >= 8, "{file}: only {} queries", queries.len());
+        for (title, expr) in queries {
+            let q = substitute(&expr, namespace, scrape_job);
+            let result = prom
+                .query_range(&q, start, end, 1.0)
+                .with_context(|| format!("{file}/{title}"))?;
+            if !has_data(&result) {
+                missing.push(format!("{file}/{title}: no data for {q}"));
+            }
+        }
+    }
+    ensure!(
+        missing.is_empty(),
+        "dashboards: {missing:#?}\nprometheus log:\n{}",
+        prom.log_tail()
+    );
+    Ok(())
+}
+
+async fn helm_upgrade_to_two_replicas_then_uninstall_leaves_only_the_crd(
+    ctx: Arc<Ctx>,
+    _ns: String,
+) -> Result<()> {
+    run_ok(ctx.cp.helm().args(["upgrade", RELEASE]).arg(chart()).args([
+        "-n",
+        NS,
+        "--set",
+        "replicaCount=2",
+        "--wait",
+        "--timeout",
+        "120s",
+    ]))?;
+    // Two replicas: one holds the chart's Lease.
+    eventually(60, "two operator pods, one leading", async || {
+        let pods = operator_pods(&ctx.client).await?;
+        let names: Vec<String> = pods
+            .iter()
+            .filter(|p| phase(p) == "Running")
+            .map(|p| p.name_any())
+            .collect();
+        let holder = run_ok(ctx.cp.kubectl().args([
+            "-n",
+            NS,
+            "get",
+            "lease",
+            RELEASE,
+            "-o",
+            "jsonpath={.spec.holderIdentity}",
+        ]))
+        .unwrap_or_default();
+        Ok(names.len() == 2 && names.contains(&holder))
+    })
+    .await?;
+
+    run_ok(
+        ctx.cp
+            .helm()
+            .args(["uninstall", RELEASE, "-n", NS, "--wait"]),
+    )?;
+    let kinds = "deployments,replicasets,pods,services,serviceaccounts,configmaps,secrets,leases,roles,rolebindings,clusterroles,clusterrolebindings";
+    eventually(60, "nothing of the release left", async || {
+        let left = run_ok(ctx.cp.kubectl().args([
+            "get",
+            kinds,
+            "-A",
+            "-l",
+            SELECT_RELEASE,
+            "-o",
+            "name",
+        ]))?;
+        Ok(left.trim().is_empty())
+    })
+    .await?;
+    let left = run_ok(
+        ctx.cp
+            .kubectl()
+            .args(["get", "pods,leases", "-n", NS, "-o", "name"]),
+    )?;
+    ensure!(left.trim().is_empty(), "left in {NS}: {left}");
+    run_ok(
+        ctx.cp
+            .kubectl()
+            .args(["get", "crd", "diphomajobs.diphoma.io"]),
+    )
+    .context("helm keeps the CRD by design")?;
+    Ok(())
+}
