@@ -7,6 +7,7 @@
 //! - [`plan`]: the decision of one reconcile — failures, pods to create and delete, the next ring
 //!   generation, the status. Pure, and where most tests live.
 //! - [`controller`]: observe → plan → apply → status against the API server, leader election.
+//! - [`docs`]: the DiphomaJob reference (Markdown) generated from the CRD. Pure.
 //! - [`metrics`]: Prometheus metrics and the `/metrics`, `/healthz`, `/readyz` server.
 //!
 //! The operator/worker contract (env names, labels, membership format, key file) is imported
@@ -15,6 +16,7 @@
 pub mod api;
 pub mod build;
 pub mod controller;
+pub mod docs;
 pub mod metrics;
 pub mod plan;
 
@@ -23,6 +25,12 @@ use kube::CustomResourceExt;
 /// The CRD of [`api::DiphomaJob`] as YAML (what `diphoma-operator crd` prints and `crds/` holds).
 pub fn crd_yaml() -> String {
     serde_saphyr::to_string(&api::DiphomaJob::crd()).expect("the CRD serializes")
+}
+
+/// The DiphomaJob reference in Markdown (what `diphoma-operator crd --markdown` prints and
+/// `docs/crd-reference.md` holds).
+pub fn crd_markdown() -> String {
+    docs::crd_markdown(&api::DiphomaJob::crd())
 }
 
 #[cfg(test)]
@@ -42,5 +50,14 @@ mod tests {
                 "{file} is stale: run `make generate`"
             );
         }
+        let committed = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docs/crd-reference.md"
+        ))
+        .expect("docs/crd-reference.md");
+        assert!(
+            committed == super::crd_markdown(),
+            "docs/crd-reference.md is stale: run `make generate`"
+        );
     }
 }

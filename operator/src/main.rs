@@ -19,7 +19,11 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Print the DiphomaJob CustomResourceDefinition (YAML).
-    Crd,
+    Crd {
+        /// Print the field reference in Markdown instead (docs/crd-reference.md).
+        #[arg(long)]
+        markdown: bool,
+    },
     /// Run the controller with the in-cluster or `$KUBECONFIG` credentials.
     Run(RunArgs),
 }
@@ -60,7 +64,8 @@ async fn main() {
         fmt.init()
     }
     match cli.cmd {
-        Cmd::Crd => print!("{}", diphoma_operator::crd_yaml()),
+        Cmd::Crd { markdown: false } => print!("{}", diphoma_operator::crd_yaml()),
+        Cmd::Crd { markdown: true } => print!("{}", diphoma_operator::crd_markdown()),
         Cmd::Run(args) => {
             let client = match kube::Client::try_default().await {
                 Ok(c) => c,
