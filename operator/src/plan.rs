@@ -416,7 +416,18 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
             .filter(|p| pod_phase(p) == "Succeeded")
             .map(|p| p.name_any())
             .collect();
-        if r.members.iter().all(|m| succeeded.contains(&m.pod)) {
+        // Members exit 0 one by one once the last step is committed. The ring has completed
+        // when one has and none still runs; until then a finished worker is neither replaced
+        // nor re-formed around, and the status holds.
+        let finished = |pod: &String| {
+            succeeded.contains(pod) || failed_pods.contains(pod) || !present_pod(obs, pod)
+        };
+        let completing = r.members.iter().any(|m| succeeded.contains(&m.pod));
+        if completing && !r.members.iter().all(|m| finished(&m.pod)) {
+            plan.status = status;
+            return plan;
+        }
+        if completing {
             return finish(
                 job,
                 obs,

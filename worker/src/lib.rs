@@ -23,9 +23,10 @@
 //! | [`auth`] | the HMAC-SHA256 challenge-response on one stream, refusal counters | open sockets, see data |
 //! | [`comm`] | the [`Communicator`]: connecting a generation, running plans over non-blocking TCP | choose schedules by itself beyond size thresholds |
 //! | [`error`] | [`CommError`], the one error type | do I/O |
-//! | [`data`] | the digits data set, the test split, the seeded data order and the per-rank shard (pure but for loading) | know about ranks beyond `(world, rank)` |
-//! | [`model`] | the candle MLP, its summed-loss gradients as flat `f32`, gradient fusion | touch sockets |
-//! | [`checkpoint`] | safetensors checkpoints with a SHA-256 in the metadata; atomic writes, newest-valid reads | decide when to write |
+//! | [`data`] | the digits data set, the seeded synthetic set, the test split, the seeded data order and the per-rank shard (pure but for loading) | know about ranks beyond `(world, rank)` |
+//! | [`model`] | the candle MLPs (digits; the synthetic model sized by parameter count), summed-loss gradients as flat `f32`, gradient fusion | touch sockets |
+//! | [`optim`] | SGD (candle-nn) and AdamW (candle-nn's update) with their state as flat `f32` | know about ranks |
+//! | [`checkpoint`] | safetensors checkpoints (parameters, optimizer state) with a SHA-256 in the metadata; atomic writes, newest-valid reads | decide when to write |
 //! | [`train`] | one rank's step loop: fused allreduce, commit, roll-back, generation changes, state sync | parse the contract's env or talk to Kubernetes |
 //! | [`k8s`] | Kubernetes mode of `train`: contract env, the ring ConfigMap as a [`train::RingSource`], heartbeat writes | train |
 //! | [`metrics`] | the `diphoma_worker_*` Prometheus metrics and the `/metrics` endpoint | decide what to record |
@@ -58,7 +59,12 @@
 //!   allreduce can succeed while a peer's fails, every generation starts by adopting the state of
 //!   the member with the highest committed step (one small allreduce of the steps, one
 //!   `broadcast_bytes` of step and parameters): joiners and off-by-one survivors are the same
-//!   case. Plain SGD (candle-nn) keeps no optimizer state, so parameters and step are the state.
+//!   case. The state is the step, the parameters and the optimizer's state (none for SGD; AdamW's
+//!   moments and step count), and the live model and optimizer always hold the committed state
+//!   (nothing changes before the allreduce succeeded), so roll-back copies nothing.
+//! - **Same loop, any model:** the digits MLP and the synthetic bandwidth model (`--model
+//!   synthetic --params N`) are both an [`model::Mlp`] of some widths on some
+//!   [`data::Dataset`]; the train loop does not know which.
 //! - **Kubernetes mode** ([`k8s`]): a watch of the ring ConfigMap on a private tokio runtime; a
 //!   newer generation aborts the collective in flight; after a failure a member writes one
 //!   report per generation, waits [`k8s::REJOIN_WAIT`] for a newer generation, else re-forms the

@@ -353,12 +353,17 @@ fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         }
     };
     let st = &out.stats;
+    let per_step = st.allreduce_per_step();
+    let rate = if world > 1 && per_step > 0.0 {
+        format!("{:.3} GB/s", st.allreduce_bytes as f64 / per_step / 1e9)
+    } else {
+        "no peers".to_string()
+    };
     println!(
-        "throughput {:.1} samples/s, allreduce {:.2} ms per step of {:.2} MB ({:.3} GB/s), {} steps on rank 0",
+        "throughput {:.1} samples/s, allreduce {:.2} ms per step of {:.2} MB ({rate}), {} steps on rank 0",
         st.samples_per_second(cfg.batch),
-        st.allreduce_per_step() * 1e3,
+        per_step * 1e3,
         st.allreduce_bytes as f64 / 1e6,
-        st.allreduce_bytes as f64 / st.allreduce_per_step().max(1e-12) / 1e9,
         st.steps,
     );
     let acc = out.model.accuracy(&test_set)?;

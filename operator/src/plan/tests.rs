@@ -519,6 +519,27 @@ fn completion_succeeds_and_ttl_deletes_later() {
 }
 
 #[test]
+fn members_finishing_one_by_one_are_neither_replaced_nor_re_formed_around() {
+    let j = with_status(elastic(2), Phase::Running);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[0] = pod(&j, 0, "Succeeded");
+    pods[2] = pod(&j, 2, "Succeeded");
+    let r = ring(&j, 3, &[0, 1, 2, 3]);
+    let p = plan(&j, &obs(pods.clone(), Some(r.clone())));
+    assert!(p.create.is_empty(), "a finished worker is not replaced");
+    assert!(p.publish.is_none(), "no new generation while the ring completes");
+    assert!(p.failures.is_empty() && p.delete.is_empty());
+    assert_eq!(p.status.phase, Some(Phase::Running));
+
+    // The last running member crashes after the others finished: the ring completed.
+    pods[1] = pod(&j, 1, "Succeeded");
+    pods[3] = exited(pods[3].clone(), 137, "Error");
+    let p = plan(&j, &obs(pods, Some(r)));
+    assert_eq!(p.status.phase, Some(Phase::Succeeded));
+    assert!(p.create.is_empty() && p.publish.is_none());
+}
+
+#[test]
 fn unschedulable_pods_never_block_completion() {
     let mut j = with_status(basic(), Phase::Scaling);
     j.spec.replicas = 5;
