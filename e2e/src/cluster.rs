@@ -190,3 +190,59 @@ fn run_script(script: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<Stri
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
+
+impl ControlPlane {
+    /// Applies the `DiphomaJob` CRD (`crds/diphomajob.yaml`) with kubectl and waits until it is
+    /// established.
+    ///
+    /// Errors: [`Error::Script`] carrying kubectl's stderr; [`Error::Io`] when kubectl cannot run.
+    pub fn install_crd(&self) -> Result<(), Error> {
+        let crd = Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds/diphomajob.yaml");
+        let established = "--for=condition=Established";
+        let steps: [&[&std::ffi::OsStr]; 2] = [
+            &["apply".as_ref(), "-f".as_ref(), crd.as_os_str()],
+            &[
+                "wait".as_ref(),
+                established.as_ref(),
+                "crd/diphomajobs.diphoma.io".as_ref(),
+                "--timeout=60s".as_ref(),
+            ],
+        ];
+        for args in steps {
+            let out = self
+                .kubectl()
+                .args(args)
+                .output()
+                .map_err(|source| Error::Io {
+                    path: self.bin_dir.join("kubectl"),
+                    source,
+                })?;
+            if !out.status.success() {
+                return Err(Error::Script {
+                    script: format!("kubectl {args:?}").into(),
+                    status: out.status.to_string(),
+                    stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `GET http://addr/path` on loopback (a pod's or the operator's metrics and health endpoints);
+/// returns the status line and the body.
+///
+/// Errors: the I/O error of the connection.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(String, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    Ok((
+        head.lines().next().unwrap_or_default().to_owned(),
+        body.to_owned(),
+    ))
+}

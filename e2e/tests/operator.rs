@@ -4,241 +4,44 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use common::*;
-use diphoma_e2e::cluster::ControlPlane;
-use diphoma_e2e::kubelet::Kubelet;
+use diphoma_e2e::cluster::http_get;
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_operator::api::{DiphomaJob, Phase};
-use diphoma_worker::contract::{MEMBERSHIP_KEY, Membership};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use k8s_openapi::api::rbac::v1::Role;
 use kube::api::{DeleteParams, ListParams};
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, ResourceExt};
 use tokio::sync::oneshot;
 
-struct Ctx {
-    client: Client,
-    kubelet: Kubelet,
-    cp: ControlPlane,
-    operator: Mutex<Option<(oneshot::Sender<()>, tokio::task::JoinHandle<()>)>>,
-}
-
-impl Ctx {
-    fn start_operator(&self) {
-        let (tx, rx) = oneshot::channel::<()>();
-        let client = self.client.clone();
-        let opts = diphoma_operator::controller::Options::default();
-        let task = tokio::spawn(async move {
-            let stop = async move {
-                let _ = rx.await;
-            };
-            if let Err(e) = diphoma_operator::controller::run(client, opts, stop).await {
-                panic!("operator: {e}");
-            }
-        });
-        *self.operator.lock().unwrap() = Some((tx, task));
-    }
-
-    async fn stop_operator(&self) {
-        let running = self.operator.lock().unwrap().take();
-        if let Some((tx, task)) = running {
-            let _ = tx.send(());
-            let _ = task.await;
-        }
-    }
-}
-
 fn main() -> Result<()> {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into());
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
-    let args = sequential_args();
-    let rt = runtime()?;
-    let cp = ControlPlane::start()?;
-    let crd = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds/diphomajob.yaml");
-    let out = cp.kubectl().args(["apply", "-f"]).arg(&crd).output()?;
-    ensure!(
-        out.status.success(),
-        "installing the CRD: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let out = cp
-        .kubectl()
-        .args([
-            "wait",
-            "--for=condition=Established",
-            "crd/diphomajobs.diphoma.io",
-            "--timeout=60s",
-        ])
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "CRD not established: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let ctx = rt.block_on(async {
-        let client = cp.client().await?;
-        let nodes = (0..3)
-            .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), 8))
-            .collect();
-        let kubelet = start_kubelet(&cp, &client, nodes).await?;
-        let ctx = Arc::new(Ctx {
-            client,
-            kubelet,
-            cp,
-            operator: Mutex::new(None),
-        });
-        ctx.start_operator();
-        anyhow::Ok(ctx)
-    })?;
-    let list = tests![
-        invalid_manifests_are_refused_with_the_field_named,
-        job_gets_gpu_pods_children_and_a_ring,
-        lost_workers_are_replaced_at_a_new_generation_and_counted_once,
-        restarted_operator_creates_no_duplicates,
-        kubectl_scale_resizes_the_ring_without_counting_failures,
-        a_silent_worker_blamed_by_its_neighbours_is_replaced,
-        a_training_job_survives_a_killed_worker_and_succeeds,
-        two_replicas_elect_one_leader_that_serves_metrics,
-        node_loss_is_detected_from_its_lease_and_workers_move,
-    ];
-    let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
-    let conclusion = libtest_mimic::run(&args, trials);
-    let ctx = Arc::into_inner(ctx).context("tests still hold the context")?;
-    let Ctx {
-        kubelet,
-        cp,
-        operator,
-        ..
-    } = ctx;
-    rt.block_on(async {
-        if let Some((tx, task)) = operator.into_inner().unwrap() {
-            let _ = tx.send(());
-            let _ = task.await;
-        }
-        kubelet.shutdown().await;
-    });
-    drop(cp);
-    conclusion.exit()
+    let nodes = (0..3)
+        .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), 8))
+        .collect();
+    run_operator_tests(
+        nodes,
+        tests![
+            invalid_manifests_are_refused_with_the_field_named,
+            job_gets_gpu_pods_children_and_a_ring,
+            lost_workers_are_replaced_at_a_new_generation_and_counted_once,
+            restarted_operator_creates_no_duplicates,
+            kubectl_scale_resizes_the_ring_without_counting_failures,
+            a_silent_worker_blamed_by_its_neighbours_is_replaced,
+            a_training_job_survives_a_killed_worker_and_succeeds,
+            two_replicas_elect_one_leader_that_serves_metrics,
+            node_loss_is_detected_from_its_lease_and_workers_move,
+        ],
+    )
 }
 
 fn job_yaml(name: &str, replicas: i32, extra: &str) -> String {
     format!(
         "apiVersion: diphoma.io/v1alpha1\nkind: DiphomaJob\nmetadata:\n  name: {name}\nspec:\n  replicas: {replicas}\n  gpusPerWorker: 2\n{extra}  template:\n    spec:\n      terminationGracePeriodSeconds: 2\n      containers:\n      - name: worker\n        image: diphoma-probe:dev\n        args: [--sleep, \"3600\"]\n"
     )
-}
-
-/// Applies a job manifest and waits for its first ring of `size` workers.
-async fn start_job(ctx: &Ctx, ns: &str, yaml: &str, name: &str, size: usize) -> Result<Membership> {
-    let out = kubectl_apply(ctx, ns, yaml)?;
-    ensure!(
-        out.status.success(),
-        "apply: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    running_ring(ctx, ns, name, size, 0).await
-}
-
-fn kubectl_apply(ctx: &Ctx, ns: &str, yaml: &str) -> Result<std::process::Output> {
-    use std::io::Write;
-    let mut child = ctx
-        .cp
-        .kubectl()
-        .args(["-n", ns, "apply", "-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    child.stdin.take().unwrap().write_all(yaml.as_bytes())?;
-    Ok(child.wait_with_output()?)
-}
-
-async fn ring(client: &Client, ns: &str, job: &str) -> Result<Option<Membership>> {
-    let cm = Api::<ConfigMap>::namespaced(client.clone(), ns)
-        .get_opt(&format!("{job}-ring"))
-        .await?;
-    Ok(
-        match cm
-            .and_then(|c| c.data)
-            .and_then(|d| d.get(MEMBERSHIP_KEY).cloned())
-        {
-            Some(json) => Some(Membership::parse(&json)?),
-            None => None,
-        },
-    )
-}
-
-async fn job_status(client: &Client, ns: &str, name: &str) -> Result<DiphomaJob> {
-    Ok(Api::<DiphomaJob>::namespaced(client.clone(), ns)
-        .get(name)
-        .await?)
-}
-
-fn phase_of(j: &DiphomaJob) -> Option<Phase> {
-    j.status.as_ref().and_then(|s| s.phase)
-}
-
-/// Waits for the job to run with a ring of `size` at a generation above `after`; returns it.
-async fn running_ring(
-    ctx: &Ctx,
-    ns: &str,
-    job: &str,
-    size: usize,
-    after: u64,
-) -> Result<Membership> {
-    let mut found = None;
-    let mut last = None;
-    let waited = eventually(
-        90,
-        &format!("{job} Running with a ring of {size} after generation {after}"),
-        async || {
-            let j = job_status(&ctx.client, ns, job).await?;
-            found = ring(&ctx.client, ns, job).await?;
-            let done = phase_of(&j) == Some(Phase::Running)
-                && found
-                    .as_ref()
-                    .is_some_and(|r| r.members.len() == size && r.generation > after);
-            last = j.status;
-            Ok(done)
-        },
-    )
-    .await;
-    if let Err(e) = waited {
-        let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns)
-            .list(&ListParams::default())
-            .await?
-            .items;
-        let states: Vec<String> = pods
-            .iter()
-            .map(|p| {
-                let st = p.status.clone().unwrap_or_default();
-                let waiting = st
-                    .container_statuses
-                    .iter()
-                    .flatten()
-                    .find_map(|c| c.state.clone()?.waiting);
-                format!(
-                    "{} {:?} on {:?}: {:?}",
-                    p.name_any(),
-                    st.phase,
-                    p.spec.as_ref().and_then(|s| s.node_name.clone()),
-                    waiting.map(|w| (w.reason, w.message))
-                )
-            })
-            .collect();
-        return Err(e.context(format!(
-            "last status: {}; pods: {states:#?}",
-            serde_json::to_string(&last).unwrap_or_default()
-        )));
-    }
-    Ok(found.unwrap())
 }
 
 async fn invalid_manifests_are_refused_with_the_field_named(
@@ -506,21 +309,6 @@ async fn node_loss_is_detected_from_its_lease_and_workers_move(
         st.repairs
     );
     Ok(())
-}
-
-/// `GET http://addr/path` on loopback; returns (status line, body).
-async fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<(String, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-        .await?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await?;
-    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
-    Ok((
-        head.lines().next().unwrap_or_default().to_owned(),
-        body.to_owned(),
-    ))
 }
 
 fn free_addr() -> Result<std::net::SocketAddr> {

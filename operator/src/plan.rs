@@ -320,6 +320,14 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
             at,
         });
     }
+    // Members of this generation that left and were accounted for (a counted failure, an
+    // operator deletion); a pod with the same name now (resumed after a suspension) is new.
+    let mut departed: BTreeSet<String> = match (&prev.ring, &ring) {
+        (Some(s), Some(r)) if s.generation == r.generation as i64 => {
+            s.departed.iter().cloned().collect()
+        }
+        _ => BTreeSet::new(),
+    };
     // Hung or cut-off members: blamed by a neighbour's report at the current generation and
     // silent themselves, once the reports had `detectionSeconds / 2` to arrive.
     if let Some(r) = &ring {
@@ -327,7 +335,7 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
             silent_members(r, &obs.reports, now, spec.fault_tolerance.detection_seconds);
         let hung: Vec<String> = hung
             .into_iter()
-            .filter(|p| !failed_pods.contains(p) && present_pod(obs, p))
+            .filter(|p| !failed_pods.contains(p) && !departed.contains(p) && present_pod(obs, p))
             .collect();
         for pod in hung {
             failed_pods.insert(pod.clone());
@@ -345,12 +353,6 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
         plan.requeue_after = wait;
     }
     // Members that vanished from the API without being accounted for were deleted by someone.
-    let mut departed: BTreeSet<String> = match (&prev.ring, &ring) {
-        (Some(s), Some(r)) if s.generation == r.generation as i64 => {
-            s.departed.iter().cloned().collect()
-        }
-        _ => BTreeSet::new(),
-    };
     let present: BTreeSet<String> = obs.pods.iter().map(|p| p.name_any()).collect();
     for m in ring.iter().flat_map(|r| r.members.iter()) {
         if !present.contains(&m.pod) && !departed.contains(&m.pod) {
@@ -413,7 +415,7 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
         let succeeded: BTreeSet<String> = obs
             .pods
             .iter()
-            .filter(|p| pod_phase(p) == "Succeeded")
+            .filter(|p| pod_phase(p) == "Succeeded" && !by_operator(p))
             .map(|p| p.name_any())
             .collect();
         // Members exit 0 one by one once the last step is committed. The ring has completed
@@ -538,9 +540,12 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
         .count()
         + plan.create.len();
     let lost_member = ring_names.iter().any(|n| !ready_names.contains(n));
-    let grown = ready_names.iter().any(|n| !ring_names.contains(n));
+    // A ready pod named like an accounted-for departed member is a new pod (resume).
+    let rejoined = ready_names.iter().any(|n| departed.contains(n));
+    let grown = rejoined || ready_names.iter().any(|n| !ring_names.contains(n));
     let enough = ready.len() as i32 >= min;
-    let change = ready_names != ring_names && (lost_member || (grown && starting == 0));
+    let change =
+        (rejoined || ready_names != ring_names) && (lost_member || (grown && starting == 0));
     if enough && change {
         let generation = ring.as_ref().map_or(1, |r| r.generation + 1);
         let members = ready
@@ -838,6 +843,9 @@ fn finish(
         "JobFailed"
     };
     plan.events.push((phase == Phase::Failed, event, msg));
+    // Nothing replaces a lost worker any more: only forced deletions (lost node, frozen
+    // process) stay; cleanPodPolicy decides about the rest (a failed pod stays for its logs).
+    plan.delete.retain(|d| d.force);
     let already: BTreeSet<String> = plan.delete.iter().map(|d| d.pod.clone()).collect();
     plan.delete.extend(
         finished_deletions(job.spec.run_policy.clean_pod_policy, &obs.pods)

@@ -135,6 +135,7 @@ fn io_err(e: std::io::Error, have: usize, need: usize) -> CommError {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => CommError::Timeout {
             op: "handshake",
             after: std::time::Duration::ZERO,
+            peer: None,
         },
         _ => CommError::Io {
             op: "handshake",

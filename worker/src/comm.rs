@@ -221,10 +221,11 @@ fn clamp_timeout(deadline: Instant) -> Option<Duration> {
     Some(left.clamp(Duration::from_millis(1), HANDSHAKE_MAX))
 }
 
-fn timeout_err(op: &'static str, start: Instant) -> CommError {
+fn timeout_err(op: &'static str, start: Instant, peer: Option<usize>) -> CommError {
     CommError::Timeout {
         op,
         after: start.elapsed(),
+        peer,
     }
 }
 
@@ -899,7 +900,14 @@ impl StepCtx<'_> {
             }
             let now = Instant::now();
             if now >= self.deadline {
-                return Err(timeout_err(self.op, self.start));
+                // Blame the peer we wait on: the one whose data is missing, else the one that
+                // does not read what we send.
+                let silent = rx
+                    .as_ref()
+                    .filter(|r| !r.done)
+                    .map(|r| r.peer)
+                    .or(tx.as_ref().filter(|t| !t.done).map(|t| t.peer));
+                return Err(timeout_err(self.op, self.start, silent));
             }
             match idle_since {
                 None => {
@@ -981,7 +989,7 @@ fn accept_peers(
         })?;
     while got.len() < higher.len() {
         if stop.load(Ordering::SeqCst) || Instant::now() >= deadline {
-            return Err(timeout_err("connect", start));
+            return Err(timeout_err("connect", start, None));
         }
         let (mut s, _) = match listener.accept() {
             Ok(x) => x,
@@ -1046,7 +1054,7 @@ fn connect_peers(
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(timeout_err("connect", start));
+                return Err(timeout_err("connect", start, None));
             }
             let retry = || std::thread::sleep(Duration::from_millis(10).min(left));
             let mut s =

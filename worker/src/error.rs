@@ -28,6 +28,8 @@ pub enum CommError {
         op: &'static str,
         /// How long it ran before giving up.
         after: Duration,
+        /// The rank whose data (or reading) was awaited, when one was: the silent peer.
+        peer: Option<usize>,
     },
     /// The peer belongs to another ring generation.
     #[error("generation mismatch: ours {ours}, peer's {theirs}")]

@@ -492,7 +492,10 @@ impl RingSource for KubeRing {
         if !matches!(err, CommError::Aborted) && !behind && self.reported != cur {
             self.reported = cur;
             let suspect = match err {
-                CommError::PeerLost { rank, .. } => self
+                CommError::PeerLost { rank, .. }
+                | CommError::Timeout {
+                    peer: Some(rank), ..
+                } => self
                     .current
                     .as_ref()
                     .and_then(|m| m.members.get(*rank))

@@ -5,18 +5,21 @@
 use std::future::Future;
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use diphoma_e2e::cluster::{ControlPlane, TempNamespace};
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::kubelet::{Kubelet, KubeletConfig};
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::PostParams;
+use diphoma_operator::api::{DiphomaJob, Phase};
+use diphoma_worker::contract::{MEMBERSHIP_KEY, Membership};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kube::api::{ListParams, PostParams};
 use kube::runtime::wait::await_condition;
-use kube::{Api, Client};
+use kube::{Api, Client, ResourceExt};
 use libtest_mimic::{Arguments, Failed, Trial};
+use tokio::sync::oneshot;
 
 /// Directory of the workspace binaries (the test binary lives in `target/<profile>/deps`).
 pub fn bin_dir() -> std::path::PathBuf {
@@ -216,4 +219,207 @@ pub fn trials<C: Send + Sync + 'static>(
             })
         })
         .collect()
+}
+
+/// The shared context of the binaries that test the operator: the control plane with the CRD
+/// installed, the process kubelet, and the operator (started and stopped by the tests).
+pub struct Ctx {
+    pub client: Client,
+    pub kubelet: Kubelet,
+    pub cp: ControlPlane,
+    operator: Mutex<Option<(oneshot::Sender<()>, tokio::task::JoinHandle<()>)>>,
+}
+
+impl Ctx {
+    /// Starts the control plane, installs the CRD, starts the kubelet with `nodes` and the
+    /// operator.
+    pub fn start(rt: &tokio::runtime::Runtime, nodes: Vec<NodeConfig>) -> Result<Arc<Ctx>> {
+        let cp = ControlPlane::start()?;
+        cp.install_crd()?;
+        rt.block_on(async {
+            let client = cp.client().await?;
+            let kubelet = start_kubelet(&cp, &client, nodes).await?;
+            let ctx = Arc::new(Ctx {
+                client,
+                kubelet,
+                cp,
+                operator: Mutex::new(None),
+            });
+            ctx.start_operator();
+            Ok(ctx)
+        })
+    }
+
+    /// Starts the operator (one replica, no leader election). The one place the e2e binaries
+    /// start it.
+    pub fn start_operator(&self) {
+        let (tx, rx) = oneshot::channel::<()>();
+        let client = self.client.clone();
+        let opts = diphoma_operator::controller::Options::default();
+        let task = tokio::spawn(async move {
+            let stop = async move {
+                let _ = rx.await;
+            };
+            if let Err(e) = diphoma_operator::controller::run(client, opts, stop).await {
+                panic!("operator: {e}");
+            }
+        });
+        *self.operator.lock().unwrap() = Some((tx, task));
+    }
+
+    pub async fn stop_operator(&self) {
+        let running = self.operator.lock().unwrap().take();
+        if let Some((tx, task)) = running {
+            let _ = tx.send(());
+            let _ = task.await;
+        }
+    }
+
+    /// Stops the operator and the kubelet, then the control plane (after the last test).
+    pub fn shutdown(self: Arc<Ctx>, rt: &tokio::runtime::Runtime) -> Result<()> {
+        let ctx = Arc::into_inner(self).context("tests still hold the context")?;
+        rt.block_on(ctx.stop_operator());
+        let Ctx { kubelet, cp, .. } = ctx;
+        rt.block_on(kubelet.shutdown());
+        drop(cp);
+        Ok(())
+    }
+}
+
+/// Runs the tests of an operator binary on a cluster of `nodes`, then tears everything down.
+pub fn run_operator_tests(
+    nodes: Vec<NodeConfig>,
+    list: Vec<(&'static str, TestFn<Ctx>)>,
+) -> Result<()> {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let args = sequential_args();
+    let rt = runtime()?;
+    let ctx = Ctx::start(&rt, nodes)?;
+    let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
+    let conclusion = libtest_mimic::run(&args, trials);
+    ctx.shutdown(&rt)?;
+    conclusion.exit()
+}
+
+pub fn kubectl_apply(ctx: &Ctx, ns: &str, yaml: &str) -> Result<std::process::Output> {
+    use std::io::Write;
+    let mut child = ctx
+        .cp
+        .kubectl()
+        .args(["-n", ns, "apply", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    child.stdin.take().unwrap().write_all(yaml.as_bytes())?;
+    Ok(child.wait_with_output()?)
+}
+
+/// Applies a job manifest and waits for its first ring of `size` workers.
+pub async fn start_job(
+    ctx: &Ctx,
+    ns: &str,
+    yaml: &str,
+    name: &str,
+    size: usize,
+) -> Result<Membership> {
+    let out = kubectl_apply(ctx, ns, yaml)?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    running_ring(ctx, ns, name, size, 0).await
+}
+
+/// The published ring of `job`, if any.
+pub async fn ring(client: &Client, ns: &str, job: &str) -> Result<Option<Membership>> {
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), ns)
+        .get_opt(&format!("{job}-ring"))
+        .await?;
+    Ok(
+        match cm
+            .and_then(|c| c.data)
+            .and_then(|d| d.get(MEMBERSHIP_KEY).cloned())
+        {
+            Some(json) => Some(Membership::parse(&json)?),
+            None => None,
+        },
+    )
+}
+
+pub async fn job_status(client: &Client, ns: &str, name: &str) -> Result<DiphomaJob> {
+    Ok(Api::<DiphomaJob>::namespaced(client.clone(), ns)
+        .get(name)
+        .await?)
+}
+
+pub fn phase_of(j: &DiphomaJob) -> Option<Phase> {
+    j.status.as_ref().and_then(|s| s.phase)
+}
+
+/// One line per pod of `ns`: name, phase, node and why it waits (for failure messages).
+pub async fn pod_states(client: &Client, ns: &str) -> Result<Vec<String>> {
+    let pods = Api::<Pod>::namespaced(client.clone(), ns)
+        .list(&ListParams::default())
+        .await?
+        .items;
+    Ok(pods
+        .iter()
+        .map(|p| {
+            let st = p.status.clone().unwrap_or_default();
+            let waiting = st
+                .container_statuses
+                .iter()
+                .flatten()
+                .find_map(|c| c.state.clone()?.waiting);
+            format!(
+                "{} {:?} on {:?}: {:?}",
+                p.name_any(),
+                st.phase,
+                p.spec.as_ref().and_then(|s| s.node_name.clone()),
+                waiting.map(|w| (w.reason, w.message))
+            )
+        })
+        .collect())
+}
+
+/// Waits for the job to run with a ring of `size` at a generation above `after`; returns it.
+pub async fn running_ring(
+    ctx: &Ctx,
+    ns: &str,
+    job: &str,
+    size: usize,
+    after: u64,
+) -> Result<Membership> {
+    let mut found = None;
+    let mut last = None;
+    let waited = eventually(
+        90,
+        &format!("{job} Running with a ring of {size} after generation {after}"),
+        async || {
+            let j = job_status(&ctx.client, ns, job).await?;
+            found = ring(&ctx.client, ns, job).await?;
+            let done = phase_of(&j) == Some(Phase::Running)
+                && found
+                    .as_ref()
+                    .is_some_and(|r| r.members.len() == size && r.generation > after);
+            last = j.status;
+            Ok(done)
+        },
+    )
+    .await;
+    if let Err(e) = waited {
+        let states = pod_states(&ctx.client, ns).await?;
+        return Err(e.context(format!(
+            "last status: {}; pods: {states:#?}",
+            serde_json::to_string(&last).unwrap_or_default()
+        )));
+    }
+    Ok(found.unwrap())
 }

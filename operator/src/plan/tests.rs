@@ -250,12 +250,7 @@ fn non_retryable_exit_fails_the_job_with_last_failure() {
     deleted.sort();
     assert_eq!(
         deleted,
-        [
-            "train-worker-0",
-            "train-worker-1",
-            "train-worker-2",
-            "train-worker-3"
-        ]
+        ["train-worker-0", "train-worker-1", "train-worker-3"]
     );
 }
 
@@ -527,7 +522,10 @@ fn members_finishing_one_by_one_are_neither_replaced_nor_re_formed_around() {
     let r = ring(&j, 3, &[0, 1, 2, 3]);
     let p = plan(&j, &obs(pods.clone(), Some(r.clone())));
     assert!(p.create.is_empty(), "a finished worker is not replaced");
-    assert!(p.publish.is_none(), "no new generation while the ring completes");
+    assert!(
+        p.publish.is_none(),
+        "no new generation while the ring completes"
+    );
     assert!(p.failures.is_empty() && p.delete.is_empty());
     assert_eq!(p.status.phase, Some(Phase::Running));
 
@@ -690,4 +688,34 @@ fn a_pod_bound_to_a_lost_node_before_it_ran_is_rescheduled_uncounted() {
         affinity.contains("n9"),
         "the replacement avoids the lost node: {affinity}"
     );
+}
+
+#[test]
+fn resumed_workers_named_like_departed_members_get_a_new_generation_and_are_not_blamed() {
+    // Suspended at generation 1 (every member departed), then resumed: new pods, same names,
+    // and the old generation's failure reports (blaming worker-1) still in the heartbeat.
+    let mut j = with_status(basic(), Phase::Suspended);
+    let r = ring(&j, 1, &[0, 1, 2, 3]);
+    j.status.as_mut().unwrap().ring = Some(RingStatus {
+        generation: 1,
+        size: 4,
+        config_map: "train-ring".into(),
+        departed: r.members.iter().map(|m| m.pod.clone()).collect(),
+    });
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let mut o = obs(pods, Some(r));
+    let old = (o.now - jiff::SignedDuration::from_secs(60)).to_string();
+    o.reports = ["train-worker-0", "train-worker-2"]
+        .iter()
+        .map(|reporter| FailureReport {
+            generation: 1,
+            reporter: (*reporter).into(),
+            suspect: Some("train-worker-1".into()),
+            error: "timeout".into(),
+            time: old.clone(),
+        })
+        .collect();
+    let p = plan(&j, &o);
+    assert!(p.failures.is_empty(), "{:?}", p.failures);
+    assert_eq!(p.publish.map(|m| m.generation), Some(2));
 }

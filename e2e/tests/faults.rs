@@ -1,0 +1,869 @@
+//! The fault catalogue with real `diphoma-worker train` workers (the digits MLP) under the
+//! operator on the local control plane: the happy path, kill -9 against an undisturbed run, a pod
+//! deleted and a pod evicted, a hung (SIGSTOPped) worker, an unschedulable scale-up, a
+//! non-retryable exit, a crash loop, suspend and resume, activeDeadlineSeconds,
+//! ttlSecondsAfterFinished and the loss of every worker at once.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use common::*;
+use diphoma_e2e::kubelet::node::NodeConfig;
+use diphoma_operator::api::{DiphomaJob, DiphomaJobStatus, Phase};
+use diphoma_worker::checkpoint::Checkpoint;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{EvictParams, ListParams, Patch, PatchParams};
+use kube::{Api, ResourceExt};
+use serde_json::{Value, json};
+
+/// GPUs per node (3 nodes); the unschedulable test asks for whole nodes.
+const GPUS_PER_NODE: u32 = 4;
+
+fn main() -> Result<()> {
+    let nodes = (0..3)
+        .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), GPUS_PER_NODE))
+        .collect();
+    run_operator_tests(
+        nodes,
+        tests![
+            four_workers_train_to_succeeded_and_are_cleaned_up,
+            a_killed_worker_changes_nothing_in_the_final_parameters,
+            deleted_and_evicted_pods_are_counted_with_their_cause,
+            a_hung_worker_is_detected_and_replaced,
+            an_unschedulable_scale_up_keeps_training_and_names_the_short_resource,
+            a_non_retryable_exit_fails_the_job,
+            a_crash_loop_spends_the_backoff_limit_and_stays_failed,
+            suspend_deletes_the_workers_and_resume_continues_from_the_checkpoint,
+            active_deadline_fails_a_running_job,
+            ttl_deletes_a_finished_job_and_its_children,
+            a_job_that_loses_every_worker_resumes_from_its_newest_checkpoint,
+        ],
+    )
+}
+
+/// Detection time of every job here; the workers' collective timeout is below half of it.
+const DETECTION_SECONDS: u64 = 4;
+
+/// A digits training job `name` of `replicas` real workers (one GPU each) for `steps` steps,
+/// with `extra` deep-merged into the manifest.
+fn training_job(name: &str, replicas: i32, steps: u64, extra: Value) -> Value {
+    let mut job = json!({
+        "apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "gpusPerWorker": 1,
+            "faultTolerance": {"detectionSeconds": DETECTION_SECONDS},
+            "template": {"spec": {
+                "terminationGracePeriodSeconds": 5,
+                "containers": [{
+                    "name": "worker",
+                    "image": "diphoma-worker:dev",
+                    "args": ["train", "--steps", steps.to_string(), "--log-every", "1", "--op-timeout-s", "1"],
+                }],
+            }},
+        },
+    });
+    merge(&mut job, extra);
+    job
+}
+
+/// The manifest fragment that gives a job checkpoints every `every` steps in a fresh host
+/// directory (under the control plane's directory, removed with it); returns it and the directory.
+fn with_checkpoints(ctx: &Ctx, ns: &str, every: u64) -> Result<(Value, PathBuf)> {
+    let dir = ctx.cp.dir.join("checkpoints").join(ns);
+    std::fs::create_dir_all(&dir)?;
+    let extra = json!({"spec": {
+        "checkpoint": {"volume": "ckpt", "everySteps": every},
+        "template": {"spec": {"volumes": [{"name": "ckpt", "hostPath": {"path": dir}}]}},
+    }});
+    Ok((extra, dir))
+}
+
+/// Checkpoint steps in `dir`, oldest first.
+fn checkpoint_steps(dir: &Path) -> Result<Vec<u64>> {
+    let mut steps: Vec<u64> = std::fs::read_dir(dir)?
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            name.strip_prefix("ckpt-")?
+                .strip_suffix(".safetensors")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    steps.sort();
+    Ok(steps)
+}
+
+fn checkpoint_at(dir: &Path, step: u64) -> Result<Checkpoint> {
+    let path = dir.join(format!("ckpt-{step:012}.safetensors"));
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(Checkpoint::decode(&bytes)?)
+}
+
+async fn submit(ctx: &Ctx, ns: &str, job: &Value, replicas: usize) -> Result<u64> {
+    let name = job["metadata"]["name"].as_str().context("job name")?;
+    Ok(start_job(ctx, ns, &job.to_string(), name, replicas)
+        .await?
+        .generation)
+}
+
+fn jobs(ctx: &Ctx, ns: &str) -> Api<DiphomaJob> {
+    Api::namespaced(ctx.client.clone(), ns)
+}
+
+fn pods(ctx: &Ctx, ns: &str) -> Api<Pod> {
+    Api::namespaced(ctx.client.clone(), ns)
+}
+
+/// Merge-patches the job's spec.
+async fn patch_spec(ctx: &Ctx, ns: &str, name: &str, spec: Value) -> Result<()> {
+    jobs(ctx, ns)
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": spec})),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Waits up to `secs` for the job to reach a terminal phase; returns its status then.
+async fn finished(ctx: &Ctx, ns: &str, name: &str, secs: u64) -> Result<DiphomaJobStatus> {
+    let mut last = None;
+    let waited = eventually(secs, &format!("{name} finished"), async || {
+        last = job_status(&ctx.client, ns, name).await?.status;
+        Ok(last
+            .as_ref()
+            .and_then(|s| s.phase)
+            .is_some_and(Phase::is_terminal))
+    })
+    .await;
+    if let Err(e) = waited {
+        let states = pod_states(&ctx.client, ns).await?;
+        return Err(e.context(format!("last status: {last:?}; pods: {states:#?}")));
+    }
+    Ok(last.unwrap())
+}
+
+async fn succeeded(ctx: &Ctx, ns: &str, name: &str, secs: u64) -> Result<DiphomaJobStatus> {
+    let st = finished(ctx, ns, name, secs).await?;
+    ensure!(st.phase == Some(Phase::Succeeded), "{name} ended: {st:?}");
+    Ok(st)
+}
+
+/// Waits until the status reports progress satisfying `f`; returns the status then.
+async fn progress_until(
+    ctx: &Ctx,
+    ns: &str,
+    name: &str,
+    what: &str,
+    f: impl Fn(&diphoma_operator::api::Progress) -> bool,
+) -> Result<DiphomaJobStatus> {
+    let mut st = None;
+    eventually(60, what, async || {
+        st = job_status(&ctx.client, ns, name).await?.status;
+        Ok(st
+            .as_ref()
+            .and_then(|s| s.progress.as_ref())
+            .is_some_and(&f))
+    })
+    .await?;
+    Ok(st.unwrap())
+}
+
+/// Status condition `type_` is True.
+fn condition_true(st: &DiphomaJobStatus, type_: &str) -> bool {
+    st.conditions
+        .iter()
+        .any(|c| c.type_ == type_ && c.status == "True")
+}
+
+fn condition_reason<'a>(st: &'a DiphomaJobStatus, type_: &str) -> Option<&'a str> {
+    st.conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| c.reason.as_str())
+}
+
+/// The log of a pod's worker container (the kubelet keeps it after the pod is deleted).
+fn log_of(ctx: &Ctx, pod: &Pod) -> Result<String> {
+    let path = ctx.kubelet.log_file(pod, "worker");
+    std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
+}
+
+/// The test accuracy a worker printed at the end, and how many times it printed one.
+fn accuracy(log: &str) -> (Option<f64>, usize) {
+    let lines: Vec<f64> = log
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("test accuracy ")?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    (lines.last().copied(), lines.len())
+}
+
+/// The last step rank 0 logged (`step N generation G loss L`, one line per step).
+fn last_logged_step(log: &str) -> Option<u64> {
+    log.lines()
+        .filter_map(|l| {
+            l.strip_prefix("step ")?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .last()
+}
+
+/// The job's worker pods, by name.
+async fn worker_pods(ctx: &Ctx, ns: &str, job: &str) -> Result<Vec<Pod>> {
+    let mut list = pods(ctx, ns)
+        .list(&ListParams::default().labels(&format!("diphoma.io/job-name={job}")))
+        .await?
+        .items;
+    list.sort_by_key(|p| p.name_any());
+    Ok(list)
+}
+
+fn exit_code(p: &Pod) -> Option<i32> {
+    p.status
+        .as_ref()?
+        .container_statuses
+        .as_ref()?
+        .first()?
+        .state
+        .as_ref()?
+        .terminated
+        .as_ref()
+        .map(|t| t.exit_code)
+}
+
+fn restarts(p: &Pod) -> i32 {
+    p.status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first())
+        .map_or(0, |c| c.restart_count)
+}
+
+/// Event reasons about the job, in no particular order.
+async fn event_reasons(ctx: &Ctx, ns: &str, job: &str) -> Result<Vec<String>> {
+    Ok(Api::<Event>::namespaced(ctx.client.clone(), ns)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(job))
+        .filter_map(|e| e.reason)
+        .collect())
+}
+
+/// Checks that the named pods kept their first process until they finished: exit 0, no
+/// container restart, one final accuracy in their log.
+async fn kept_their_process(ctx: &Ctx, ns: &str, names: &[&str]) -> Result<()> {
+    for name in names {
+        let p = pods(ctx, ns).get(name).await?;
+        let (_, finals) = accuracy(&log_of(ctx, &p)?);
+        ensure!(
+            exit_code(&p) == Some(0) && restarts(&p) == 0 && finals == 1,
+            "{name} did not keep its process: exit {:?}, {} restarts, {finals} final accuracies",
+            exit_code(&p),
+            restarts(&p)
+        );
+    }
+    Ok(())
+}
+
+async fn four_workers_train_to_succeeded_and_are_cleaned_up(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let extra = json!({"spec": {"runPolicy": {"cleanPodPolicy": "All"}}});
+    let job = training_job("digits", 4, 600, extra);
+    let g1 = submit(&ctx, &ns, &job, 4).await?;
+    ensure!(g1 == 1, "first ring at generation {g1}");
+    let workers = worker_pods(&ctx, &ns, "digits").await?;
+    ensure!(workers.len() == 4, "{} workers", workers.len());
+    let st = succeeded(&ctx, &ns, "digits", 120).await?;
+
+    let progress = st.progress.clone().context("no progress")?;
+    ensure!(
+        progress.step == 600 && progress.total_steps == Some(600),
+        "{progress:?}"
+    );
+    let loss = progress.loss.context("no loss")?;
+    ensure!(loss.is_finite() && loss < 0.5, "final loss {loss}");
+    ensure!(
+        st.repairs.total == 0 && st.failures.total == 0,
+        "{:?} {:?}",
+        st.repairs,
+        st.failures
+    );
+    ensure!(
+        condition_true(&st, "Complete")
+            && !condition_true(&st, "Failed")
+            && !condition_true(&st, "Ready"),
+        "{:?}",
+        st.conditions
+    );
+    ensure!(
+        st.completion_time.is_some()
+            && st.start_time.is_some()
+            && st.ready.as_deref() == Some("0/4"),
+        "{st:?}"
+    );
+    ensure!(
+        st.ring.as_ref().map(|r| (r.generation, r.size)) == Some((1, 4)),
+        "{:?}",
+        st.ring
+    );
+    // Every rank ends with the same model: one final accuracy each, all equal, and good.
+    let mut accs = vec![];
+    for p in &workers {
+        let (acc, n) = accuracy(&log_of(&ctx, p)?);
+        ensure!(n == 1, "{}: {n} final accuracies", p.name_any());
+        accs.push(acc.context("no accuracy")?);
+    }
+    ensure!(
+        accs.iter().all(|a| *a == accs[0]) && accs[0] >= 0.9,
+        "test accuracies {accs:?}"
+    );
+    let mut reasons = vec![];
+    eventually(
+        30,
+        "WorkerCreated, RingReformed and JobSucceeded events",
+        async || {
+            reasons = event_reasons(&ctx, &ns, "digits").await?;
+            Ok(["WorkerCreated", "RingReformed", "JobSucceeded"]
+                .iter()
+                .all(|want| reasons.iter().any(|r| r == want)))
+        },
+    )
+    .await
+    .with_context(|| format!("events: {reasons:?}"))?;
+    // cleanPodPolicy All: even the Succeeded workers go.
+    eventually(30, "every worker pod deleted", async || {
+        Ok(worker_pods(&ctx, &ns, "digits").await?.is_empty())
+    })
+    .await?;
+    Ok(())
+}
+
+/// How far the final parameters of a run disturbed by a kill may be from the undisturbed run's.
+/// A repair rolls back to the committed step and re-does it with the same samples and the same
+/// world, so the difference is float rounding at most.
+const PARAM_TOLERANCE: f32 = 1e-4;
+
+async fn a_killed_worker_changes_nothing_in_the_final_parameters(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    const STEPS: u64 = 1000;
+    let (extra, dir) = with_checkpoints(&ctx, &ns, STEPS)?;
+    // The undisturbed run: the same training, 4 ranks in one process, meanwhile.
+    let reference = dir.join("reference");
+    let undisturbed = tokio::process::Command::new(bin_dir().join("diphoma-worker"))
+        .args(["train", "--standalone", "--world", "4", "--log-every", "0"])
+        .arg(format!("--steps={STEPS}"))
+        .arg(format!("--checkpoint-every={STEPS}"))
+        .arg("--checkpoint-dir")
+        .arg(&reference)
+        .kill_on_drop(true)
+        .output();
+    let undisturbed = tokio::spawn(undisturbed);
+
+    let g1 = submit(&ctx, &ns, &training_job("digits", 4, STEPS, extra), 4).await?;
+    progress_until(&ctx, &ns, "digits", "training", |p| p.step > 0).await?;
+    let pods = pods(&ctx, &ns);
+    let victim = pid_of(&pods.get("digits-worker-1").await?)?;
+    signal(victim, libc::SIGKILL);
+    let g2 = running_ring(&ctx, &ns, "digits", 4, g1).await?;
+    ensure!(
+        g2.members.iter().any(|m| m.pod == "digits-worker-1-1"),
+        "no replacement in {g2:?}"
+    );
+    let st = succeeded(&ctx, &ns, "digits", 180).await?;
+    ensure!(
+        st.repairs.total == 1 && st.repairs.by_cause.get("ProcessExit") == Some(&1),
+        "{:?}",
+        st.repairs
+    );
+    kept_their_process(
+        &ctx,
+        &ns,
+        &["digits-worker-0", "digits-worker-2", "digits-worker-3"],
+    )
+    .await?;
+
+    let out = undisturbed.await??;
+    ensure!(
+        out.status.success(),
+        "undisturbed run: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let a = checkpoint_at(&dir, STEPS)?;
+    let b = checkpoint_at(&reference, STEPS)?;
+    ensure!(a.params.len() == b.params.len(), "parameter counts differ");
+    let diff = a
+        .params
+        .iter()
+        .zip(&b.params)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    ensure!(
+        diff <= PARAM_TOLERANCE,
+        "final parameters differ by up to {diff} from the undisturbed run (tolerance {PARAM_TOLERANCE})"
+    );
+    Ok(())
+}
+
+async fn deleted_and_evicted_pods_are_counted_with_their_cause(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let g1 = submit(&ctx, &ns, &training_job("digits", 4, 2000, json!({})), 4).await?;
+    progress_until(&ctx, &ns, "digits", "training", |p| p.step > 0).await?;
+    let out = ctx
+        .cp
+        .kubectl()
+        .args([
+            "-n",
+            &ns,
+            "delete",
+            "pod",
+            "digits-worker-1",
+            "--wait=false",
+        ])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "kubectl delete: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let g2 = running_ring(&ctx, &ns, "digits", 4, g1).await?;
+    ensure!(
+        g2.members.iter().any(|m| m.pod == "digits-worker-1-1"),
+        "no replacement in {g2:?}"
+    );
+    let st = job_status(&ctx.client, &ns, "digits")
+        .await?
+        .status
+        .unwrap();
+    ensure!(
+        st.progress.as_ref().is_some_and(|p| p.step < 2000),
+        "finished before the eviction: {:?}",
+        st.progress
+    );
+    pods(&ctx, &ns)
+        .evict("digits-worker-2", &EvictParams::default())
+        .await?;
+    let g3 = running_ring(&ctx, &ns, "digits", 4, g2.generation).await?;
+    ensure!(
+        g3.members.iter().any(|m| m.pod == "digits-worker-2-1"),
+        "no replacement in {g3:?}"
+    );
+    let st = succeeded(&ctx, &ns, "digits", 180).await?;
+    ensure!(
+        st.repairs.total == 2
+            && st.repairs.by_cause.get("PodDeleted") == Some(&1)
+            && st.repairs.by_cause.get("Evicted") == Some(&1),
+        "{:?}",
+        st.repairs
+    );
+    ensure!(
+        st.failures == st.repairs_without_seconds(),
+        "{:?}",
+        st.failures
+    );
+    let last = st.last_failure.context("no lastFailure")?;
+    ensure!(
+        last.pod == "digits-worker-2"
+            && last.cause == "Evicted"
+            && last.reason == "EvictionByEvictionAPI",
+        "{last:?}"
+    );
+    kept_their_process(&ctx, &ns, &["digits-worker-0", "digits-worker-3"]).await?;
+    Ok(())
+}
+
+trait RepairCounts {
+    /// The repair counts without their timing, to compare with the failure counts.
+    fn repairs_without_seconds(&self) -> diphoma_operator::api::Counts;
+}
+
+impl RepairCounts for DiphomaJobStatus {
+    fn repairs_without_seconds(&self) -> diphoma_operator::api::Counts {
+        diphoma_operator::api::Counts {
+            last_seconds: None,
+            ..self.repairs.clone()
+        }
+    }
+}
+
+async fn a_hung_worker_is_detected_and_replaced(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    let g1 = submit(&ctx, &ns, &training_job("digits", 4, 1500, json!({})), 4).await?;
+    progress_until(&ctx, &ns, "digits", "training", |p| p.step > 0).await?;
+    let pid = pid_of(&pods(&ctx, &ns).get("digits-worker-2").await?)?;
+    signal(pid, libc::SIGSTOP);
+    // Detected within detectionSeconds (bounded with slack for the 2-core machine).
+    eventually(
+        DETECTION_SECONDS * 3,
+        "the frozen worker counted as Hung",
+        async || {
+            let st = job_status(&ctx.client, &ns, "digits").await?.status;
+            Ok(st.is_some_and(|s| s.repairs.by_cause.get("Hung") == Some(&1)))
+        },
+    )
+    .await?;
+    let g2 = running_ring(&ctx, &ns, "digits", 4, g1).await?;
+    ensure!(
+        g2.members.iter().any(|m| m.pod == "digits-worker-2-1")
+            && !g2.members.iter().any(|m| m.pod == "digits-worker-2"),
+        "not replaced: {g2:?}"
+    );
+    eventually(30, "the frozen process gone", async || Ok(!alive(pid))).await?;
+    let st = succeeded(&ctx, &ns, "digits", 180).await?;
+    ensure!(
+        st.repairs.total == 1 && st.repairs.by_cause.get("Hung") == Some(&1),
+        "{:?}",
+        st.repairs
+    );
+    Ok(())
+}
+
+async fn an_unschedulable_scale_up_keeps_training_and_names_the_short_resource(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    // Whole-node workers: 3 fit on the 3 nodes, a 4th cannot be scheduled.
+    let extra = json!({"spec": {
+        "gpusPerWorker": GPUS_PER_NODE,
+        "elastic": {"minReplicas": 2, "maxReplicas": 4},
+    }});
+    let g1 = submit(&ctx, &ns, &training_job("digits", 2, 1500, extra), 2).await?;
+    progress_until(&ctx, &ns, "digits", "training", |p| p.step > 0).await?;
+    let out = ctx
+        .cp
+        .kubectl()
+        .args(["-n", &ns, "scale", "dpj", "digits", "--replicas=4"])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "kubectl scale: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut st = None;
+    eventually(
+        60,
+        "a ring of 3 that names the short resource",
+        async || {
+            st = job_status(&ctx.client, &ns, "digits").await?.status;
+            let r = ring(&ctx.client, &ns, "digits").await?;
+            Ok(r.is_some_and(|r| r.generation > g1 && r.members.len() == 3)
+                && st
+                    .as_ref()
+                    .and_then(|s| s.waiting.as_deref())
+                    .is_some_and(|w| w.contains("nvidia.com/gpu")))
+        },
+    )
+    .await
+    .with_context(|| format!("status {st:?}"))?;
+    let st = succeeded(&ctx, &ns, "digits", 180).await?;
+    ensure!(
+        st.failures.total == 0 && st.repairs.total == 0,
+        "{:?} {:?}",
+        st.failures,
+        st.repairs
+    );
+    ensure!(
+        st.progress.as_ref().map(|p| p.step) == Some(1500),
+        "{:?}",
+        st.progress
+    );
+    // cleanPodPolicy Running: the pending worker is deleted, the finished ones stay.
+    eventually(30, "the pending worker deleted", async || {
+        Ok(worker_pods(&ctx, &ns, "digits")
+            .await?
+            .iter()
+            .all(|p| exit_code(p) == Some(0)))
+    })
+    .await?;
+    Ok(())
+}
+
+/// Workers that fail before training: the data file does not exist (exit code 1).
+fn failing_job(extra: Value) -> Value {
+    let mut job = training_job("digits", 1, 100, extra);
+    job["spec"]["template"]["spec"]["containers"][0]["args"] =
+        json!(["train", "--data", "/nonexistent/digits.csv.gz"]);
+    job
+}
+
+async fn a_non_retryable_exit_fails_the_job(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    kubectl_apply(&ctx, &ns, &failing_job(json!({})).to_string())?;
+    let st = finished(&ctx, &ns, "digits", 60).await?;
+    ensure!(st.phase == Some(Phase::Failed), "{st:?}");
+    ensure!(
+        condition_true(&st, "Failed")
+            && condition_reason(&st, "Failed") == Some("NonRetryableExit"),
+        "{:?}",
+        st.conditions
+    );
+    let last = st.last_failure.context("no lastFailure")?;
+    ensure!(
+        last.pod == "digits-worker-0"
+            && last.exit_code == Some(1)
+            && last.cause == "ProcessExit"
+            && last.reason == "Error",
+        "{last:?}"
+    );
+    ensure!(st.failures.total == 1, "{:?}", st.failures);
+    let names: Vec<String> = worker_pods(&ctx, &ns, "digits")
+        .await?
+        .iter()
+        .map(|p| p.name_any())
+        .collect();
+    ensure!(names == ["digits-worker-0"], "replaced anyway: {names:?}");
+    Ok(())
+}
+
+async fn a_crash_loop_spends_the_backoff_limit_and_stays_failed(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let extra = json!({"spec": {
+        "runPolicy": {"backoffLimit": 2},
+        "faultTolerance": {"restartOnExitCodes": [1]},
+    }});
+    kubectl_apply(&ctx, &ns, &failing_job(extra).to_string())?;
+    let st = finished(&ctx, &ns, "digits", 90).await?;
+    ensure!(
+        st.phase == Some(Phase::Failed)
+            && condition_reason(&st, "Failed") == Some("BackoffLimitExceeded"),
+        "{st:?}"
+    );
+    ensure!(
+        st.failures.total == 3 && st.failures.by_cause.get("ProcessExit") == Some(&3),
+        "{:?}",
+        st.failures
+    );
+    ensure!(
+        st.last_failure.as_ref().map(|f| f.pod.as_str()) == Some("digits-worker-0-2"),
+        "{:?}",
+        st.last_failure
+    );
+    // The first two attempts were replaced (deleted); the last failed one stays for its logs.
+    let attempts = |list: Vec<Pod>| -> Vec<String> { list.iter().map(|p| p.name_any()).collect() };
+    let before = attempts(worker_pods(&ctx, &ns, "digits").await?);
+    ensure!(before == ["digits-worker-0-2"], "{before:?}");
+    // Stays Failed: a later reconcile (any change to the job triggers one) changes nothing.
+    patch_spec(
+        &ctx,
+        &ns,
+        "digits",
+        json!({"runPolicy": {"backoffLimit": 2}}),
+    )
+    .await?;
+    jobs(&ctx, &ns)
+        .patch(
+            "digits",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {"touched": "1"}}})),
+        )
+        .await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let again = job_status(&ctx.client, &ns, "digits")
+        .await?
+        .status
+        .unwrap();
+    ensure!(
+        again.phase == Some(Phase::Failed)
+            && again.failures == st.failures
+            && again.completion_time == st.completion_time,
+        "changed after failing: {again:?}"
+    );
+    let after = attempts(worker_pods(&ctx, &ns, "digits").await?);
+    ensure!(after == before, "new workers after failing: {after:?}");
+    Ok(())
+}
+
+async fn suspend_deletes_the_workers_and_resume_continues_from_the_checkpoint(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    const STEPS: u64 = 1500;
+    let (extra, dir) = with_checkpoints(&ctx, &ns, 100)?;
+    let g1 = submit(&ctx, &ns, &training_job("digits", 4, STEPS, extra), 4).await?;
+    progress_until(&ctx, &ns, "digits", "a checkpoint", |p| {
+        p.last_checkpoint_step.is_some_and(|s| s >= 100)
+    })
+    .await?;
+    patch_spec(&ctx, &ns, "digits", json!({"runPolicy": {"suspend": true}})).await?;
+    let mut st = None;
+    eventually(60, "Suspended without workers", async || {
+        st = job_status(&ctx.client, &ns, "digits").await?.status;
+        Ok(st.as_ref().and_then(|s| s.phase) == Some(Phase::Suspended)
+            && worker_pods(&ctx, &ns, "digits").await?.is_empty())
+    })
+    .await?;
+    let st = st.unwrap();
+    ensure!(condition_true(&st, "Suspended"), "{:?}", st.conditions);
+    let newest = *checkpoint_steps(&dir)?.last().context("no checkpoint")?;
+    ensure!(newest < STEPS, "finished before the suspension");
+
+    patch_spec(
+        &ctx,
+        &ns,
+        "digits",
+        json!({"runPolicy": {"suspend": false}}),
+    )
+    .await?;
+    let g2 = running_ring(&ctx, &ns, "digits", 4, g1).await?;
+    let st = succeeded(&ctx, &ns, "digits", 180).await?;
+    ensure!(
+        st.failures.total == 0 && st.repairs.total == 0,
+        "suspension counted: {:?} {:?}",
+        st.failures,
+        st.repairs
+    );
+    ensure!(!condition_true(&st, "Suspended"), "{:?}", st.conditions);
+    let rank0 = pods(&ctx, &ns).get(&g2.members[0].pod).await?;
+    let log = log_of(&ctx, &rank0)?;
+    ensure!(
+        log.contains(&format!("at step {newest}")),
+        "the resumed rank 0 did not start from step {newest}:\n{}",
+        log.lines().take(5).collect::<Vec<_>>().join("\n")
+    );
+    Ok(())
+}
+
+async fn active_deadline_fails_a_running_job(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    const DEADLINE: i64 = 8;
+    let extra = json!({"spec": {"runPolicy": {"activeDeadlineSeconds": DEADLINE}}});
+    submit(&ctx, &ns, &training_job("digits", 2, 1_000_000, extra), 2).await?;
+    let st = finished(&ctx, &ns, "digits", 60).await?;
+    ensure!(
+        st.phase == Some(Phase::Failed)
+            && condition_reason(&st, "Failed") == Some("DeadlineExceeded"),
+        "{st:?}"
+    );
+    let start: jiff::Timestamp = st.start_time.as_deref().context("no startTime")?.parse()?;
+    let end: jiff::Timestamp = st
+        .completion_time
+        .as_deref()
+        .context("no completionTime")?
+        .parse()?;
+    ensure!(
+        end.duration_since(start) >= jiff::SignedDuration::from_secs(DEADLINE),
+        "failed before its deadline: {start} .. {end}"
+    );
+    ensure!(st.failures.total == 0, "{:?}", st.failures);
+    // cleanPodPolicy Running: the running workers are deleted.
+    eventually(30, "the running workers deleted", async || {
+        Ok(worker_pods(&ctx, &ns, "digits").await?.is_empty())
+    })
+    .await?;
+    Ok(())
+}
+
+async fn ttl_deletes_a_finished_job_and_its_children(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    let extra = json!({"spec": {"runPolicy": {"ttlSecondsAfterFinished": 2}}});
+    submit(&ctx, &ns, &training_job("digits", 2, 200, extra), 2).await?;
+    // Succeeded first (the TTL only starts then); then the job goes, and what it owned.
+    eventually(120, "digits Succeeded or deleted after it", async || {
+        let j = jobs(&ctx, &ns).get_opt("digits").await?;
+        Ok(match j {
+            Some(j) => phase_of(&j) == Some(Phase::Succeeded),
+            None => true,
+        })
+    })
+    .await?;
+    eventually(30, "the job deleted", async || {
+        Ok(jobs(&ctx, &ns).get_opt("digits").await?.is_none())
+    })
+    .await?;
+    let configmaps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
+    eventually(60, "its pods and ConfigMaps collected", async || {
+        Ok(worker_pods(&ctx, &ns, "digits").await?.is_empty()
+            && configmaps.get_opt("digits-ring").await?.is_none()
+            && configmaps.get_opt("digits-heartbeat").await?.is_none())
+    })
+    .await?;
+    Ok(())
+}
+
+async fn a_job_that_loses_every_worker_resumes_from_its_newest_checkpoint(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    const EVERY: u64 = 50;
+    let (extra, dir) = with_checkpoints(&ctx, &ns, EVERY)?;
+    let g1 = submit(&ctx, &ns, &training_job("digits", 4, 1000, extra), 4).await?;
+    progress_until(&ctx, &ns, "digits", "two checkpoints", |p| {
+        p.last_checkpoint_step
+            .is_some_and(|s| s >= 2 * EVERY as i64)
+    })
+    .await?;
+    let ring1 = ring(&ctx.client, &ns, "digits").await?.context("no ring")?;
+    let old = worker_pods(&ctx, &ns, "digits").await?;
+    let pids = old.iter().map(pid_of).collect::<Result<Vec<_>>>()?;
+    for pid in &pids {
+        signal(*pid, libc::SIGKILL);
+    }
+    eventually(10, "every worker process gone", async || {
+        Ok(pids.iter().all(|p| !alive(*p)))
+    })
+    .await?;
+    let newest = *checkpoint_steps(&dir)?.last().context("no checkpoint")?;
+    let old_rank0 = old
+        .iter()
+        .find(|p| p.name_any() == ring1.members[0].pod)
+        .context("rank 0 pod")?;
+    let reached = last_logged_step(&log_of(&ctx, old_rank0)?).context("rank 0 logged no step")?;
+    ensure!(
+        newest <= reached && reached - newest <= EVERY,
+        "newest checkpoint {newest}, rank 0 had reached step {reached}"
+    );
+
+    let g2 = running_ring(&ctx, &ns, "digits", 4, g1).await?;
+    ensure!(
+        g2.members.iter().all(|m| m.pod.ends_with("-1")),
+        "not all replaced: {g2:?}"
+    );
+    let st = succeeded(&ctx, &ns, "digits", 180).await?;
+    ensure!(
+        st.repairs.by_cause.get("ProcessExit") == Some(&4),
+        "{:?}",
+        st.repairs
+    );
+    ensure!(
+        st.progress.as_ref().map(|p| p.step) == Some(1000),
+        "{:?}",
+        st.progress
+    );
+    for m in &g2.members {
+        let p = pods(&ctx, &ns).get(&m.pod).await?;
+        let log = log_of(&ctx, &p)?;
+        ensure!(
+            log.contains(&format!("at step {newest}")),
+            "{} did not resume from step {newest}:\n{}",
+            m.pod,
+            log.lines().take(3).collect::<Vec<_>>().join("\n")
+        );
+    }
+    println!(
+        "whole job lost at step {reached}: resumed from checkpoint {newest}, {} steps repeated",
+        reached - newest
+    );
+    Ok(())
+}
