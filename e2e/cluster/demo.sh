@@ -1,76 +1,86 @@
 #!/usr/bin/env bash
-# demo.sh DIR — on a cluster started by cluster-up.sh: install the DiphomaJob CRD, run the operator,
-# train the digits MLP with a 4-worker GPU DiphomaJob, kill -9 one worker mid-training and show the
-# ring re-formed at a new generation (survivors keep training, a replacement joins), wait for
-# Succeeded and print the test accuracy; then run the allreduce benchmark as a 4-GPU pod.
+# demo.sh DIR — on a cluster started by cluster-up.sh: install the operator with its Helm chart,
+# apply manifests/examples/digits.yaml (4 GPU workers, elastic 2–6, checkpoints), stream the job's
+# progress, kill -9 one worker mid-training and show the ring re-formed at a new generation
+# (survivors keep their processes, a replacement joins), wait for Succeeded and print the test
+# accuracy; then run the allreduce benchmark as a 4-GPU pod.
 set -euo pipefail
 D=${1:?usage: $0 DIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 # shellcheck disable=SC1091
 source "$D/env"
 ns=diphoma-demo
+op_ns=diphoma-system
 step() { printf '\n== %s\n' "$*"; }
-wait_for() { # what timeout_s cmd...
-  local what=$1 t=$2; shift 2
-  for ((i = 0; i < t * 2; i++)); do "$@" >/dev/null 2>&1 && return 0; sleep 0.5; done
+field() { kubectl -n "$ns" get dpj digits -o jsonpath="{$1}"; }
+# Prints the job's progress line whenever it changes until `cond` (a bash expression over the
+# fields phase, gen, step) holds, or fails after timeout_s.
+follow() { # what timeout_s cond
+  local what=$1 t=$2 cond=$3 last="" line phase gen step
+  local cols='PHASE:.status.phase,READY:.status.ready,GEN:.status.ring.generation,STEP:.status.progress.step,LOSS:.status.progress.loss,SAMPLES/S:.status.progress.samplesPerSecond,CKPT:.status.progress.lastCheckpointStep,RESTARTS:.status.repairs.total'
+  for ((i = 0; i < t * 2; i++)); do
+    line=$(kubectl -n "$ns" get dpj digits --no-headers -o custom-columns="$cols" 2>/dev/null || true)
+    [[ "$line" != "$last" ]] && { printf '  %s\n' "$line"; last=$line; }
+    read -r phase _ gen step _ <<<"$line"
+    [[ "$phase" == Failed ]] && { echo "the job failed: $(field .status.lastFailure)" >&2; return 1; }
+    if eval "$cond"; then return 0; fi
+    sleep 0.5
+  done
   echo "timed out waiting for $what" >&2; kubectl -n "$ns" get dpj,pods -o wide >&2; return 1
 }
 
 step "GPU nodes of the process kubelet"
 kubectl get nodes -L nvidia.com/gpu.product,nvidia.com/gpu.count
 
-step "install the DiphomaJob CRD and start the operator"
-kubectl apply -f "$ROOT/crds/diphomajob.yaml" >/dev/null
-kubectl wait --for=condition=Established crd/diphomajobs.diphoma.io --timeout=60s >/dev/null
-diphoma-operator run --metrics-addr 127.0.0.1:0 </dev/null >"$D/logs/operator.log" 2>&1 &
-echo $! >"$D/operator.pid"
+step "helm install the operator (namespace $op_ns enforces Pod Security 'restricted')"
+kubectl create namespace "$op_ns" >/dev/null
+kubectl label namespace "$op_ns" pod-security.kubernetes.io/enforce=restricted >/dev/null
+helm install diphoma-operator "$ROOT/charts/diphoma-operator" -n "$op_ns" --wait --timeout 120s >/dev/null
+kubectl -n "$op_ns" get deploy,pods -o wide
+
+step "apply manifests/examples/digits.yaml"
 kubectl create namespace "$ns" >/dev/null
 kubectl -n "$ns" wait --for=create serviceaccount/default --timeout=60s >/dev/null
-
-step "a DiphomaJob: 4 workers × 1 GPU train the digits MLP"
-kubectl -n "$ns" apply -f - <<'YAML'
-apiVersion: diphoma.io/v1alpha1
-kind: DiphomaJob
-metadata: {name: digits}
+# The local cluster has no storage provisioner: a hostPath PersistentVolume, bound to the
+# example's claim, holds the checkpoints (a real cluster's StorageClass provides one).
+mkdir -p "$D/volumes/digits-checkpoints"
+kubectl apply -f - >/dev/null <<YAML
+apiVersion: v1
+kind: PersistentVolume
+metadata: {name: demo-digits-checkpoints}
 spec:
-  replicas: 4
-  gpusPerWorker: 1
-  faultTolerance: {detectionSeconds: 5}
-  template:
-    spec:
-      terminationGracePeriodSeconds: 5
-      containers:
-      - name: worker
-        image: diphoma-worker:dev
-        args: [train, --steps, "4000", --log-every, "1000"]
+  capacity: {storage: 1Gi}
+  accessModes: [ReadWriteMany]
+  persistentVolumeReclaimPolicy: Retain
+  hostPath: {path: $D/volumes/digits-checkpoints}
+  claimRef: {namespace: $ns, name: digits-checkpoints}
 YAML
-field() { kubectl -n "$ns" get dpj digits -o jsonpath="{$1}"; }
-wait_for "the ring" 90 bash -c "[[ \$(kubectl -n $ns get dpj digits -o jsonpath='{.status.phase}') == Running ]]"
+kubectl -n "$ns" apply -f "$ROOT/manifests/examples/digits.yaml"
+follow "the first ring" 120 '[[ $phase == Running && ${step:-0} =~ ^[0-9]+$ && $step -ge 1 ]]'
 kubectl -n "$ns" get pods -o wide
 echo "ring membership (generation $(field .status.ring.generation)):"
 kubectl -n "$ns" get configmap digits-ring -o jsonpath='{.data.membership\.json}'; echo
-wait_for "progress from rank 0" 60 bash -c "[[ -n \$(kubectl -n $ns get dpj digits -o jsonpath='{.status.progress.step}') ]]"
-kubectl -n "$ns" get dpj digits
+follow "step 600" 180 '[[ ${step:-0} =~ ^[0-9]+$ && $step -ge 600 ]]'
 
 step "kill -9 the process of worker 1 mid-training"
 pid=$(kubectl -n "$ns" get pod digits-worker-1 -o jsonpath='{.status.containerStatuses[0].containerID}')
 survivor=$(kubectl -n "$ns" get pod digits-worker-0 -o jsonpath='{.status.containerStatuses[0].containerID}')
 kill -9 "${pid#process://}"
 start=$(date +%s%N)
-wait_for "the repaired ring" 90 bash -c "[[ \$(kubectl -n $ns get dpj digits -o jsonpath='{.status.ring.generation}') -ge 2 ]]"
+follow "the repaired ring" 90 '[[ ${gen:-0} =~ ^[0-9]+$ && $gen -ge 2 ]]'
 ms=$(( ($(date +%s%N) - start) / 1000000 ))
 echo "ring re-formed at generation $(field .status.ring.generation), ${ms} ms after the kill (as seen by polling kubectl)"
 echo "repairs: $(field .status.repairs)"
 echo "lastFailure: $(field .status.lastFailure)"
-kubectl -n "$ns" get dpj digits
 
 step "training goes on to the end"
-wait_for "Succeeded" 300 bash -c "[[ \$(kubectl -n $ns get dpj digits -o jsonpath='{.status.phase}') == Succeeded ]]"
+follow "Succeeded" 600 '[[ $phase == Succeeded ]]'
 kubectl -n "$ns" get dpj digits
 now=$(kubectl -n "$ns" get pod digits-worker-0 -o jsonpath='{.status.containerStatuses[0].state.terminated.exitCode}')
 echo "worker 0 kept its process through the repair (${survivor}); it exited with code ${now}"
 uid=$(kubectl -n "$ns" get pod digits-worker-0 -o jsonpath='{.metadata.uid}')
 grep -E "generation|accuracy" "$D/kubelet/logs/${ns}_digits-worker-0_${uid}/worker.log" | tail -4
+echo "checkpoints: $(ls "$D/volumes/digits-checkpoints" | tr '\n' ' ')"
 kubectl -n "$ns" get events --field-selector involvedObject.kind=DiphomaJob -o custom-columns=REASON:.reason,MESSAGE:.message | tail -8
 
 step "the allreduce runtime: a benchmark pod with 4 GPUs (4 ranks)"
@@ -91,4 +101,4 @@ kubectl -n "$ns" wait --for=jsonpath='{.status.phase}'=Succeeded pod/allreduce-b
 uid=$(kubectl -n "$ns" get pod allreduce-bench -o jsonpath='{.metadata.uid}')
 cat "$D/kubelet/logs/${ns}_allreduce-bench_${uid}/bench.log"
 echo
-echo "demo done. Logs: $D/logs (operator.log, kubelet.log) and $D/kubelet/logs."
+echo "demo done. Logs: $D/logs (kubelet.log) and $D/kubelet/logs (the operator's and the workers')."
