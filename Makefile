@@ -36,11 +36,14 @@ test: tools build fmt-check ## run every test: unit, loopback TCP, and end-to-en
 bench: deps ## allreduce benchmark side by side with gloo and Open MPI (prints the merged table)
 	bash worker/bench/run.sh
 
+bench-repair: tools build ## ring repair on the local control plane: time-to-repair, node-loss detection, join time, repeated steps (median/min/max of 5 runs)
+	DIPHOMA_K8S_BIN="$$(bash e2e/cluster/build-bins.sh)" target/debug/diphoma-repair-bench --runs 5
+
 cluster-up: tools build ## start the control plane and the process kubelet; writes .local/cluster/env
 	@bash e2e/cluster/cluster-up.sh "$(CLUSTER_DIR)" $(NODES) $(GPUS)
 
 cluster-down: ## stop what cluster-up started
 	@bash e2e/cluster/stop.sh "$(CLUSTER_DIR)"
 
-demo: cluster-up ## run a GPU-requesting allreduce job on the local cluster, then tear it down (KEEP=1 keeps it)
+demo: cluster-up ## helm install the operator, train the digits example through a kill -9 to Succeeded, then tear down (KEEP=1 keeps it)
 	@bash e2e/cluster/demo.sh "$(CLUSTER_DIR)"; rc=$$?; [[ -n "$(KEEP)" ]] || bash e2e/cluster/stop.sh "$(CLUSTER_DIR)"; exit $$rc
