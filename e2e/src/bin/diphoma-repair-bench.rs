@@ -167,7 +167,6 @@ async fn bench(client: &Client, kubelet: &Kubelet, ns: &str, args: &Args) -> Res
             let victim_pod = pods.get(&victim).await?;
             let rank0_pod = pods.get(&ring.members[0]).await?;
             let rank0_log = kubelet.log_file(&rank0_pod, "worker");
-            let before = scrape(rank0).await?.1;
             let t0 = Instant::now();
             match fault {
                 "kill" => {
@@ -185,6 +184,7 @@ async fn bench(client: &Client, kubelet: &Kubelet, ns: &str, args: &Args) -> Res
                 }
             }
             let mut published = None;
+            let mut connected_at = None;
             let trained = loop {
                 if published.is_none() {
                     let now = read_ring(&cms).await?;
@@ -192,9 +192,15 @@ async fn bench(client: &Client, kubelet: &Kubelet, ns: &str, args: &Args) -> Res
                         published = Some(t0.elapsed().as_secs_f64());
                     }
                 }
+                // The gauge shows the new generation once it is connected; a step committed
+                // after that is the first completed allreduce in it.
                 let (generation, step) = scrape(rank0).await.unwrap_or((0, 0));
-                if generation > ring.generation && step > before {
-                    break t0.elapsed().as_secs_f64();
+                if generation > ring.generation {
+                    match connected_at {
+                        None => connected_at = Some(step),
+                        Some(s) if step > s => break t0.elapsed().as_secs_f64(),
+                        Some(_) => {}
+                    }
                 }
                 if t0.elapsed() > Duration::from_secs(120) {
                     return Err(format!("{fault} run {run}: no repair after 120 s").into());
