@@ -215,6 +215,7 @@ fn accuracy(log: &str) -> (Option<f64>, usize) {
 /// The last step rank 0 logged (`step N generation G loss L`, one line per step).
 fn last_logged_step(log: &str) -> Option<u64> {
     log.lines()
+        .rev()
         .filter_map(|l| {
             l.strip_prefix("step ")?
                 .split_whitespace()
@@ -222,7 +223,7 @@ fn last_logged_step(log: &str) -> Option<u64> {
                 .parse()
                 .ok()
         })
-        .last()
+        .next()
 }
 
 /// The job's worker pods, by name.

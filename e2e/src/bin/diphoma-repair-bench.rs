@@ -440,8 +440,8 @@ fn print_table(r: &Rows, a: &Args) {
         a.detection_seconds, a.runs
     );
     println!(
-        "# {:<52} {:>9} {:>9} {:>9}  {}",
-        "measure", "median", "min", "max", "bar (performance.md §2)"
+        "# {:<52} {:>9} {:>9} {:>9}  bar (performance.md §2)",
+        "measure", "median", "min", "max"
     );
     let rows: [(&str, &[f64], usize, String); 6] = [
         (
