@@ -76,6 +76,7 @@ echo "lastFailure: $(field .status.lastFailure)"
 step "training goes on to the end"
 follow "Succeeded" 600 '[[ $phase == Succeeded ]]'
 kubectl -n "$ns" get dpj digits
+echo "test accuracy in the job's status: $(field .status.progress.testAccuracy)"
 now=$(kubectl -n "$ns" get pod digits-worker-0 -o jsonpath='{.status.containerStatuses[0].state.terminated.exitCode}')
 echo "worker 0 kept its process through the repair (${survivor}); it exited with code ${now}"
 uid=$(kubectl -n "$ns" get pod digits-worker-0 -o jsonpath='{.metadata.uid}')

@@ -454,6 +454,10 @@ async fn train_and_query(ctx: &Ctx, ns: &str, prom: &Prometheus) -> Result<()> {
         Ok(phase == "Succeeded" && field(".status.ring.generation")?.parse::<i64>()? >= 2)
     })
     .await?;
+    let accuracy: f64 = field(".status.progress.testAccuracy")?
+        .parse()
+        .context("status.progress.testAccuracy")?;
+    ensure!(accuracy >= 0.9, "test accuracy {accuracy} in the status");
     // A few more scrapes of the operator after the end.
     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     let end = jiff::Timestamp::now().as_second() as f64;

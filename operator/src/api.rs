@@ -374,6 +374,9 @@ pub struct Progress {
     /// Step of the newest checkpoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_checkpoint_step: Option<i64>,
+    /// Accuracy of the trained model on the held-out test split, in [0, 1] (after the last step).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_accuracy: Option<f64>,
 }
 
 /// A total with a breakdown by cause.

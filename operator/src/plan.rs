@@ -271,6 +271,7 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
             loss: p.loss,
             samples_per_second: p.samples_per_second,
             last_checkpoint_step: p.last_checkpoint_step.map(|s| s as i64),
+            test_accuracy: p.test_accuracy,
         });
     }
 

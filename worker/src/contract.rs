@@ -216,6 +216,10 @@ pub struct ProgressReport {
     /// Step of the newest checkpoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_checkpoint_step: Option<u64>,
+    /// Accuracy of the trained model on the held-out test split, in [0, 1]: only in the last
+    /// report, written after the final step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_accuracy: Option<f64>,
     /// When it was written (RFC 3339).
     pub time: String,
 }

@@ -161,6 +161,7 @@ pub struct KubeRing {
     current: Option<Membership>,
     in_flight: Arc<Mutex<Option<(u64, AbortHandle)>>>,
     last_progress: Option<Instant>,
+    last_report: Option<ProgressReport>,
     metrics: WorkerMetrics,
     terminating: Arc<AtomicBool>,
     removed: bool,
@@ -285,6 +286,7 @@ impl KubeRing {
             current: None,
             in_flight,
             last_progress: None,
+            last_report: None,
             metrics,
             terminating,
             removed: false,
@@ -432,6 +434,34 @@ impl KubeRing {
     }
 }
 
+impl KubeRing {
+    /// Rank 0's last word: its final progress report again, with the trained model's accuracy
+    /// on the test split (in [0, 1]), for the job's status. Other ranks write nothing.
+    pub fn report_test_accuracy(&mut self, accuracy: f64) {
+        if let Some(mut report) = self.last_report.take() {
+            report.test_accuracy = Some(accuracy);
+            report.time = now();
+            self.write_progress(&report, true);
+        }
+    }
+
+    /// Patches `report` into the heartbeat: in the background, or waiting for it (at most 10 s)
+    /// when it is the last one before the process exits.
+    fn write_progress(&self, report: &ProgressReport, wait: bool) {
+        let write = self.patch_heartbeat(
+            contract::PROGRESS_KEY.to_string(),
+            serde_json::to_string(report).expect("serializable"),
+        );
+        if wait {
+            self.rt.block_on(async {
+                let _ = tokio::time::timeout(Duration::from_secs(10), write).await;
+            });
+        } else {
+            self.rt.spawn(write);
+        }
+    }
+}
+
 fn now() -> String {
     jiff::Timestamp::now().to_string()
 }
@@ -462,19 +492,11 @@ impl RingSource for KubeRing {
                 loss: Some(f64::from(p.loss)),
                 samples_per_second: Some(p.samples_per_second),
                 last_checkpoint_step: p.last_checkpoint,
+                test_accuracy: None,
                 time: now(),
             };
-            let write = self.patch_heartbeat(
-                contract::PROGRESS_KEY.to_string(),
-                serde_json::to_string(&report).expect("serializable"),
-            );
-            if last {
-                self.rt.block_on(async {
-                    let _ = tokio::time::timeout(Duration::from_secs(10), write).await;
-                });
-            } else {
-                self.rt.spawn(write);
-            }
+            self.write_progress(&report, last);
+            self.last_report = Some(report);
         }
         self.decision()
     }

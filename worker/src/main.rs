@@ -323,10 +323,10 @@ fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         checkpoint_dir: a.checkpoint_dir,
         log_every: a.log_every,
     };
-    let (out, world) = match kube_env {
+    let (out, world, mut ring) = match kube_env {
         None => {
             let mut outs = train::train_standalone(&cfg, &train_set, a.world)?;
-            (outs.swap_remove(0), a.world)
+            (outs.swap_remove(0), a.world, None)
         }
         Some((env, key)) => {
             if !(a.op_timeout_s > 0.0 && a.op_timeout_s.is_finite()) {
@@ -350,7 +350,7 @@ fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
                 println!("left the ring after step {}", out.step);
                 return Ok(ExitCode::SUCCESS);
             }
-            (out, world)
+            (out, world, Some(ring))
         }
     };
     let st = &out.stats;
@@ -374,6 +374,9 @@ fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         test_set.len(),
         out.step,
     );
+    if let Some(ring) = &mut ring {
+        ring.report_test_accuracy(acc);
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -647,6 +647,7 @@ fn reports_of_an_older_generation_are_ignored_and_progress_is_copied() {
         loss: Some(0.25),
         samples_per_second: Some(900.0),
         last_checkpoint_step: Some(100),
+        test_accuracy: Some(0.97),
         time: t(99).to_string(),
     };
     let o = Observed {
@@ -661,7 +662,7 @@ fn reports_of_an_older_generation_are_ignored_and_progress_is_copied() {
         (got.step, got.total_steps, got.last_checkpoint_step),
         (120, Some(500), Some(100))
     );
-    assert_eq!(got.loss, Some(0.25));
+    assert_eq!((got.loss, got.test_accuracy), (Some(0.25), Some(0.97)));
 }
 
 #[test]
