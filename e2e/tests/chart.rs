@@ -8,14 +8,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
 use common::*;
-use diphoma_e2e::cluster::ControlPlane;
-use diphoma_e2e::kubelet::Kubelet;
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::prometheus::{Prometheus, prometheus_bin, write_targets};
 use diphoma_worker::contract::LABEL_JOB_NAME;
@@ -23,82 +20,23 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};
 
-/// The release and the namespace the chart is installed into (as in manifests/install.yaml).
-const RELEASE: &str = "diphoma-operator";
-const NS: &str = "diphoma-system";
 const SELECT_RELEASE: &str = "app.kubernetes.io/instance=diphoma-operator";
 
-struct Ctx {
-    client: Client,
-    kubelet: Kubelet,
-    cp: ControlPlane,
-}
-
 fn main() -> Result<()> {
-    let args = sequential_args();
-    let rt = runtime()?;
-    let cp = ControlPlane::start()?;
-    let ctx = rt.block_on(async {
-        let client = cp.client().await?;
-        let nodes = (0..3)
-            .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), 4))
-            .collect();
-        let kubelet = start_kubelet(&cp, &client, nodes).await?;
-        let ctx = Arc::new(Ctx {
-            client,
-            kubelet,
-            cp,
-        });
-        run_ok(ctx.cp.kubectl().args(["create", "namespace", NS]))?;
-        run_ok(ctx.cp.kubectl().args([
-            "label",
-            "namespace",
-            NS,
-            "pod-security.kubernetes.io/enforce=restricted",
-        ]))?;
-        run_ok(ctx.cp.helm().args(["install", RELEASE]).arg(chart()).args([
-            "-n",
-            NS,
-            "--wait",
-            "--timeout",
-            "120s",
-        ]))
-        .context("helm install")?;
-        anyhow::Ok(ctx)
-    })?;
-    let list = tests![
-        chart_lints_validates_values_and_install_yaml_is_fresh,
-        every_manifest_passes_a_server_side_dry_run,
-        the_operator_runs_as_a_pod_under_exactly_its_chart_rbac,
-        a_job_run_by_the_chart_operator_feeds_every_dashboard_query,
-        helm_upgrade_to_two_replicas_then_uninstall_leaves_only_the_crd,
-    ];
-    let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
-    let conclusion = libtest_mimic::run(&args, trials);
-    let Ctx { kubelet, cp, .. } = Arc::into_inner(ctx).context("tests still hold the context")?;
-    rt.block_on(kubelet.shutdown());
-    drop(cp);
-    conclusion.exit()
-}
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn chart() -> PathBuf {
-    root().join("charts/diphoma-operator")
-}
-
-/// Runs `cmd`; its stdout when it succeeds, else an error with the command and its stderr.
-fn run_ok(cmd: &mut Command) -> Result<String> {
-    let out = cmd.output().with_context(|| format!("{cmd:?}"))?;
-    ensure!(
-        out.status.success(),
-        "{cmd:?}: {}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    let nodes = (0..3)
+        .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), 4))
+        .collect();
+    run_tests(
+        nodes,
+        OperatorMode::Chart,
+        tests![
+            chart_lints_validates_values_and_install_yaml_is_fresh,
+            every_manifest_passes_a_server_side_dry_run,
+            the_operator_runs_as_a_pod_under_exactly_its_chart_rbac,
+            a_job_run_by_the_chart_operator_feeds_every_dashboard_query,
+            helm_upgrade_to_two_replicas_then_uninstall_leaves_only_the_crd,
+        ],
+    )
 }
 
 async fn chart_lints_validates_values_and_install_yaml_is_fresh(
@@ -151,10 +89,10 @@ async fn chart_lints_validates_values_and_install_yaml_is_fresh(
     // manifests/install.yaml is the chart rendered by scripts/render-install.sh.
     let fresh = run_ok(
         Command::new("bash")
-            .arg(root().join("scripts/render-install.sh"))
+            .arg(repo_root().join("scripts/render-install.sh"))
             .arg(ctx.cp.bin_dir.join("helm")),
     )?;
-    let committed = std::fs::read_to_string(root().join("manifests/install.yaml"))?;
+    let committed = std::fs::read_to_string(repo_root().join("manifests/install.yaml"))?;
     ensure!(
         fresh == committed,
         "manifests/install.yaml is stale: run `make generate`"
@@ -163,14 +101,14 @@ async fn chart_lints_validates_values_and_install_yaml_is_fresh(
 }
 
 async fn every_manifest_passes_a_server_side_dry_run(ctx: Arc<Ctx>, ns: String) -> Result<()> {
-    let install = root().join("manifests/install.yaml");
+    let install = repo_root().join("manifests/install.yaml");
     run_ok(
         ctx.cp
             .kubectl()
             .args(["apply", "--dry-run=server", "-f"])
             .arg(&install),
     )?;
-    let examples = root().join("manifests/examples");
+    let examples = repo_root().join("manifests/examples");
     let mut n = 0;
     for e in std::fs::read_dir(&examples)? {
         let path = e?.path();
@@ -188,7 +126,7 @@ async fn every_manifest_passes_a_server_side_dry_run(ctx: Arc<Ctx>, ns: String) 
 
 /// The operator pods of the release (non-terminating).
 async fn operator_pods(client: &Client) -> Result<Vec<Pod>> {
-    Ok(Api::<Pod>::namespaced(client.clone(), NS)
+    Ok(Api::<Pod>::namespaced(client.clone(), OPERATOR_NS)
         .list(&ListParams::default().labels(SELECT_RELEASE))
         .await?
         .items
@@ -215,7 +153,7 @@ async fn the_operator_runs_as_a_pod_under_exactly_its_chart_rbac(
         "the pod runs {exe:?}, not the operator binary"
     );
 
-    let sa = format!("--as=system:serviceaccount:{NS}:{RELEASE}");
+    let sa = format!("--as=system:serviceaccount:{OPERATOR_NS}:{RELEASE}");
     let can = |args: &[&str]| -> Result<bool> {
         let out = ctx
             .cp
@@ -271,7 +209,7 @@ async fn the_operator_runs_as_a_pod_under_exactly_its_chart_rbac(
         vec!["patch", "nodes"],
         vec!["list", "nodes"],
         vec!["delete", "namespaces"],
-        vec!["get", "leases.coordination.k8s.io", "-n", NS],
+        vec!["get", "leases.coordination.k8s.io", "-n", OPERATOR_NS],
         vec![
             "create",
             "leases.coordination.k8s.io",
@@ -392,7 +330,8 @@ async fn a_job_run_by_the_chart_operator_feeds_every_dashboard_query(
         let (client, prom_dir, ns) = (ctx.client.clone(), prom.dir.clone(), ns.clone());
         tokio::spawn(async move {
             loop {
-                for (scrape_job, namespace) in [("diphoma-operator", NS), ("diphoma-workers", &ns)]
+                for (scrape_job, namespace) in
+                    [("diphoma-operator", OPERATOR_NS), ("diphoma-workers", &ns)]
                 {
                     if let Ok(pods) = Api::<Pod>::namespaced(client.clone(), namespace)
                         .list(&ListParams::default())
@@ -464,7 +403,7 @@ async fn train_and_query(ctx: &Ctx, ns: &str, prom: &Prometheus) -> Result<()> {
 
     let mut missing = vec![];
     for (file, namespace, scrape_job) in [
-        ("diphoma-operator.json", NS, "diphoma-operator"),
+        ("diphoma-operator.json", OPERATOR_NS, "diphoma-operator"),
         ("diphoma-training.json", ns, job),
     ] {
         let text = std::fs::read_to_string(chart().join("dashboards").join(file))?;
@@ -497,7 +436,7 @@ async fn helm_upgrade_to_two_replicas_then_uninstall_leaves_only_the_crd(
 ) -> Result<()> {
     run_ok(ctx.cp.helm().args(["upgrade", RELEASE]).arg(chart()).args([
         "-n",
-        NS,
+        OPERATOR_NS,
         "--set",
         "replicaCount=2",
         "--wait",
@@ -514,7 +453,7 @@ async fn helm_upgrade_to_two_replicas_then_uninstall_leaves_only_the_crd(
             .collect();
         let holder = run_ok(ctx.cp.kubectl().args([
             "-n",
-            NS,
+            OPERATOR_NS,
             "get",
             "lease",
             RELEASE,
@@ -529,7 +468,7 @@ async fn helm_upgrade_to_two_replicas_then_uninstall_leaves_only_the_crd(
     run_ok(
         ctx.cp
             .helm()
-            .args(["uninstall", RELEASE, "-n", NS, "--wait"]),
+            .args(["uninstall", RELEASE, "-n", OPERATOR_NS, "--wait"]),
     )?;
     let kinds = "deployments,replicasets,pods,services,serviceaccounts,configmaps,secrets,leases,roles,rolebindings,clusterroles,clusterrolebindings";
     eventually(60, "nothing of the release left", async || {
@@ -545,12 +484,13 @@ async fn helm_upgrade_to_two_replicas_then_uninstall_leaves_only_the_crd(
         Ok(left.trim().is_empty())
     })
     .await?;
-    let left = run_ok(
-        ctx.cp
-            .kubectl()
-            .args(["get", "pods,leases", "-n", NS, "-o", "name"]),
-    )?;
-    ensure!(left.trim().is_empty(), "left in {NS}: {left}");
+    let left =
+        run_ok(
+            ctx.cp
+                .kubectl()
+                .args(["get", "pods,leases", "-n", OPERATOR_NS, "-o", "name"]),
+        )?;
+    ensure!(left.trim().is_empty(), "left in {OPERATOR_NS}: {left}");
     run_ok(
         ctx.cp
             .kubectl()

@@ -10,54 +10,33 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
 use common::*;
-use diphoma_e2e::cluster::ControlPlane;
+use diphoma_e2e::kubelet::FailMode;
 use diphoma_e2e::kubelet::node::NodeConfig;
-use diphoma_e2e::kubelet::{FailMode, Kubelet};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{DeleteParams, ListParams};
-use kube::{Api, Client};
+use kube::Api;
 use serde_json::json;
 
-struct Ctx {
-    client: Client,
-    kubelet: Kubelet,
-    cp: ControlPlane,
-}
-
 fn main() -> Result<()> {
-    let args = sequential_args();
-    let rt = runtime()?;
-    let cp = ControlPlane::start()?;
-    let ctx = rt.block_on(async {
-        let client = cp.client().await?;
-        let nodes = vec![
-            NodeConfig::gpu("gpu-small", 1),
-            NodeConfig::gpu("gpu-big-0", 4),
-            NodeConfig::gpu("gpu-big-1", 4),
-            NodeConfig::gpu("gpu-doomed", 2),
-        ];
-        let kubelet = start_kubelet(&cp, &client, nodes).await?;
-        anyhow::Ok(Arc::new(Ctx {
-            client,
-            kubelet,
-            cp,
-        }))
-    })?;
-    let list = tests![
-        gpu_pod_is_bound_to_a_node_with_room_and_reports_its_exit_code,
-        pod_asking_for_more_gpus_than_any_node_has_stays_pending,
-        deployment_gets_pods_from_the_controller_manager_and_replicaset_deletion_collects_them,
-        pod_sees_env_downward_api_volumes_and_only_its_serviceaccount_permissions,
-        restart_policy_and_graceful_deletion_are_honoured,
-        bad_requests_name_what_is_wrong,
-        failed_node_turns_notready_while_its_pods_stay_running,
+    let nodes = vec![
+        NodeConfig::gpu("gpu-small", 1),
+        NodeConfig::gpu("gpu-big-0", 4),
+        NodeConfig::gpu("gpu-big-1", 4),
+        NodeConfig::gpu("gpu-doomed", 2),
     ];
-    let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
-    let conclusion = libtest_mimic::run(&args, trials);
-    let ctx = Arc::into_inner(ctx).context("tests still hold the context")?;
-    rt.block_on(ctx.kubelet.shutdown());
-    drop(ctx.cp);
-    conclusion.exit()
+    run_tests(
+        nodes,
+        OperatorMode::None,
+        tests![
+            gpu_pod_is_bound_to_a_node_with_room_and_reports_its_exit_code,
+            pod_asking_for_more_gpus_than_any_node_has_stays_pending,
+            deployment_gets_pods_from_the_controller_manager_and_replicaset_deletion_collects_them,
+            pod_sees_env_downward_api_volumes_and_only_its_serviceaccount_permissions,
+            restart_policy_and_graceful_deletion_are_honoured,
+            bad_requests_name_what_is_wrong,
+            failed_node_turns_notready_while_its_pods_stay_running,
+        ],
+    )
 }
 
 fn log(ctx: &Ctx, pod: &Pod) -> Result<String> {

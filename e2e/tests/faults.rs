@@ -1,8 +1,9 @@
 //! The fault catalogue with real `diphoma-worker train` workers (the digits MLP) under the
-//! operator on the local control plane: the happy path, kill -9 against an undisturbed run, a pod
-//! deleted and a pod evicted, a hung (SIGSTOPped) worker, an unschedulable scale-up, a
-//! non-retryable exit, a crash loop, suspend and resume, activeDeadlineSeconds,
-//! ttlSecondsAfterFinished and the loss of every worker at once.
+//! operator installed by its Helm chart (a pod under the chart's RBAC) on the local control plane:
+//! the happy path, kill -9 against an undisturbed run, a pod deleted and a pod evicted, a hung
+//! (SIGSTOPped) worker, an unschedulable scale-up, a non-retryable exit, a crash loop, suspend and
+//! resume, activeDeadlineSeconds, ttlSecondsAfterFinished, the loss of every worker at once, and
+//! the operator's own process killed mid-job.
 
 mod common;
 
@@ -28,8 +29,9 @@ fn main() -> Result<()> {
     let nodes = (0..3)
         .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), GPUS_PER_NODE))
         .collect();
-    run_operator_tests(
+    run_tests(
         nodes,
+        OperatorMode::Chart,
         tests![
             four_workers_train_to_succeeded_and_are_cleaned_up,
             a_killed_worker_changes_nothing_in_the_final_parameters,
@@ -42,6 +44,9 @@ fn main() -> Result<()> {
             active_deadline_fails_a_running_job,
             ttl_deletes_a_finished_job_and_its_children,
             a_job_that_loses_every_worker_resumes_from_its_newest_checkpoint,
+            the_operator_pod_killed_mid_job_restarts_without_duplicates,
+            // Last: the frozen node stays lost for the rest of the binary.
+            a_lost_node_is_detected_and_its_worker_moves,
         ],
     )
 }
@@ -338,6 +343,14 @@ async fn four_workers_train_to_succeeded_and_are_cleaned_up(
     ensure!(
         accs.iter().all(|a| *a == accs[0]) && accs[0] >= 0.9,
         "test accuracies {accs:?}"
+    );
+    ensure!(
+        progress
+            .test_accuracy
+            .is_some_and(|a| (a - accs[0]).abs() < 1e-4),
+        "status says test accuracy {:?}, the workers {}",
+        progress.test_accuracy,
+        accs[0]
     );
     let mut reasons = vec![];
     eventually(
@@ -865,6 +878,129 @@ async fn a_job_that_loses_every_worker_resumes_from_its_newest_checkpoint(
     println!(
         "whole job lost at step {reached}: resumed from checkpoint {newest}, {} steps repeated",
         reached - newest
+    );
+    Ok(())
+}
+
+/// The chart-installed operator's process is killed with SIGKILL mid-training: the Deployment's
+/// pod restarts it in place, and the restarted operator adopts the job as it is — no duplicate or
+/// replaced worker, no repair, no new generation — and the job completes.
+async fn the_operator_pod_killed_mid_job_restarts_without_duplicates(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    ensure!(
+        ctx.mode == OperatorMode::Chart,
+        "needs the chart's operator pod"
+    );
+    let job = training_job("digits", 3, 600, json!({}));
+    let g1 = submit(&ctx, &ns, &job, 3).await?;
+    progress_until(&ctx, &ns, "digits", "step 100", |p| p.step >= 100).await?;
+    let before: Vec<(String, Option<String>)> = worker_pods(&ctx, &ns, "digits")
+        .await?
+        .iter()
+        .map(|p| (p.name_any(), p.uid()))
+        .collect();
+
+    let operator_pod = || operator_pod(&ctx);
+    let op = operator_pod().await?;
+    let pid = pid_of(&op)?;
+    signal(pid, libc::SIGKILL);
+    eventually(60, "the operator restarted in its pod", async || {
+        let p = operator_pod().await?;
+        Ok(restarts(&p) >= 1 && pid_of(&p).is_ok_and(|new| new != pid && alive(new)))
+    })
+    .await?;
+
+    let st = succeeded(&ctx, &ns, "digits", 180).await?;
+    let after: Vec<(String, Option<String>)> = worker_pods(&ctx, &ns, "digits")
+        .await?
+        .iter()
+        .map(|p| (p.name_any(), p.uid()))
+        .collect();
+    ensure!(
+        after == before,
+        "workers before {before:?}, after {after:?}"
+    );
+    ensure!(
+        st.repairs.total == 0 && st.ring.as_ref().map(|r| r.generation) == Some(g1 as i64),
+        "{:?} {:?}",
+        st.repairs,
+        st.ring
+    );
+    let names: Vec<&str> = before.iter().map(|(n, _)| n.as_str()).collect();
+    kept_their_process(&ctx, &ns, &names).await
+}
+
+/// The chart-installed operator's one pod.
+async fn operator_pod(ctx: &Ctx) -> Result<Pod> {
+    let list = Api::<Pod>::namespaced(ctx.client.clone(), OPERATOR_NS)
+        .list(&ListParams::default().labels(&format!("app.kubernetes.io/instance={RELEASE}")))
+        .await?
+        .items;
+    ensure!(list.len() == 1, "{} operator pods", list.len());
+    Ok(list.into_iter().next().unwrap())
+}
+
+/// A node that stops heartbeating with its processes frozen (not the operator's node): its
+/// worker is declared lost within detectionSeconds (plus the Lease renewal period and a
+/// reconcile), counted once, replaced on another node, and the job completes.
+async fn a_lost_node_is_detected_and_its_worker_moves(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    let job = training_job("digits", 3, 800, json!({}));
+    submit(&ctx, &ns, &job, 3).await?;
+    progress_until(&ctx, &ns, "digits", "step 100", |p| p.step >= 100).await?;
+    let node_of = |p: &Pod| p.spec.as_ref().and_then(|s| s.node_name.clone());
+    let operator_node = node_of(&operator_pod(&ctx).await?);
+    let victim = worker_pods(&ctx, &ns, "digits")
+        .await?
+        .into_iter()
+        .find(|p| node_of(p).is_some() && node_of(p) != operator_node)
+        .context("a worker off the operator's node")?;
+    let node = node_of(&victim).unwrap();
+    ctx.kubelet
+        .fail_node(&node, diphoma_e2e::kubelet::FailMode::Freeze)?;
+    // Whichever fires first: the node's stale Lease (NodeLost) or the neighbours' timed-out
+    // collectives blaming the silent worker (Hung).
+    let lost = |s: &DiphomaJobStatus| {
+        s.failures.total == 1
+            && ["NodeLost", "Hung"]
+                .iter()
+                .any(|c| s.failures.by_cause.get(*c) == Some(&1))
+    };
+    eventually(
+        DETECTION_SECONDS + 4,
+        "the worker on the frozen node counted lost",
+        async || {
+            let st = job_status(&ctx.client, &ns, "digits").await?.status;
+            Ok(st.as_ref().is_some_and(lost))
+        },
+    )
+    .await?;
+    let st = succeeded(&ctx, &ns, "digits", 180).await?;
+    ensure!(
+        lost(&st) && st.repairs.total == 1,
+        "{:?} {:?}",
+        st.failures,
+        st.repairs
+    );
+    let index = victim
+        .labels()
+        .get(diphoma_worker::contract::LABEL_REPLICA_INDEX)
+        .cloned();
+    let replacement = worker_pods(&ctx, &ns, "digits")
+        .await?
+        .into_iter()
+        .find(|p| {
+            p.labels()
+                .get(diphoma_worker::contract::LABEL_REPLICA_INDEX)
+                == index.as_ref()
+                && p.name_any() != victim.name_any()
+        })
+        .context("no replacement worker")?;
+    ensure!(
+        node_of(&replacement).is_some_and(|n| n != node),
+        "the replacement runs on {:?}, the lost node is {node}",
+        node_of(&replacement)
     );
     Ok(())
 }

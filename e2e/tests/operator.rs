@@ -22,8 +22,9 @@ fn main() -> Result<()> {
     let nodes = (0..3)
         .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), 8))
         .collect();
-    run_operator_tests(
+    run_tests(
         nodes,
+        OperatorMode::InProcess,
         tests![
             invalid_manifests_are_refused_with_the_field_named,
             job_gets_gpu_pods_children_and_a_ring,

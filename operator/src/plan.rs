@@ -413,11 +413,15 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
         return finish(job, obs, status, plan, Phase::Failed, reason, msg);
     }
     if let Some(r) = &ring {
+        // Finished its work: exit 0, not deleted (a deleted worker exits 0 on SIGTERM too, and
+        // is a failure of its own cause).
         let succeeded: BTreeSet<String> = obs
             .pods
             .iter()
             .filter(|p| pod_phase(p) == "Succeeded" && !by_operator(p))
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
             .map(|p| p.name_any())
+            .filter(|n| !failed_pods.contains(n))
             .collect();
         // Members exit 0 one by one once the last step is committed. The ring has completed
         // when one has and none still runs; until then a finished worker is neither replaced

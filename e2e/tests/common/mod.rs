@@ -221,21 +221,63 @@ pub fn trials<C: Send + Sync + 'static>(
         .collect()
 }
 
-/// The shared context of the binaries that test the operator: the control plane with the CRD
-/// installed, the process kubelet, and the operator (started and stopped by the tests).
+/// Where a test binary's operator runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OperatorMode {
+    /// No operator and no CRD (the control-plane tests).
+    None,
+    /// In the test process (tests that stop, restart or re-configure it).
+    InProcess,
+    /// As a pod installed by the Helm chart (release [`RELEASE`] in [`OPERATOR_NS`], a namespace
+    /// that enforces Pod Security "restricted"), under the chart's RBAC: what users run.
+    Chart,
+}
+
+/// The Helm release and the namespace of a chart-installed operator (as in install.yaml).
+pub const RELEASE: &str = "diphoma-operator";
+pub const OPERATOR_NS: &str = "diphoma-system";
+
+/// The repository root and the chart in it.
+pub fn repo_root() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+pub fn chart() -> std::path::PathBuf {
+    repo_root().join("charts/diphoma-operator")
+}
+
+/// Runs `cmd`; its stdout when it succeeds, else an error with the command and its stderr.
+pub fn run_ok(cmd: &mut std::process::Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("{cmd:?}"))?;
+    ensure!(
+        out.status.success(),
+        "{cmd:?}: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The shared context of a test binary: the control plane, the process kubelet, and the
+/// operator as [`OperatorMode`] says.
 pub struct Ctx {
     pub client: Client,
     pub kubelet: Kubelet,
     pub cp: ControlPlane,
+    pub mode: OperatorMode,
     operator: Mutex<Option<(oneshot::Sender<()>, tokio::task::JoinHandle<()>)>>,
 }
 
 impl Ctx {
-    /// Starts the control plane, installs the CRD, starts the kubelet with `nodes` and the
-    /// operator.
-    pub fn start(rt: &tokio::runtime::Runtime, nodes: Vec<NodeConfig>) -> Result<Arc<Ctx>> {
+    /// Starts the control plane and the kubelet with `nodes`, then the operator per `mode`.
+    pub fn start(
+        rt: &tokio::runtime::Runtime,
+        nodes: Vec<NodeConfig>,
+        mode: OperatorMode,
+    ) -> Result<Arc<Ctx>> {
         let cp = ControlPlane::start()?;
-        cp.install_crd()?;
+        if mode == OperatorMode::InProcess {
+            cp.install_crd()?;
+        }
         rt.block_on(async {
             let client = cp.client().await?;
             let kubelet = start_kubelet(&cp, &client, nodes).await?;
@@ -243,15 +285,40 @@ impl Ctx {
                 client,
                 kubelet,
                 cp,
+                mode,
                 operator: Mutex::new(None),
             });
-            ctx.start_operator();
+            match mode {
+                OperatorMode::None => {}
+                OperatorMode::InProcess => ctx.start_operator(),
+                OperatorMode::Chart => ctx.helm_install()?,
+            }
             Ok(ctx)
         })
     }
 
-    /// Starts the operator (one replica, no leader election). The one place the e2e binaries
-    /// start it.
+    /// `helm install` of the chart (its CRD included) into [`OPERATOR_NS`], labelled to enforce
+    /// Pod Security "restricted"; waits for the operator to be ready.
+    fn helm_install(&self) -> Result<()> {
+        run_ok(self.cp.kubectl().args(["create", "namespace", OPERATOR_NS]))?;
+        run_ok(self.cp.kubectl().args([
+            "label",
+            "namespace",
+            OPERATOR_NS,
+            "pod-security.kubernetes.io/enforce=restricted",
+        ]))?;
+        run_ok(
+            self.cp
+                .helm()
+                .args(["install", RELEASE])
+                .arg(chart())
+                .args(["-n", OPERATOR_NS, "--wait", "--timeout", "120s"]),
+        )
+        .context("helm install")?;
+        Ok(())
+    }
+
+    /// Starts the operator in this process (one replica, no leader election).
     pub fn start_operator(&self) {
         let (tx, rx) = oneshot::channel::<()>();
         let client = self.client.clone();
@@ -267,6 +334,7 @@ impl Ctx {
         *self.operator.lock().unwrap() = Some((tx, task));
     }
 
+    /// Stops the in-process operator (if it runs).
     pub async fn stop_operator(&self) {
         let running = self.operator.lock().unwrap().take();
         if let Some((tx, task)) = running {
@@ -275,7 +343,7 @@ impl Ctx {
         }
     }
 
-    /// Stops the operator and the kubelet, then the control plane (after the last test).
+    /// Stops the operator and the kubelet (and with it every pod), then the control plane.
     pub fn shutdown(self: Arc<Ctx>, rt: &tokio::runtime::Runtime) -> Result<()> {
         let ctx = Arc::into_inner(self).context("tests still hold the context")?;
         rt.block_on(ctx.stop_operator());
@@ -286,9 +354,11 @@ impl Ctx {
     }
 }
 
-/// Runs the tests of an operator binary on a cluster of `nodes`, then tears everything down.
-pub fn run_operator_tests(
+/// Runs a binary's tests one at a time on a cluster of `nodes` with the operator per `mode`,
+/// then tears everything down (also when tests fail).
+pub fn run_tests(
     nodes: Vec<NodeConfig>,
+    mode: OperatorMode,
     list: Vec<(&'static str, TestFn<Ctx>)>,
 ) -> Result<()> {
     let filter =
@@ -299,7 +369,7 @@ pub fn run_operator_tests(
         .init();
     let args = sequential_args();
     let rt = runtime()?;
-    let ctx = Ctx::start(&rt, nodes)?;
+    let ctx = Ctx::start(&rt, nodes, mode)?;
     let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
     let conclusion = libtest_mimic::run(&args, trials);
     ctx.shutdown(&rt)?;

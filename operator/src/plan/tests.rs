@@ -529,6 +529,18 @@ fn members_finishing_one_by_one_are_neither_replaced_nor_re_formed_around() {
     assert!(p.failures.is_empty() && p.delete.is_empty());
     assert_eq!(p.status.phase, Some(Phase::Running));
 
+    // A member deleted by someone exits 0 on SIGTERM: a deletion, not the end of training.
+    let mut deleted = pods.clone();
+    deleted[0] = pod(&j, 0, "Running");
+    deleted[2] = pod(&j, 2, "Running");
+    deleted[1] = pod(&j, 1, "Succeeded");
+    deleted[1].metadata.deletion_timestamp =
+        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(t(5)));
+    let p = plan(&j, &obs(deleted, Some(r.clone())));
+    assert_eq!(p.status.phase, Some(Phase::Repairing));
+    assert_eq!(p.failures.len(), 1);
+    assert_eq!(p.failures[0].cause, Cause::PodDeleted);
+
     // The last running member crashes after the others finished: the ring completed.
     pods[1] = pod(&j, 1, "Succeeded");
     pods[3] = exited(pods[3].clone(), 137, "Error");
