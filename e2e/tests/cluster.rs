@@ -13,8 +13,8 @@ use common::*;
 use diphoma_e2e::kubelet::FailMode;
 use diphoma_e2e::kubelet::node::NodeConfig;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{DeleteParams, ListParams};
 use kube::Api;
+use kube::api::{DeleteParams, ListParams};
 use serde_json::json;
 
 fn main() -> Result<()> {
