@@ -6,7 +6,7 @@ NODES ?= 4
 GPUS ?= 8
 CARGO ?= cargo
 
-.PHONY: help deps tools build generate test unit e2e fmt-check bench cluster-up cluster-down demo
+.PHONY: help deps tools build generate test unit e2e fmt-check bench bench-repair cluster-up cluster-down demo
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'

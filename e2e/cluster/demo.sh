@@ -33,9 +33,7 @@ step "GPU nodes of the process kubelet"
 kubectl get nodes -L nvidia.com/gpu.product,nvidia.com/gpu.count
 
 step "helm install the operator (namespace $op_ns enforces Pod Security 'restricted')"
-kubectl create namespace "$op_ns" >/dev/null
-kubectl label namespace "$op_ns" pod-security.kubernetes.io/enforce=restricted >/dev/null
-helm install diphoma-operator "$ROOT/charts/diphoma-operator" -n "$op_ns" --wait --timeout 120s >/dev/null
+bash "$ROOT/e2e/cluster/install-operator.sh"
 kubectl -n "$op_ns" get deploy,pods -o wide
 
 step "apply manifests/examples/digits.yaml"

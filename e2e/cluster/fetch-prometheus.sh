@@ -16,7 +16,7 @@ if [[ ! -x "$OUT/usr/bin/prometheus" ]]; then
     $sudo apt-get update -qq
     (cd "$tmp" && apt-get download prometheus >/dev/null)
   fi
-  rm -rf "$OUT.part" && dpkg -x "$tmp"/prometheus_*.deb "$OUT.part" && mv "$OUT.part" "$OUT"
+  rm -rf "$OUT.part" "$OUT" && dpkg -x "$tmp"/prometheus_*.deb "$OUT.part" && mv "$OUT.part" "$OUT"
 fi
 "$OUT/usr/bin/prometheus" --version 2>&1 | sed -n 1p >&2
 echo "$OUT/usr/bin/prometheus"

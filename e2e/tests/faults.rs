@@ -967,8 +967,9 @@ async fn a_lost_node_is_detected_and_its_worker_moves(ctx: Arc<Ctx>, ns: String)
                 .iter()
                 .any(|c| s.failures.by_cause.get(*c) == Some(&1))
     };
+    // detectionSeconds, plus the Lease renewal period (2 s), plus reconciles on a loaded machine.
     eventually(
-        DETECTION_SECONDS + 4,
+        DETECTION_SECONDS + 6,
         "the worker on the frozen node counted lost",
         async || {
             let st = job_status(&ctx.client, &ns, "digits").await?.status;

@@ -168,6 +168,9 @@ pub async fn run(
         ));
     }
     let mut shutdown = Box::pin(shutdown);
+    // Ready once serving, leader or standby: a standby must count as available, or a Deployment
+    // of two replicas never finishes rolling out (controller-runtime does the same).
+    ready.store(true, Ordering::Relaxed);
     let mut leadership = None;
     if let Some(le) = &opts.leader_election {
         let lease = format!("{}/{}", le.namespace, le.lease_name);
@@ -191,7 +194,6 @@ pub async fn run(
         leadership = Some(rx);
     }
     metrics.leader.set(1);
-    ready.store(true, Ordering::Relaxed);
     let lost = Arc::new(AtomicBool::new(false));
     let lost_flag = lost.clone();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

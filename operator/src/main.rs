@@ -30,9 +30,13 @@ enum Cmd {
 
 #[derive(clap::Args)]
 struct RunArgs {
-    /// Address of `/metrics`, `/healthz` and `/readyz` (default: `$POD_IP:8080`, else 127.0.0.1:8080).
+    /// Address of `/metrics`, `/healthz` and `/readyz` (default: `$POD_IP`, else 127.0.0.1, on
+    /// `--metrics-port`).
     #[arg(long, env = "DIPHOMA_METRICS_ADDR")]
     metrics_addr: Option<std::net::SocketAddr>,
+    /// Port of the default metrics address.
+    #[arg(long, env = "DIPHOMA_METRICS_PORT", default_value_t = 8080)]
+    metrics_port: u16,
     /// Reconcile only while holding the leader Lease (for more than one replica).
     #[arg(long, env = "DIPHOMA_LEADER_ELECT")]
     leader_elect: bool,
@@ -81,7 +85,7 @@ async fn main() {
                 .and_then(|ip| ip.parse().ok())
                 .unwrap_or([127, 0, 0, 1].into());
             let opts = Options {
-                metrics_addr: Some(args.metrics_addr.unwrap_or((ip, 8080).into())),
+                metrics_addr: Some(args.metrics_addr.unwrap_or((ip, args.metrics_port).into())),
                 leader_election: args.leader_elect.then_some(LeaderElection {
                     namespace: args.lease_namespace,
                     lease_name: args.lease_name,

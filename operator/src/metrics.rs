@@ -151,21 +151,24 @@ impl Metrics {
 
     /// The text exposition, with the job and worker gauges computed from `jobs`.
     pub fn render(&self, jobs: &[Arc<DiphomaJob>]) -> String {
-        self.jobs.reset();
-        for p in Phase::ALL {
-            self.jobs
-                .with_label_values(&[format!("{p:?}").as_str()])
-                .set(0);
-        }
+        // Counted here, then set: concurrent scrapes never see a half-built gauge.
+        let mut by_phase: std::collections::BTreeMap<String, i64> = Phase::ALL
+            .iter()
+            .map(|p| (format!("{p:?}"), 0))
+            .chain([("Unknown".to_owned(), 0)])
+            .collect();
         let (mut desired, mut ready) = (0, 0);
         for j in jobs {
             let st = j.status.clone().unwrap_or_default();
             let phase = st.phase.map_or("Unknown".to_owned(), |p| format!("{p:?}"));
-            self.jobs.with_label_values(&[phase.as_str()]).inc();
+            *by_phase.entry(phase).or_default() += 1;
             if !st.phase.is_some_and(Phase::is_terminal) {
                 desired += i64::from(j.spec.replicas);
                 ready += i64::from(st.ready_replicas);
             }
+        }
+        for (phase, n) in by_phase {
+            self.jobs.with_label_values(&[phase.as_str()]).set(n);
         }
         self.workers.with_label_values(&["desired"]).set(desired);
         self.workers.with_label_values(&["ready"]).set(ready);

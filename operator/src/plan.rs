@@ -425,14 +425,32 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
             .collect();
         // Members exit 0 one by one once the last step is committed. The ring has completed
         // when one has and none still runs; until then a finished worker is neither replaced
-        // nor re-formed around, and the status holds.
+        // nor re-formed around, and the status holds. A member still running
+        // COMPLETION_GRACE × detectionSeconds after the first finished is stuck (its neighbours,
+        // gone, can no longer blame it): the ring has completed without it.
         let finished = |pod: &String| {
             succeeded.contains(pod) || failed_pods.contains(pod) || !present_pod(obs, pod)
         };
         let completing = r.members.iter().any(|m| succeeded.contains(&m.pod));
         if completing && !r.members.iter().all(|m| finished(&m.pod)) {
-            plan.status = status;
-            return plan;
+            let first_done = obs
+                .pods
+                .iter()
+                .filter(|p| succeeded.contains(&p.name_any()))
+                .filter_map(loss_time)
+                .min();
+            let grace = Duration::from_secs(
+                COMPLETION_GRACE * spec.fault_tolerance.detection_seconds.max(1) as u64,
+            );
+            let waited = first_done.map_or(Duration::ZERO, |t| {
+                Duration::from_secs_f64(now.duration_since(t).as_secs_f64().max(0.0))
+            });
+            if waited < grace {
+                let again = grace - waited + Duration::from_millis(100);
+                plan.requeue_after = Some(plan.requeue_after.map_or(again, |r| r.min(again)));
+                plan.status = status;
+                return plan;
+            }
         }
         if completing {
             return finish(
@@ -804,6 +822,9 @@ fn phase_reason(p: Phase) -> &'static str {
         Phase::Failed => "Failed",
     }
 }
+
+/// How many detectionSeconds the members of a completing ring get to follow the first one out.
+const COMPLETION_GRACE: u64 = 6;
 
 /// When a lost pod was lost: its container's finish time, else its deletion time.
 fn loss_time(p: &Pod) -> Option<Timestamp> {

@@ -162,6 +162,8 @@ pub struct KubeRing {
     in_flight: Arc<Mutex<Option<(u64, AbortHandle)>>>,
     last_progress: Option<Instant>,
     last_report: Option<ProgressReport>,
+    /// The progress write still in flight (the next one waits for it: writes land in order).
+    pending_progress: Option<tokio::task::JoinHandle<()>>,
     metrics: WorkerMetrics,
     terminating: Arc<AtomicBool>,
     removed: bool,
@@ -287,6 +289,7 @@ impl KubeRing {
             in_flight,
             last_progress: None,
             last_report: None,
+            pending_progress: None,
             metrics,
             terminating,
             removed: false,
@@ -445,19 +448,26 @@ impl KubeRing {
         }
     }
 
-    /// Patches `report` into the heartbeat: in the background, or waiting for it (at most 10 s)
-    /// when it is the last one before the process exits.
-    fn write_progress(&self, report: &ProgressReport, wait: bool) {
+    /// Patches `report` into the heartbeat after the write still in flight: in the background,
+    /// or waiting for both (at most 10 s) when it is the last one before the process exits.
+    fn write_progress(&mut self, report: &ProgressReport, wait: bool) {
         let write = self.patch_heartbeat(
             contract::PROGRESS_KEY.to_string(),
             serde_json::to_string(report).expect("serializable"),
         );
+        let previous = self.pending_progress.take();
+        let in_order = async move {
+            if let Some(p) = previous {
+                let _ = p.await;
+            }
+            write.await
+        };
         if wait {
             self.rt.block_on(async {
-                let _ = tokio::time::timeout(Duration::from_secs(10), write).await;
+                let _ = tokio::time::timeout(Duration::from_secs(10), in_order).await;
             });
         } else {
-            self.rt.spawn(write);
+            self.pending_progress = Some(self.rt.spawn(in_order));
         }
     }
 }

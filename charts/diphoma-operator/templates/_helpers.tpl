@@ -3,16 +3,17 @@
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* The full name of every resource: fullnameOverride, else release-chart (once if they overlap). */}}
+{{/* The full name of every resource: fullnameOverride, else release-chart (once if they overlap);
+   at most 47 characters so that suffixes like -leader-election keep names within 63. */}}
 {{- define "diphoma-operator.fullname" -}}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- .Values.fullnameOverride | trunc 47 | trimSuffix "-" }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
 {{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- .Release.Name | trunc 47 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s" .Release.Name $name | trunc 47 | trimSuffix "-" }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -223,6 +223,12 @@ async fn bench(client: &Client, kubelet: &Kubelet, ns: &str, args: &Args) -> Res
                         if now.generation > ring.generation && !now.members.contains(&victim) {
                             published = Some(t0.elapsed().as_secs_f64());
                         }
+                        if t0.elapsed() > Duration::from_secs(120) {
+                            return Err(format!(
+                                "{fault} run {run}: {victim:?} still in the ring after 120 s"
+                            )
+                            .into());
+                        }
                         tokio::time::sleep(Duration::from_millis(5)).await;
                     };
                     rows.node_detect_s.push(published);

@@ -233,14 +233,17 @@ pub enum OperatorMode {
     Chart,
 }
 
-/// The Helm release and the namespace of a chart-installed operator (as in install.yaml).
+/// The Helm release of a chart-installed operator (as in install.yaml and install-operator.sh).
 pub const RELEASE: &str = "diphoma-operator";
+/// The namespace of a chart-installed operator.
 pub const OPERATOR_NS: &str = "diphoma-system";
 
-/// The repository root and the chart in it.
+/// The repository root.
 pub fn repo_root() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
+
+/// The operator's Helm chart.
 pub fn chart() -> std::path::PathBuf {
     repo_root().join("charts/diphoma-operator")
 }
@@ -298,23 +301,19 @@ impl Ctx {
     }
 
     /// `helm install` of the chart (its CRD included) into [`OPERATOR_NS`], labelled to enforce
-    /// Pod Security "restricted"; waits for the operator to be ready.
+    /// Pod Security "restricted", by `e2e/cluster/install-operator.sh` (as `make demo` does);
+    /// waits for the operator to be ready.
     fn helm_install(&self) -> Result<()> {
-        run_ok(self.cp.kubectl().args(["create", "namespace", OPERATOR_NS]))?;
-        run_ok(self.cp.kubectl().args([
-            "label",
-            "namespace",
-            OPERATOR_NS,
-            "pod-security.kubernetes.io/enforce=restricted",
-        ]))?;
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        let mut dirs = vec![self.cp.bin_dir.clone()];
+        dirs.extend(std::env::split_paths(&path));
         run_ok(
-            self.cp
-                .helm()
-                .args(["install", RELEASE])
-                .arg(chart())
-                .args(["-n", OPERATOR_NS, "--wait", "--timeout", "120s"]),
+            std::process::Command::new("bash")
+                .arg(repo_root().join("e2e/cluster/install-operator.sh"))
+                .env("KUBECONFIG", &self.cp.kubeconfig)
+                .env("PATH", std::env::join_paths(dirs)?),
         )
-        .context("helm install")?;
+        .context("installing the operator with its chart")?;
         Ok(())
     }
 

@@ -529,6 +529,30 @@ fn members_finishing_one_by_one_are_neither_replaced_nor_re_formed_around() {
     assert!(p.failures.is_empty() && p.delete.is_empty());
     assert_eq!(p.status.phase, Some(Phase::Running));
 
+    // Still running 6 × detectionSeconds (10 s) after the first member finished: stuck, and the
+    // ring has completed without it; before that, a requeue for when the grace ends.
+    let done_at = |mut p: Pod, secs: i64| {
+        p.status.as_mut().unwrap().container_statuses = Some(vec![
+            serde_json::from_value(json!({"name": "w", "image": "x", "imageID": "", "ready": false,
+                "restartCount": 0, "state": {"terminated": {"exitCode": 0, "finishedAt": t(secs).to_string()}}}))
+            .unwrap(),
+        ]);
+        p
+    };
+    let mut stuck = pods.clone();
+    stuck[0] = done_at(stuck[0].clone(), 50);
+    let p = plan(&j, &obs(stuck.clone(), Some(r.clone())));
+    assert_eq!(p.status.phase, Some(Phase::Running));
+    assert_eq!(p.requeue_after, Some(Duration::from_millis(10_100)));
+    stuck[0] = done_at(stuck[0].clone(), 39);
+    let p = plan(&j, &obs(stuck, Some(r.clone())));
+    assert_eq!(p.status.phase, Some(Phase::Succeeded));
+    assert_eq!(
+        p.delete.iter().map(|d| d.pod.as_str()).collect::<Vec<_>>(),
+        ["train-worker-1", "train-worker-3"],
+        "cleanPodPolicy Running deletes the stuck members"
+    );
+
     // A member deleted by someone exits 0 on SIGTERM: a deletion, not the end of training.
     let mut deleted = pods.clone();
     deleted[0] = pod(&j, 0, "Running");
