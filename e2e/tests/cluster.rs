@@ -45,12 +45,6 @@ fn log(ctx: &Ctx, pod: &Pod) -> Result<String> {
     std::fs::read_to_string(&f).with_context(|| format!("log {}", f.display()))
 }
 
-fn terminated(p: &Pod) -> Option<(i32, String)> {
-    let cs = p.status.as_ref()?.container_statuses.as_ref()?.first()?;
-    let t = cs.state.as_ref()?.terminated.as_ref()?;
-    Some((t.exit_code, t.reason.clone().unwrap_or_default()))
-}
-
 async fn gpu_pod_is_bound_to_a_node_with_room_and_reports_its_exit_code(
     ctx: Arc<Ctx>,
     ns: String,

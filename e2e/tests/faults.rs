@@ -242,16 +242,7 @@ async fn worker_pods(ctx: &Ctx, ns: &str, job: &str) -> Result<Vec<Pod>> {
 }
 
 fn exit_code(p: &Pod) -> Option<i32> {
-    p.status
-        .as_ref()?
-        .container_statuses
-        .as_ref()?
-        .first()?
-        .state
-        .as_ref()?
-        .terminated
-        .as_ref()
-        .map(|t| t.exit_code)
+    terminated(p).map(|(code, _)| code)
 }
 
 fn restarts(p: &Pod) -> i32 {

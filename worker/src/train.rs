@@ -460,6 +460,7 @@ pub fn train_rank(
     let mut generations = Vec::new();
     let mut stats = Stats::default();
     let mut next = Some(first);
+    let mut left = false;
     'generations: while let Some(g) = next.take() {
         let gen_no = g.config.generation;
         let synced = match Communicator::connect(g.config, g.listener) {
@@ -530,16 +531,8 @@ pub fn train_rank(
                     continue 'generations;
                 }
                 Control::Leave => {
-                    return Ok(Outcome {
-                        model,
-                        optimizer: opt,
-                        step,
-                        losses,
-                        generations,
-                        last_checkpoint,
-                        left: true,
-                        stats,
-                    });
+                    left = true;
+                    break 'generations;
                 }
             }
         }
@@ -551,7 +544,7 @@ pub fn train_rank(
         losses,
         generations,
         last_checkpoint,
-        left: false,
+        left,
         stats,
     })
 }

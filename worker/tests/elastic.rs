@@ -2,9 +2,12 @@
 //! step, re-form the ring at the next generation; a joiner receives the state by broadcast; the
 //! result equals an undisturbed run.
 
+mod common;
+
 use std::collections::VecDeque;
 use std::path::Path;
 
+use common::max_diff;
 use diphoma_worker::CommError;
 use diphoma_worker::data;
 use diphoma_worker::optim::{OptState, OptimizerKind};
@@ -37,14 +40,6 @@ impl RingSource for Script {
         self.failures.push(err.metric_label().to_string());
         self.on_failure.pop_front()
     }
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 #[test]

@@ -1,8 +1,11 @@
 //! Training: world-size independence, accuracy on the digits set, data-file errors.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use common::max_diff;
 use diphoma_worker::data::{self, Dataset};
 use diphoma_worker::model;
 use diphoma_worker::optim::{OptState, OptimizerKind};
@@ -22,15 +25,6 @@ fn scratch(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-/// Largest absolute difference of two equally long vectors.
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 /// Tolerance of parameters and losses between runs whose only difference is the world size.

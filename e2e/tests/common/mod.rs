@@ -120,6 +120,13 @@ pub fn phase(p: &Pod) -> &str {
         .unwrap_or("")
 }
 
+/// Exit code and reason of the first container, once it has terminated.
+pub fn terminated(p: &Pod) -> Option<(i32, String)> {
+    let cs = p.status.as_ref()?.container_statuses.as_ref()?.first()?;
+    let t = cs.state.as_ref()?.terminated.as_ref()?;
+    Some((t.exit_code, t.reason.clone().unwrap_or_default()))
+}
+
 /// The pid of the first container from `containerID: process://<pid>`.
 pub fn pid_of(p: &Pod) -> Result<u32> {
     let id = p

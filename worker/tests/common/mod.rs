@@ -61,3 +61,12 @@ pub fn on_all<R: Send + 'static>(
         .collect();
     hs.into_iter().map(|h| h.join().unwrap()).unzip()
 }
+
+/// Largest absolute difference of two equally long vectors.
+pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
