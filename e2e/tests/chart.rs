@@ -373,7 +373,7 @@ async fn train_and_query(ctx: &Ctx, ns: &str, prom: &Prometheus) -> Result<()> {
     let field = |path: &str| -> Result<String> {
         run_ok(ctx.cp.kubectl().args([
             "-n",
-            &ns,
+            ns,
             "get",
             "dpj",
             job,
@@ -395,7 +395,7 @@ async fn train_and_query(ctx: &Ctx, ns: &str, prom: &Prometheus) -> Result<()> {
         Ok(up.len() == 3 && step >= 200)
     })
     .await?;
-    let victim: Pod = Api::namespaced(ctx.client.clone(), &ns)
+    let victim: Pod = Api::namespaced(ctx.client.clone(), ns)
         .get(&format!("{job}-worker-1"))
         .await?;
     signal(pid_of(&victim)?, libc::SIGKILL);

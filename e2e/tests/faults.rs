@@ -950,8 +950,9 @@ async fn a_lost_node_is_detected_and_its_worker_moves(ctx: Arc<Ctx>, ns: String)
     let node = node_of(&victim).unwrap();
     ctx.kubelet
         .fail_node(&node, diphoma_e2e::kubelet::FailMode::Freeze)?;
-    // Whichever fires first: the node's stale Lease (NodeLost) or the neighbours' timed-out
-    // collectives blaming the silent worker (Hung).
+    // NodeLost: the Lease is stale, or late when the neighbours' timed-out collectives blame the
+    // silent worker. Hung only if those reports are judged before a renewal is overdue (a
+    // renewal just before the freeze, on a fast machine).
     let lost = |s: &DiphomaJobStatus| {
         s.failures.total == 1
             && ["NodeLost", "Hung"]

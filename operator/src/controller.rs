@@ -28,7 +28,7 @@ use serde::de::DeserializeOwned;
 use crate::api::{DiphomaJob, FIELD_MANAGER};
 use crate::build::{self, ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED, MANAGED_BY};
 use crate::metrics::Metrics;
-use crate::plan::{self, Observed, Plan};
+use crate::plan::{self, NodeLease, Observed, Plan};
 
 /// Errors of one reconcile.
 #[derive(Debug, thiserror::Error)]
@@ -303,14 +303,20 @@ async fn observe(client: &Client, job: &DiphomaJob) -> Result<Observed, Error> {
         .iter()
         .filter_map(|p| p.spec.as_ref()?.node_name.clone())
         .collect();
-    let mut lost_nodes = BTreeSet::new();
-    let detection =
-        jiff::SignedDuration::from_secs(job.spec.fault_tolerance.detection_seconds.into());
+    let (mut lost_nodes, mut late_nodes) = (BTreeSet::new(), BTreeSet::new());
     for n in nodes {
-        let lease = Api::<Lease>::namespaced(client.clone(), "kube-node-lease")
+        let spec = Api::<Lease>::namespaced(client.clone(), "kube-node-lease")
             .get_opt(&n)
-            .await?;
-        let renewed = lease.and_then(|l| l.spec?.renew_time).map(|t| t.0);
+            .await?
+            .and_then(|l| l.spec);
+        let lease = plan::node_lease(
+            spec.as_ref()
+                .and_then(|s| s.renew_time.as_ref())
+                .map(|t| t.0),
+            spec.as_ref().and_then(|s| s.lease_duration_seconds),
+            now,
+            job.spec.fault_tolerance.detection_seconds,
+        );
         let ready = Api::<Node>::all(client.clone())
             .get_opt(&n)
             .await?
@@ -321,7 +327,10 @@ async fn observe(client: &Client, job: &DiphomaJob) -> Result<Observed, Error> {
                     .flatten()
                     .any(|c| c.type_ == "Ready" && c.status == "True")
             });
-        if !ready || renewed.is_none_or(|t| now.duration_since(t) > detection) {
+        if lease != NodeLease::Fresh || !ready {
+            late_nodes.insert(n.clone());
+        }
+        if lease == NodeLease::Lost || !ready {
             lost_nodes.insert(n);
         }
     }
@@ -329,6 +338,7 @@ async fn observe(client: &Client, job: &DiphomaJob) -> Result<Observed, Error> {
         pods,
         ring,
         lost_nodes,
+        late_nodes,
         progress,
         reports,
         now,

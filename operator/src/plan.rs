@@ -23,14 +23,57 @@ pub struct Observed {
     pub pods: Vec<Pod>,
     /// The published ring generation, if any.
     pub ring: Option<Membership>,
-    /// Nodes considered lost: Lease older than `detectionSeconds` or not Ready.
+    /// Nodes considered lost ([`NodeLease::Lost`] or not Ready).
     pub lost_nodes: BTreeSet<String>,
+    /// Nodes whose Lease missed a renewal ([`NodeLease::Late`] or lost): a silent member there
+    /// is counted as `NodeLost`, not `Hung`.
+    pub late_nodes: BTreeSet<String>,
     /// Rank 0's latest progress record.
     pub progress: Option<ProgressReport>,
     /// The workers' failure reports (any generation).
     pub reports: Vec<FailureReport>,
     /// Now.
     pub now: Timestamp,
+}
+
+/// Lease duration assumed when a node's Lease has none: the kubelet's default
+/// (`nodeLeaseDurationSeconds`, 40 s).
+pub const DEFAULT_NODE_LEASE_SECONDS: i32 = 40;
+
+/// How current a node's Lease in `kube-node-lease` is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeLease {
+    /// Renewed on schedule.
+    Fresh,
+    /// A renewal is overdue by half an interval, but the node is not yet declared lost.
+    Late,
+    /// Not renewed within `detectionSeconds` nor within a late renewal, or never renewed.
+    Lost,
+}
+
+/// Judges a node Lease renewed at `renewed` with `leaseDurationSeconds` `duration_s`, at `now`.
+///
+/// The kubelet renews every `leaseDurationSeconds / 4` (its `nodeLeaseRenewIntervalFraction`,
+/// 0.25: every 10 s for the default 40 s). A Lease is late once it is older than 1.5 intervals,
+/// and lost once it is also older than `detection_seconds`: a node is never declared lost between
+/// two on-time renewals, however small `detectionSeconds` is.
+pub fn node_lease(
+    renewed: Option<Timestamp>,
+    duration_s: Option<i32>,
+    now: Timestamp,
+    detection_seconds: i32,
+) -> NodeLease {
+    let Some(renewed) = renewed else {
+        return NodeLease::Lost;
+    };
+    let interval_ms = i64::from(duration_s.unwrap_or(DEFAULT_NODE_LEASE_SECONDS).max(1)) * 250;
+    let late = jiff::SignedDuration::from_millis(interval_ms * 3 / 2);
+    let detection = jiff::SignedDuration::from_secs(detection_seconds.into());
+    match now.duration_since(renewed) {
+        age if age > late && age > detection => NodeLease::Lost,
+        age if age > late => NodeLease::Late,
+        _ => NodeLease::Fresh,
+    }
 }
 
 /// Why a worker was lost.
@@ -330,7 +373,8 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
         _ => BTreeSet::new(),
     };
     // Hung or cut-off members: blamed by a neighbour's report at the current generation and
-    // silent themselves, once the reports had `detectionSeconds / 2` to arrive.
+    // silent themselves, once the reports had `detectionSeconds / 2` to arrive. On a node whose
+    // Lease is late, the node went quiet with its worker: that is a node loss.
     if let Some(r) = &ring {
         let (hung, wait) =
             silent_members(r, &obs.reports, now, spec.fault_tolerance.detection_seconds);
@@ -340,11 +384,21 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
             .collect();
         for pod in hung {
             failed_pods.insert(pod.clone());
+            let late = obs
+                .pods
+                .iter()
+                .find(|p| p.name_any() == pod)
+                .and_then(node_of);
+            let (cause, reason) = if late.is_some_and(|n| obs.late_nodes.contains(n)) {
+                (Cause::NodeLost, "NodeLost")
+            } else {
+                (Cause::Hung, "Silent")
+            };
             plan.failures.push(Failure {
                 rank: rank_of(&pod),
                 pod,
-                cause: Cause::Hung,
-                reason: "Silent".into(),
+                cause,
+                reason: reason.into(),
                 exit_code: None,
                 retryable: true,
                 exists: true,

@@ -212,7 +212,7 @@ impl Kubelet {
         for n in &shared.cfg.nodes {
             let state = &shared.nodes[&n.name];
             let ips = state.ips.lock().unwrap().clone();
-            register(&shared.client, n, &ips).await?;
+            register(&shared.client, n, &ips, shared.cfg.heartbeat).await?;
         }
         let mut tasks = vec![];
         for name in shared.nodes.keys() {
@@ -275,8 +275,14 @@ impl Kubelet {
     }
 }
 
-/// Creates the Node (status included) and its Lease; an existing one is taken over.
-async fn register(client: &Client, cfg: &NodeConfig, ips: &IpPool) -> Result<(), Error> {
+/// Creates the Node (status included) and its Lease, renewed every `renew`; an existing one is
+/// taken over.
+async fn register(
+    client: &Client,
+    cfg: &NodeConfig,
+    ips: &IpPool,
+    renew: Duration,
+) -> Result<(), Error> {
     let nodes: Api<Node> = Api::all(client.clone());
     let obj = node::node_object(cfg, &ips.node_ip(), &ips.cidr());
     let node = match nodes.create(&PostParams::default(), &obj).await {
@@ -290,16 +296,14 @@ async fn register(client: &Client, cfg: &NodeConfig, ips: &IpPool) -> Result<(),
         Err(e) => return Err(e.into()),
     };
     let leases: Api<Lease> = Api::namespaced(client.clone(), LEASE_NAMESPACE);
-    let lease = node::lease_object(&cfg.name, node.metadata.uid.as_deref().unwrap_or_default());
+    let uid = node.metadata.uid.as_deref().unwrap_or_default();
+    let lease = node::lease_object(&cfg.name, uid, renew);
     match leases.create(&PostParams::default(), &lease).await {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.is_already_exists() => {
+            let body = serde_json::json!({"spec": lease.spec});
             leases
-                .patch(
-                    &cfg.name,
-                    &PatchParams::default(),
-                    &Patch::Merge(&node::lease_renewal()),
-                )
+                .patch(&cfg.name, &PatchParams::default(), &Patch::Merge(&body))
                 .await?;
             Ok(())
         }

@@ -13,8 +13,6 @@ use serde::{Deserialize, Serialize};
 
 /// Namespace of node heartbeat Leases.
 pub const LEASE_NAMESPACE: &str = "kube-node-lease";
-/// Lease duration a kubelet announces, in seconds (kubelet default).
-pub const LEASE_DURATION_SECONDS: i32 = 40;
 /// Extended resource name of NVIDIA GPUs, as the device plugin advertises it.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
 
@@ -145,9 +143,16 @@ pub fn node_object(cfg: &NodeConfig, ip: &str, pod_cidr: &str) -> Node {
     }
 }
 
-/// The node's heartbeat Lease in `kube-node-lease`, owned by the Node (so it is garbage-collected
-/// with it). `node_uid` is the registered Node's UID.
-pub fn lease_object(node: &str, node_uid: &str) -> Lease {
+/// The Lease duration, in whole seconds, that a kubelet renewing every `renew` announces: four
+/// intervals, as the kubelet's `nodeLeaseRenewIntervalFraction` (0.25) implies (40 s for its
+/// default 10 s). The operator infers the renewal interval back from it.
+pub fn lease_duration_seconds(renew: std::time::Duration) -> i32 {
+    (renew.as_secs_f64() * 4.0).ceil().max(1.0) as i32
+}
+
+/// The node's heartbeat Lease in `kube-node-lease`, renewed every `renew`, owned by the Node (so
+/// it is garbage-collected with it). `node_uid` is the registered Node's UID.
+pub fn lease_object(node: &str, node_uid: &str, renew: std::time::Duration) -> Lease {
     Lease {
         metadata: ObjectMeta {
             name: Some(node.to_owned()),
@@ -163,7 +168,7 @@ pub fn lease_object(node: &str, node_uid: &str) -> Lease {
         },
         spec: Some(LeaseSpec {
             holder_identity: Some(node.to_owned()),
-            lease_duration_seconds: Some(LEASE_DURATION_SECONDS),
+            lease_duration_seconds: Some(lease_duration_seconds(renew)),
             renew_time: Some(MicroTime(jiff::Timestamp::now())),
             ..Default::default()
         }),
@@ -210,9 +215,15 @@ mod tests {
 
     #[test]
     fn lease_is_owned_by_its_node() {
-        let l = lease_object("g0", "uid-1");
+        let l = lease_object("g0", "uid-1", std::time::Duration::from_millis(2_500));
         let owner = &l.metadata.owner_references.unwrap()[0];
         assert_eq!((owner.kind.as_str(), owner.uid.as_str()), ("Node", "uid-1"));
-        assert_eq!(l.spec.unwrap().holder_identity.as_deref(), Some("g0"));
+        let spec = l.spec.unwrap();
+        assert_eq!(spec.holder_identity.as_deref(), Some("g0"));
+        assert_eq!(
+            spec.lease_duration_seconds,
+            Some(10),
+            "four renewal intervals"
+        );
     }
 }

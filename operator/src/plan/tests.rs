@@ -14,6 +14,7 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         pods,
         ring,
         lost_nodes: BTreeSet::new(),
+        late_nodes: BTreeSet::new(),
         progress: None,
         reports: vec![],
         now: t(100),
@@ -670,6 +671,47 @@ fn a_silent_member_blamed_by_its_neighbours_is_hung() {
     }));
     assert_eq!(p.status.repairs.by_cause["Hung"], 1);
     assert_eq!(p.publish.unwrap().members.len(), 3);
+}
+
+#[test]
+fn a_silent_member_on_a_node_with_a_late_lease_is_a_node_loss() {
+    let j = elastic(2);
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let mut o = Observed {
+        reports: vec![report(0, 1, 2, 96), report(2, 1, 2, 96)],
+        now: t(102),
+        ..obs(pods, Some(ring(&j, 2, &[0, 1, 2, 3])))
+    };
+    o.late_nodes.insert("n1".into());
+    let p = plan(&j, &o);
+    let got: Vec<_> = p
+        .failures
+        .iter()
+        .map(|f| (f.pod.as_str(), f.cause))
+        .collect();
+    assert_eq!(got, [("train-worker-1", Cause::NodeLost)]);
+    assert_eq!(p.status.repairs.by_cause["NodeLost"], 1);
+    assert_eq!(p.status.repairs.by_cause.get("Hung"), None);
+}
+
+#[test]
+fn a_node_is_lost_only_past_both_a_late_renewal_and_detection_seconds() {
+    let lease = |age_ms: i64, duration: Option<i32>, detection: i32| {
+        let now = t(100);
+        let renewed = now - jiff::SignedDuration::from_millis(age_ms);
+        node_lease(Some(renewed), duration, now, detection)
+    };
+    // The process kubelet: 8 s Leases renewed every 2 s; late after 3 s.
+    assert_eq!(lease(1_900, Some(8), 4), NodeLease::Fresh);
+    assert_eq!(lease(3_100, Some(8), 4), NodeLease::Late);
+    assert_eq!(lease(4_100, Some(8), 4), NodeLease::Lost);
+    // A real kubelet renews a 40 s Lease every 10 s: with detectionSeconds 4 a node between two
+    // renewals is not lost; it is, once a renewal is 5 s overdue.
+    assert_eq!(lease(9_900, Some(40), 4), NodeLease::Fresh);
+    assert_eq!(lease(14_900, None, 4), NodeLease::Fresh);
+    assert_eq!(lease(15_100, None, 4), NodeLease::Lost);
+    assert_eq!(lease(15_100, Some(40), 30), NodeLease::Late);
+    assert_eq!(node_lease(None, Some(40), t(100), 10), NodeLease::Lost);
 }
 
 #[test]
