@@ -12,6 +12,7 @@ use anyhow::{Context, Result, bail, ensure};
 use common::*;
 use diphoma_e2e::kubelet::FailMode;
 use diphoma_e2e::kubelet::node::NodeConfig;
+use diphoma_e2e::kubelet::status::is_ready;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Api;
 use kube::api::{DeleteParams, ListParams};
@@ -33,6 +34,7 @@ fn main() -> Result<()> {
             deployment_gets_pods_from_the_controller_manager_and_replicaset_deletion_collects_them,
             pod_sees_env_downward_api_volumes_and_only_its_serviceaccount_permissions,
             restart_policy_and_graceful_deletion_are_honoured,
+            readiness_and_liveness_probes_gate_ready_and_restart_the_container,
             bad_requests_name_what_is_wrong,
             failed_node_turns_notready_while_its_pods_stay_running,
         ],
@@ -395,23 +397,11 @@ async fn restart_policy_and_graceful_deletion_are_honoured(
     )
     .await?;
     let p = wait_pod(&ctx.client, &ns, "crashy", 60, "restarted twice", |p| {
-        p.status
-            .as_ref()
-            .and_then(|s| s.container_statuses.as_ref())
-            .is_some_and(|c| c[0].restart_count >= 2)
+        first_container(p).is_some_and(|c| c.restart_count >= 2)
     })
     .await?;
-    let cs = &p
-        .status
-        .as_ref()
-        .unwrap()
-        .container_statuses
-        .as_ref()
-        .unwrap()[0];
-    let last = cs
-        .last_state
-        .as_ref()
-        .and_then(|s| s.terminated.as_ref())
+    let last = first_container(&p)
+        .and_then(|c| c.last_state.as_ref()?.terminated.as_ref())
         .context("no lastState.terminated")?;
     ensure!(
         last.exit_code == 7,
@@ -441,6 +431,70 @@ async fn restart_policy_and_graceful_deletion_are_honoured(
     ensure!(
         log(&ctx, &p)?.contains("sigterm"),
         "the process did not get SIGTERM first"
+    );
+    Ok(())
+}
+
+async fn readiness_and_liveness_probes_gate_ready_and_restart_the_container(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let dir = ctx.cp.dir.join(format!("probes-{ns}"));
+    std::fs::create_dir_all(&dir)?;
+    let (ready_file, sick_file) = (dir.join("ready"), dir.join("sick"));
+    let args = [
+        "--serve",
+        "$(POD_IP):8080",
+        "--ready-file",
+        ready_file.to_str().unwrap(),
+        "--sick-file",
+        sick_file.to_str().unwrap(),
+        "--sleep",
+        "3600",
+    ];
+    let probes = json!({"spec": {"restartPolicy": "Always", "containers": [{
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "ports": [{"name": "http", "containerPort": 8080}],
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 1, "failureThreshold": 2},
+    }]}});
+    create(&ctx.client, &ns, &probe_pod("probed", &args, probes)).await?;
+    let serving = |p: &Pod| log(&ctx, p).is_ok_and(|l| l.contains("serve "));
+    let p = wait_pod(&ctx.client, &ns, "probed", 60, "serving", |p| {
+        phase(p) == "Running" && serving(p)
+    })
+    .await?;
+    let pid = pid_of(&p)?;
+    // Serving, but /ready answers 503: a few probe periods later it is still not Ready.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let p = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+        .get("probed")
+        .await?;
+    ensure!(
+        !is_ready(&p) && first_container(&p).is_some_and(|c| c.started == Some(true) && !c.ready),
+        "Ready before its readiness probe passed: {:?}",
+        p.status
+    );
+    std::fs::write(&ready_file, "")?;
+    wait_pod(&ctx.client, &ns, "probed", 30, "Ready", is_ready).await?;
+    std::fs::remove_file(&ready_file)?;
+    wait_pod(&ctx.client, &ns, "probed", 30, "unready again", |p| {
+        !is_ready(p)
+    })
+    .await?;
+    std::fs::write(&sick_file, "")?;
+    let p = wait_pod(&ctx.client, &ns, "probed", 30, "restarted", |p| {
+        first_container(p).is_some_and(|c| c.restart_count == 1)
+    })
+    .await?;
+    std::fs::remove_dir_all(&dir)?;
+    let last = first_container(&p)
+        .and_then(|c| c.last_state.as_ref()?.terminated.clone())
+        .context("no lastState.terminated")?;
+    ensure!(last.exit_code == 137, "killed with SIGKILL: {last:?}");
+    ensure!(
+        !alive(pid),
+        "the process that failed its liveness probe still runs"
     );
     Ok(())
 }

@@ -2,6 +2,8 @@
 //! is one observation or action, printed as one line on stdout, in this order:
 //! `--env` prints `env NAME=VALUE` for every variable; `--read FILE` prints `read FILE <content>`;
 //! `--get PATH` calls the API server (with `$KUBECONFIG`) and prints `get PATH <http status>`;
+//! `--serve ADDR` answers HTTP probes while it sleeps (`GET /ready`: 200 while the
+//! `--ready-file` exists, else 503; `GET /healthz`: 500 while the `--sick-file` exists, else 200);
 //! `--sleep SECS` sleeps (SIGTERM ends it with exit 0); `--exit CODE` exits with CODE.
 
 use std::path::PathBuf;
@@ -20,6 +22,15 @@ struct Cli {
     /// API paths to GET (e.g. /api/v1/namespaces/ns/pods).
     #[arg(long)]
     get: Vec<String>,
+    /// Address to answer HTTP probes on (the pod IP and a port).
+    #[arg(long)]
+    serve: Option<std::net::SocketAddr>,
+    /// `/ready` answers 200 while this file exists.
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// `/healthz` answers 500 while this file exists.
+    #[arg(long)]
+    sick_file: Option<PathBuf>,
     /// Seconds to sleep before exiting.
     #[arg(long, default_value_t = 0)]
     sleep: u64,
@@ -45,6 +56,14 @@ async fn main() {
     for path in &cli.get {
         println!("get {path} {}", get(path).await);
     }
+    if let Some(addr) = cli.serve {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .expect("bind --serve");
+        println!("serve {addr}");
+        let app = probes(cli.ready_file.clone(), cli.sick_file.clone());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+    }
     if cli.sleep > 0 {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .expect("signal handler");
@@ -54,6 +73,27 @@ async fn main() {
         }
     }
     std::process::exit(cli.exit);
+}
+
+/// `/ready` and `/healthz`, each decided by whether its file exists now.
+fn probes(ready: Option<PathBuf>, sick: Option<PathBuf>) -> axum::Router {
+    use axum::http::StatusCode;
+    let exists = |f: &Option<PathBuf>| f.as_ref().is_some_and(|f| f.exists());
+    axum::Router::new()
+        .route(
+            "/ready",
+            axum::routing::get(async move || match exists(&ready) {
+                true => StatusCode::OK,
+                false => StatusCode::SERVICE_UNAVAILABLE,
+            }),
+        )
+        .route(
+            "/healthz",
+            axum::routing::get(async move || match exists(&sick) {
+                true => StatusCode::INTERNAL_SERVER_ERROR,
+                false => StatusCode::OK,
+            }),
+        )
 }
 
 /// HTTP status of `GET path` as the pod's identity, or `error: …`.

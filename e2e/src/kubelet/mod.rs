@@ -3,12 +3,14 @@
 //!
 //! Pure parts: [`node`] (Node and Lease objects), [`spec`] (env, expansion, mount paths),
 //! [`status`] (pod status), [`alloc`] (pod IPs, GPUs), [`images`] (image → binary).
-//! I/O: this module (watch loop, heartbeats, node failure), [`pod`], [`volumes`], [`process`].
+//! I/O: this module (watch loop, heartbeats, node failure), [`pod`], [`volumes`], [`process`],
+//! [`probe`] (readiness and liveness probes).
 
 pub mod alloc;
 pub mod images;
 pub mod node;
 pub mod pod;
+pub mod probe;
 pub mod process;
 pub mod spec;
 pub mod status;

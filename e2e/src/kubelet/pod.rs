@@ -1,6 +1,6 @@
 //! One pod worker per pod (as in the real kubelet's `pod_workers.go`): prepare the pod (IP, GPUs,
 //! volumes, env, kubeconfig), run its containers as processes, report status, restart per
-//! `restartPolicy`, and carry out deletion (SIGTERM → grace → SIGKILL → final status → delete with
+//! `restartPolicy`, probe readiness and liveness ([`super::probe`]), and carry out deletion (SIGTERM → grace → SIGKILL → final status → delete with
 //! grace 0 and a UID precondition). On a failed node it kills or freezes its processes and goes
 //! silent, as a dead node would.
 
@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::node::GPU_RESOURCE;
+use super::probe::{self, Kind};
 use super::process::{self, Launch};
 use super::spec::{self, PodFacts, Sources};
 use super::status::{self, ContainerRecord, RunState};
@@ -93,9 +94,16 @@ struct Worker {
     start_time: Time,
     last_patch: Option<serde_json::Value>,
     exits: mpsc::UnboundedSender<(usize, ExitStatus)>,
+    /// Per container, the probe tasks of its running process.
+    probes: Vec<Vec<tokio::task::AbortHandle>>,
+    verdicts: mpsc::UnboundedSender<Verdict>,
 }
 
 type Exits = mpsc::UnboundedReceiver<(usize, ExitStatus)>;
+
+/// A probe's new verdict: (container index, pid of the process probed, kind, passing).
+type Verdict = (usize, u32, Kind, bool);
+type Verdicts = mpsc::UnboundedReceiver<Verdict>;
 
 /// Runs the pod until it is deleted, its node fails and it is deleted, or the kubelet shuts down.
 pub(crate) async fn run(
@@ -107,8 +115,11 @@ pub(crate) async fn run(
     let uid = pod.metadata.uid.clone().unwrap_or_default();
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
     let (exits, mut exits_rx) = mpsc::unbounded_channel();
+    let (verdicts, mut verdicts_rx) = mpsc::unbounded_channel();
     let mut w = Worker {
         exits,
+        verdicts,
+        probes: vec![],
         api: Api::namespaced(sh.client.clone(), &ns),
         dir: sh.cfg.root.join("pods").join(&uid),
         node,
@@ -126,7 +137,7 @@ pub(crate) async fn run(
     if !terminal && w.pod.metadata.deletion_timestamp.is_none() {
         w.start().await;
     }
-    w.event_loop(&mut rx, &mut exits_rx).await;
+    w.event_loop(&mut rx, &mut exits_rx, &mut verdicts_rx).await;
     w.cleanup();
 }
 
@@ -153,6 +164,7 @@ impl Worker {
             .map(|c| ContainerRecord::creating(&c.name, c.image.as_deref().unwrap_or("")))
             .collect();
         self.restart_at = vec![None; spec.containers.len()];
+        self.probes = vec![vec![]; spec.containers.len()];
         match self.prepare().await {
             Ok(launches) => {
                 self.launches = launches.into_iter().map(Some).collect();
@@ -321,6 +333,7 @@ impl Worker {
                     pid,
                 };
                 self.sh.pids.lock().unwrap().insert(pid);
+                self.start_probes(i, pid);
                 let (exits, sh) = (self.exits.clone(), self.sh.clone());
                 tokio::spawn(async move {
                     let st = child.wait().await;
@@ -336,6 +349,59 @@ impl Worker {
                     message: e.to_string(),
                 };
             }
+        }
+    }
+
+    /// Starts container `i`'s probes against process `pid`; without a readiness probe it is
+    /// ready at once. A probe that cannot run (exec, an unknown port) leaves it unready.
+    fn start_probes(&mut self, i: usize, pid: u32) {
+        let container = &self
+            .pod
+            .spec
+            .as_ref()
+            .expect("started pods have a spec")
+            .containers[i];
+        self.records[i].ready = Kind::Readiness.of(container).is_none();
+        let ip = self.pod_ip.as_deref().and_then(|ip| ip.parse().ok());
+        for kind in Kind::ALL {
+            let (Some(p), Some(ip)) = (kind.of(container), ip) else {
+                continue;
+            };
+            match probe::action(p, container, ip) {
+                Ok(a) => {
+                    let tx = self.verdicts.clone();
+                    let flip = move |ok| {
+                        let _ = tx.send((i, pid, kind, ok));
+                    };
+                    let task = tokio::spawn(probe::run(a, p.clone(), kind, flip));
+                    self.probes[i].push(task.abort_handle());
+                }
+                Err(e) => tracing::warn!(pod = %self.key(), error = %e, "probe not run"),
+            }
+        }
+    }
+
+    fn stop_probes(&mut self, i: usize) {
+        self.probes[i].drain(..).for_each(|t| t.abort());
+    }
+
+    /// A probe's verdict about the process still running: readiness is reported; a failed
+    /// liveness probe kills the process (the kubelet sends SIGTERM and SIGKILL after the grace
+    /// period; SIGKILL here), which is then restarted per `restartPolicy`.
+    async fn verdict(&mut self, (i, pid, kind, ok): Verdict) {
+        if !matches!(self.records[i].state, RunState::Running { pid: p, .. } if p == pid) {
+            return;
+        }
+        match kind {
+            Kind::Readiness => {
+                self.records[i].ready = ok;
+                self.report().await;
+            }
+            Kind::Liveness if !ok => {
+                tracing::info!(pod = %self.key(), container = %self.records[i].name, "liveness probe failed: killing");
+                process::signal_group(pid, libc::SIGKILL);
+            }
+            Kind::Liveness => {}
         }
     }
 
@@ -360,6 +426,8 @@ impl Worker {
         let RunState::Running { started, .. } = self.records[i].state.clone() else {
             return;
         };
+        self.stop_probes(i);
+        self.records[i].ready = false;
         let (exit_code, reason) = status::termination(st);
         let term = RunState::Terminated {
             exit_code,
@@ -428,6 +496,7 @@ impl Worker {
         &mut self,
         rx: &mut mpsc::UnboundedReceiver<PodEvent>,
         my_exits: &mut Exits,
+        verdicts: &mut Verdicts,
     ) {
         // A node may have failed (or the kubelet stopped) while the pod was starting: look once.
         let mut failed = self.node.failed.subscribe();
@@ -455,7 +524,8 @@ impl Worker {
                 ev = rx.recv() => match ev {
                     Some(PodEvent::Updated(p)) => {
                         self.pod = *p;
-                        if status::gates_pass(&self.pod) != status::is_ready(&self.pod) && !self.pids().is_empty() {
+                        let ready = status::gates_pass(&self.pod) && status::containers_ready(&self.records);
+                        if ready != status::is_ready(&self.pod) && !self.pids().is_empty() {
                             self.last_patch = None;
                             self.report().await;
                         }
@@ -466,6 +536,7 @@ impl Worker {
                     self.exited(i, st, false);
                     self.report().await;
                 }
+                Some(v) = verdicts.recv() => self.verdict(v).await,
                 _ = tokio::time::sleep_until(next_restart.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600))), if next_restart.is_some() => {
                     let now = Instant::now();
                     for i in 0..self.restart_at.len() {
@@ -480,6 +551,7 @@ impl Worker {
                 _ = failed.changed() => {
                     let mode = *failed.borrow();
                     if let Some(mode) = mode {
+                        (0..self.probes.len()).for_each(|i| self.stop_probes(i));
                         self.signal_all(match mode { FailMode::Kill => libc::SIGKILL, FailMode::Freeze => libc::SIGSTOP });
                         return self.silent(rx, my_exits).await;
                     }
@@ -564,6 +636,7 @@ impl Worker {
 
     /// Frees the IP and GPUs and removes the pod's directory (logs stay).
     fn cleanup(&mut self) {
+        (0..self.probes.len()).for_each(|i| self.stop_probes(i));
         self.release_gpus();
         if let Some(ip) = self.pod_ip.take() {
             self.node.ips.lock().unwrap().release(&ip);

@@ -49,6 +49,8 @@ pub struct ContainerRecord {
     pub last: Option<RunState>,
     /// Restarts so far.
     pub restart_count: i32,
+    /// The readiness probe's verdict for the running process (true without a probe).
+    pub ready: bool,
 }
 
 impl ContainerRecord {
@@ -63,6 +65,7 @@ impl ContainerRecord {
             },
             last: None,
             restart_count: 0,
+            ready: false,
         }
     }
 }
@@ -123,6 +126,13 @@ pub fn gates_pass(pod: &Pod) -> bool {
     })
 }
 
+/// Whether every container runs and passes its readiness probe (`ContainersReady`).
+pub fn containers_ready(containers: &[ContainerRecord]) -> bool {
+    containers
+        .iter()
+        .all(|c| c.ready && matches!(c.state, RunState::Running { .. }))
+}
+
 /// Whether the pod's current `Ready` condition is True.
 pub fn is_ready(pod: &Pod) -> bool {
     pod.status
@@ -151,7 +161,8 @@ fn state_json(s: &RunState) -> Value {
 
 /// The strategic-merge patch body for `pods/<name>/status`: phase, IPs, conditions (merged by
 /// type, so the scheduler's `PodScheduled` and readiness-gate conditions survive) and
-/// containerStatuses. `gates` is [`gates_pass`] for the pod; `now` stamps transitions.
+/// containerStatuses. A container is ready when it runs and passes its readiness probe; the pod
+/// when all are and `gates` ([`gates_pass`] for the pod) holds. `now` stamps transitions.
 pub fn status_patch(
     containers: &[ContainerRecord],
     pod_ip: Option<&str>,
@@ -161,9 +172,7 @@ pub fn status_patch(
     now: &Time,
 ) -> Value {
     let phase = phase(containers);
-    let all_running = containers
-        .iter()
-        .all(|c| matches!(c.state, RunState::Running { .. }));
+    let all_ready = containers_ready(containers);
     let terminal = matches!(phase, "Succeeded" | "Failed");
     let cond = |t: &str, ok: bool, reason: &str| {
         let mut c = json!({"type": t, "status": if ok { "True" } else { "False" }, "lastTransitionTime": now});
@@ -182,7 +191,7 @@ pub fn status_patch(
         .map(|c| {
             let running = matches!(c.state, RunState::Running { .. });
             let mut s = json!({
-                "name": c.name, "image": c.image, "imageID": "", "ready": running && gates,
+                "name": c.name, "image": c.image, "imageID": "", "ready": running && c.ready,
                 "started": running, "restartCount": c.restart_count, "state": state_json(&c.state),
             });
             if let RunState::Running { pid, .. } = c.state {
@@ -199,8 +208,8 @@ pub fn status_patch(
         "conditions": [
             cond("PodReadyToStartContainers", true, ""),
             cond("Initialized", true, ""),
-            cond("ContainersReady", all_running, not_ready),
-            cond("Ready", all_running && gates, not_ready),
+            cond("ContainersReady", all_ready, not_ready),
+            cond("Ready", all_ready && gates, not_ready),
         ],
         "containerStatuses": statuses,
     });
@@ -219,9 +228,11 @@ mod tests {
         Time(jiff::Timestamp::UNIX_EPOCH)
     }
 
+    /// A container in `state` that passes its readiness probe.
     fn rec(state: RunState) -> ContainerRecord {
         ContainerRecord {
             state,
+            ready: true,
             ..ContainerRecord::creating("c", "img")
         }
     }
@@ -307,6 +318,23 @@ mod tests {
         let gated = status_patch(&running, Some("127.1.0.2"), "127.1.0.1", &t(), false, &t());
         assert_eq!(gated["status"]["conditions"][3]["status"], "False");
         assert_eq!(gated["status"]["conditions"][2]["status"], "True");
+    }
+
+    #[test]
+    fn a_running_container_failing_its_readiness_probe_is_not_ready() {
+        let probing = [ContainerRecord {
+            ready: false,
+            ..rec(RunState::Running {
+                started: t(),
+                pid: 42,
+            })
+        }];
+        let s = &status_patch(&probing, Some("127.1.0.2"), "127.1.0.1", &t(), true, &t())["status"];
+        assert_eq!(s["phase"], "Running");
+        assert_eq!(s["containerStatuses"][0]["ready"], false);
+        assert_eq!(s["containerStatuses"][0]["started"], true);
+        assert_eq!(s["conditions"][2]["status"], "False");
+        assert_eq!(s["conditions"][3]["status"], "False");
     }
 
     #[test]

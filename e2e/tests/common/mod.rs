@@ -120,20 +120,21 @@ pub fn phase(p: &Pod) -> &str {
         .unwrap_or("")
 }
 
+/// The first container's status.
+pub fn first_container(p: &Pod) -> Option<&k8s_openapi::api::core::v1::ContainerStatus> {
+    p.status.as_ref()?.container_statuses.as_ref()?.first()
+}
+
 /// Exit code and reason of the first container, once it has terminated.
 pub fn terminated(p: &Pod) -> Option<(i32, String)> {
-    let cs = p.status.as_ref()?.container_statuses.as_ref()?.first()?;
-    let t = cs.state.as_ref()?.terminated.as_ref()?;
+    let t = first_container(p)?.state.as_ref()?.terminated.as_ref()?;
     Some((t.exit_code, t.reason.clone().unwrap_or_default()))
 }
 
 /// The pid of the first container from `containerID: process://<pid>`.
 pub fn pid_of(p: &Pod) -> Result<u32> {
-    let id = p
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|c| c[0].container_id.clone())
+    let id = first_container(p)
+        .and_then(|c| c.container_id.clone())
         .context("no containerID")?;
     Ok(id.trim_start_matches("process://").parse()?)
 }
