@@ -1,8 +1,8 @@
 //! One pod worker per pod (as in the real kubelet's `pod_workers.go`): prepare the pod (IP, GPUs,
 //! volumes, env, kubeconfig), run its containers as processes, report status, restart per
-//! `restartPolicy`, probe readiness and liveness ([`super::probe`]), and carry out deletion (SIGTERM → grace → SIGKILL → final status → delete with
-//! grace 0 and a UID precondition). On a failed node it kills or freezes its processes and goes
-//! silent, as a dead node would.
+//! `restartPolicy`, probe readiness and liveness ([`super::probe`]), and carry out deletion
+//! (SIGTERM → grace → SIGKILL → final status → delete with grace 0 and a UID precondition). On a
+//! failed node it kills or freezes its processes and goes silent, as a dead node would.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
