@@ -230,7 +230,7 @@ impl ControlPlane {
 }
 
 /// `GET http://addr/path` on loopback (a pod's or the operator's metrics and health endpoints);
-/// returns the status line and the body.
+/// returns the status line and the body (bytes that are not UTF-8 replaced).
 ///
 /// Errors: the I/O error of the connection.
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(String, String)> {
@@ -238,8 +238,9 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result
     let mut s = tokio::net::TcpStream::connect(addr).await?;
     s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
         .await?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await?;
+    let mut raw = vec![];
+    s.read_to_end(&mut raw).await?;
+    let out = String::from_utf8_lossy(&raw);
     let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
     Ok((
         head.lines().next().unwrap_or_default().to_owned(),

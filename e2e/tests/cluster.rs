@@ -456,12 +456,15 @@ async fn readiness_and_liveness_probes_gate_ready_and_restart_the_container(
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "http", "containerPort": 8080}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1},
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 1, "failureThreshold": 2},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 1, "initialDelaySeconds": 5},
     }]}});
     create(&ctx.client, &ns, &probe_pod("probed", &args, probes)).await?;
-    let serving = |p: &Pod| log(&ctx, p).is_ok_and(|l| l.contains("serve "));
-    let p = wait_pod(&ctx.client, &ns, "probed", 60, "serving", |p| {
-        phase(p) == "Running" && serving(p)
+    let p = wait_pod(&ctx.client, &ns, "probed", 60, "Running", |p| {
+        phase(p) == "Running"
+    })
+    .await?;
+    eventually(30, "serving", async || {
+        Ok(log(&ctx, &p).is_ok_and(|l| l.contains("serve ")))
     })
     .await?;
     let pid = pid_of(&p)?;
@@ -476,7 +479,12 @@ async fn readiness_and_liveness_probes_gate_ready_and_restart_the_container(
         p.status
     );
     std::fs::write(&ready_file, "")?;
-    wait_pod(&ctx.client, &ns, "probed", 30, "Ready", is_ready).await?;
+    let p = wait_pod(&ctx.client, &ns, "probed", 30, "Ready", is_ready).await?;
+    ensure!(
+        pid_of(&p)? == pid,
+        "restarted before its liveness probe failed: {:?}",
+        p.status
+    );
     std::fs::remove_file(&ready_file)?;
     wait_pod(&ctx.client, &ns, "probed", 30, "unready again", |p| {
         !is_ready(p)

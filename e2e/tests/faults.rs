@@ -951,8 +951,8 @@ async fn a_lost_node_is_detected_and_its_worker_moves(ctx: Arc<Ctx>, ns: String)
     ctx.kubelet
         .fail_node(&node, diphoma_e2e::kubelet::FailMode::Freeze)?;
     // NodeLost: the Lease is stale, or late when the neighbours' timed-out collectives blame the
-    // silent worker. Hung only if those reports are judged before a renewal is overdue (a
-    // renewal just before the freeze, on a fast machine).
+    // silent worker. Hung if those reports are judged before a whole renewal is missed (a
+    // renewal just before the freeze).
     let lost = |s: &DiphomaJobStatus| {
         s.failures.total == 1
             && ["NodeLost", "Hung"]

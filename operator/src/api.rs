@@ -193,7 +193,9 @@ pub enum CleanPodPolicy {
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct FaultTolerance {
-    /// Seconds within which a silent worker (hung process, lost node) is declared dead.
+    /// Seconds within which a silent worker (a hung process, the workers of a lost node) is
+    /// blamed by its ring neighbours and declared dead. A node is also declared lost from its
+    /// Lease once the Lease is older than this and a whole renewal was missed.
     #[serde(default = "default_detection_seconds")]
     #[schemars(range(min = 1, max = 3600))]
     pub detection_seconds: i32,

@@ -26,7 +26,7 @@ pub struct Observed {
     /// Nodes considered lost ([`NodeLease::Lost`] or not Ready).
     pub lost_nodes: BTreeSet<String>,
     /// Nodes whose Lease missed a renewal ([`NodeLease::Late`] or lost): a silent member there
-    /// is counted as `NodeLost`, not `Hung`.
+    /// is counted as `NodeLost`, not `Hung`, and its replacement avoids the node.
     pub late_nodes: BTreeSet<String>,
     /// Rank 0's latest progress record.
     pub progress: Option<ProgressReport>,
@@ -45,7 +45,7 @@ pub const DEFAULT_NODE_LEASE_SECONDS: i32 = 40;
 pub enum NodeLease {
     /// Renewed on schedule.
     Fresh,
-    /// A renewal is overdue by half an interval, but the node is not yet declared lost.
+    /// A whole renewal was missed, but the node is not yet declared lost.
     Late,
     /// Not renewed within `detectionSeconds` nor within a late renewal, or never renewed.
     Lost,
@@ -54,9 +54,10 @@ pub enum NodeLease {
 /// Judges a node Lease renewed at `renewed` with `leaseDurationSeconds` `duration_s`, at `now`.
 ///
 /// The kubelet renews every `leaseDurationSeconds / 4` (its `nodeLeaseRenewIntervalFraction`,
-/// 0.25: every 10 s for the default 40 s). A Lease is late once it is older than 1.5 intervals,
-/// and lost once it is also older than `detection_seconds`: a node is never declared lost between
-/// two on-time renewals, however small `detectionSeconds` is.
+/// 0.25: every 10 s for the default 40 s). A Lease is late once it is older than two intervals (a
+/// renewal was missed, not merely delayed), and lost once it is also older than
+/// `detection_seconds`: a node is never declared lost for a slow renewal, however small
+/// `detectionSeconds` is.
 pub fn node_lease(
     renewed: Option<Timestamp>,
     duration_s: Option<i32>,
@@ -67,7 +68,7 @@ pub fn node_lease(
         return NodeLease::Lost;
     };
     let interval_ms = i64::from(duration_s.unwrap_or(DEFAULT_NODE_LEASE_SECONDS).max(1)) * 250;
-    let late = jiff::SignedDuration::from_millis(interval_ms * 3 / 2);
+    let late = jiff::SignedDuration::from_millis(interval_ms * 2);
     let detection = jiff::SignedDuration::from_secs(detection_seconds.into());
     match now.duration_since(renewed) {
         age if age > late && age > detection => NodeLease::Lost,
@@ -372,6 +373,8 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
         }
         _ => BTreeSet::new(),
     };
+    // Replacements avoid lost nodes, and late nodes whose silent member is counted NodeLost.
+    let mut dead_nodes = obs.lost_nodes.clone();
     // Hung or cut-off members: blamed by a neighbour's report at the current generation and
     // silent themselves, once the reports had `detectionSeconds / 2` to arrive. On a node whose
     // Lease is late, the node went quiet with its worker: that is a node loss.
@@ -384,12 +387,13 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
             .collect();
         for pod in hung {
             failed_pods.insert(pod.clone());
-            let late = obs
+            let node = obs
                 .pods
                 .iter()
                 .find(|p| p.name_any() == pod)
                 .and_then(node_of);
-            let (cause, reason) = if late.is_some_and(|n| obs.late_nodes.contains(n)) {
+            let (cause, reason) = if let Some(n) = node.filter(|n| obs.late_nodes.contains(*n)) {
+                dead_nodes.insert(n.to_owned());
                 (Cause::NodeLost, "NodeLost")
             } else {
                 (Cause::Hung, "Silent")
@@ -589,7 +593,7 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
         if !live_by_index.contains_key(&i) {
             let attempt = attempts.get(&i).map_or(0, |a| a + 1);
             let mut pod = build::worker_pod(job, i, attempt);
-            build::avoid_nodes(&mut pod, &obs.lost_nodes);
+            build::avoid_nodes(&mut pod, &dead_nodes);
             plan.events.push((
                 false,
                 "WorkerCreated",

@@ -313,14 +313,18 @@ async fn register(
     }
 }
 
-/// Renews the node's Lease every heartbeat until the node fails or the kubelet stops.
+/// Renews the node's Lease every heartbeat, on a fixed schedule (a slow renewal does not push
+/// the next one back), until the node fails or the kubelet stops.
 async fn heartbeat(sh: Arc<Shared>, name: String) {
     let leases: Api<Lease> = Api::namespaced(sh.client.clone(), LEASE_NAMESPACE);
     let mut shutdown = sh.shutdown.subscribe();
     let failed = sh.nodes[&name].failed.subscribe();
+    let mut tick = tokio::time::interval(sh.cfg.heartbeat);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    tick.tick().await; // the first tick is immediate; the Lease was just created
     loop {
         tokio::select! {
-            _ = tokio::time::sleep(sh.cfg.heartbeat) => {}
+            _ = tick.tick() => {}
             _ = shutdown.changed() => return,
         }
         if failed.borrow().is_some() {

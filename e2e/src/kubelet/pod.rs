@@ -370,9 +370,7 @@ impl Worker {
             match probe::action(p, container, ip) {
                 Ok(a) => {
                     let tx = self.verdicts.clone();
-                    let flip = move |ok| {
-                        let _ = tx.send((i, pid, kind, ok));
-                    };
+                    let flip = move |ok| tx.send((i, pid, kind, ok)).is_ok();
                     let task = tokio::spawn(probe::run(a, p.clone(), kind, flip));
                     self.probes[i].push(task.abort_handle());
                 }

@@ -2,7 +2,8 @@
 //! `httpGet` or `tcpSocket` attempt against the pod IP, first after `initialDelaySeconds`, then
 //! every `periodSeconds`, each bounded by `timeoutSeconds`; the verdict flips after
 //! `successThreshold` (`failureThreshold`) agreeing results in a row. Readiness starts failed,
-//! liveness passing. `exec` and `grpc` probes are not supported: they are refused with a message.
+//! liveness passing. `exec` and `grpc` probes are not supported: they are refused with a message;
+//! `httpGet`'s `scheme`, `host` and `httpHeaders` are ignored (plain HTTP to the pod IP).
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -137,16 +138,21 @@ pub async fn attempt(a: &Action, timeout: Duration) -> bool {
     tokio::time::timeout(timeout, run).await.unwrap_or(false)
 }
 
-/// Probes until the task is aborted, calling `flip` with each new verdict.
-pub async fn run(a: Action, p: Probe, kind: Kind, mut flip: impl FnMut(bool)) {
+/// Probes every `periodSeconds` (on a fixed schedule, as the kubelet's ticker) until the task is
+/// aborted or `flip`, called with each new verdict, returns false (nobody listens any more).
+pub async fn run(a: Action, p: Probe, kind: Kind, mut flip: impl FnMut(bool) -> bool) {
     tokio::time::sleep(seconds(p.initial_delay_seconds, 0)).await;
-    let (period, timeout) = (seconds(p.period_seconds, 10), seconds(p.timeout_seconds, 1));
+    let timeout = seconds(p.timeout_seconds, 1);
+    let mut tick = tokio::time::interval(seconds(p.period_seconds, 10).max(Duration::from_secs(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut verdict = Verdict::new(kind.initial());
     loop {
-        if let Some(ok) = verdict.observe(attempt(&a, timeout).await, &p) {
-            flip(ok);
+        tick.tick().await;
+        if let Some(ok) = verdict.observe(attempt(&a, timeout).await, &p)
+            && !flip(ok)
+        {
+            return;
         }
-        tokio::time::sleep(period).await;
     }
 }
 

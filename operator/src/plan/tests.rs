@@ -692,6 +692,11 @@ fn a_silent_member_on_a_node_with_a_late_lease_is_a_node_loss() {
     assert_eq!(got, [("train-worker-1", Cause::NodeLost)]);
     assert_eq!(p.status.repairs.by_cause["NodeLost"], 1);
     assert_eq!(p.status.repairs.by_cause.get("Hung"), None);
+    let replacement = serde_json::to_string(&p.create[0].spec.as_ref().unwrap().affinity).unwrap();
+    assert!(
+        replacement.contains("n1"),
+        "the replacement avoids the dead node: {replacement}"
+    );
 }
 
 #[test]
@@ -701,16 +706,17 @@ fn a_node_is_lost_only_past_both_a_late_renewal_and_detection_seconds() {
         let renewed = now - jiff::SignedDuration::from_millis(age_ms);
         node_lease(Some(renewed), duration, now, detection)
     };
-    // The process kubelet: 8 s Leases renewed every 2 s; late after 3 s.
-    assert_eq!(lease(1_900, Some(8), 4), NodeLease::Fresh);
-    assert_eq!(lease(3_100, Some(8), 4), NodeLease::Late);
-    assert_eq!(lease(4_100, Some(8), 4), NodeLease::Lost);
-    // A real kubelet renews a 40 s Lease every 10 s: with detectionSeconds 4 a node between two
-    // renewals is not lost; it is, once a renewal is 5 s overdue.
-    assert_eq!(lease(9_900, Some(40), 4), NodeLease::Fresh);
-    assert_eq!(lease(14_900, None, 4), NodeLease::Fresh);
-    assert_eq!(lease(15_100, None, 4), NodeLease::Lost);
-    assert_eq!(lease(15_100, Some(40), 30), NodeLease::Late);
+    // The process kubelet: 8 s Leases renewed every 2 s; late after 4 s, lost after 5 s when
+    // detectionSeconds is 5.
+    assert_eq!(lease(3_900, Some(8), 4), NodeLease::Fresh);
+    assert_eq!(lease(4_100, Some(8), 5), NodeLease::Late);
+    assert_eq!(lease(5_100, Some(8), 5), NodeLease::Lost);
+    // A real kubelet renews a 40 s Lease every 10 s: with detectionSeconds 4 a node whose renewal
+    // is late is not lost; it is, once a whole renewal was missed.
+    assert_eq!(lease(14_900, Some(40), 4), NodeLease::Fresh);
+    assert_eq!(lease(19_900, None, 4), NodeLease::Fresh);
+    assert_eq!(lease(20_100, None, 4), NodeLease::Lost);
+    assert_eq!(lease(20_100, Some(40), 30), NodeLease::Late);
     assert_eq!(node_lease(None, Some(40), t(100), 10), NodeLease::Lost);
 }
 
