@@ -1,4 +1,5 @@
-//! The reconcile plan, a pure function of (job, observed pods, observed ring, lost nodes, now):
+//! The reconcile plan, a pure function of (job, observed pods, observed ring, lost and late
+//! nodes, failure reports, now):
 //! which pods to create and delete, which failures to count, whether to publish a new ring
 //! generation, and the status that results. Everything the operator decides is decided here.
 
@@ -47,7 +48,7 @@ pub enum NodeLease {
     Fresh,
     /// A whole renewal was missed, but the node is not yet declared lost.
     Late,
-    /// Not renewed within `detectionSeconds` nor within a late renewal, or never renewed.
+    /// Older than both two renewal intervals and `detectionSeconds`, or never renewed.
     Lost,
 }
 
