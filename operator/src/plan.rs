@@ -1,7 +1,7 @@
 //! The reconcile plan, a pure function of (job, observed pods, observed ring, lost and late
-//! nodes, failure reports, now):
-//! which pods to create and delete, which failures to count, whether to publish a new ring
-//! generation, and the status that results. Everything the operator decides is decided here.
+//! nodes, failure reports, now): which pods to create and delete, which failures to count, whether
+//! to publish a new ring generation, and the status that results. Everything the operator decides
+//! is decided here.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
