@@ -1,6 +1,7 @@
 //! The operator's Prometheus metrics (own registry, `diphoma_operator_` prefix, bounded labels:
-//! error kind, cause, phase, state — never a job or pod name) and the `/metrics`, `/healthz`,
-//! `/readyz` endpoints.
+//! error kind, cause, phase, state — never a pod name; one per-job gauge, computed from the job
+//! cache like kube-state-metrics, carries the job's namespace and name) and the `/metrics`,
+//! `/healthz`, `/readyz` endpoints.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -42,6 +43,12 @@ pub struct Metrics {
     /// `diphoma_operator_leader`: 1 while this replica reconciles.
     pub leader: IntGauge,
 }
+
+/// Name of the per-job repairs gauge (without the registry's prefix).
+const JOB_REPAIRS: &str = "job_repairs";
+/// Its labels: the job's namespace and name (`namespace` and `job` would clash with the target
+/// labels Prometheus attaches to the operator's own series), and the cause.
+const JOB_REPAIRS_LABELS: [&str; 3] = ["job_namespace", "diphoma_job", "cause"];
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -149,6 +156,41 @@ impl Metrics {
         }
     }
 
+    /// `diphoma_operator_job_repairs{job_namespace, diphoma_job, cause}`: each job's
+    /// `status.repairs.byCause`, every cause present (0 before its first repair). Built per
+    /// scrape and never registered, so a deleted job's series simply stop.
+    fn job_repairs(jobs: &[Arc<DiphomaJob>]) -> Vec<prometheus::proto::MetricFamily> {
+        use prometheus::core::Collector;
+        let g = IntGaugeVec::new(
+            Opts::new(
+                JOB_REPAIRS,
+                "Ring repairs of each job, by cause (its status.repairs)",
+            )
+            .namespace("diphoma_operator"),
+            &JOB_REPAIRS_LABELS,
+        )
+        .expect("valid metric");
+        for j in jobs {
+            let (ns, name) = (
+                j.metadata.namespace.as_deref().unwrap_or_default(),
+                j.metadata.name.as_deref().unwrap_or_default(),
+            );
+            let by_cause = j.status.as_ref().map(|s| &s.repairs.by_cause);
+            for c in Cause::ALL {
+                let n = by_cause
+                    .and_then(|m| m.get(c.as_str()))
+                    .copied()
+                    .unwrap_or(0);
+                g.with_label_values(&[ns, name, c.as_str()]).set(n.into());
+            }
+        }
+        // The text encoder refuses a family without samples (no jobs yet).
+        g.collect()
+            .into_iter()
+            .filter(|f| !f.get_metric().is_empty())
+            .collect()
+    }
+
     /// The text exposition, with the job and worker gauges computed from `jobs`.
     pub fn render(&self, jobs: &[Arc<DiphomaJob>]) -> String {
         // Counted here, then set: concurrent scrapes never see a half-built gauge.
@@ -172,9 +214,11 @@ impl Metrics {
         }
         self.workers.with_label_values(&["desired"]).set(desired);
         self.workers.with_label_values(&["ready"]).set(ready);
+        let mut families = self.registry.gather();
+        families.extend(Self::job_repairs(jobs));
         let mut out = vec![];
         TextEncoder::new()
-            .encode(&self.registry.gather(), &mut out)
+            .encode(&families, &mut out)
             .expect("text encoding");
         String::from_utf8(out).expect("UTF-8 exposition")
     }
@@ -229,12 +273,30 @@ mod tests {
         plan.failures = vec![f(Some(1)), f(None)];
         m.observe_plan(&plan);
         let mut job = crate::build::tests::basic();
-        job.status = Some(crate::api::DiphomaJobStatus {
+        let mut status = crate::api::DiphomaJobStatus {
             phase: Some(Phase::Running),
             ready_replicas: 3,
             ..Default::default()
-        });
+        };
+        status.repairs.add("ProcessExit");
+        status.repairs.add("ProcessExit");
+        job.status = Some(status);
+        job.metadata.namespace = Some("team-a".into());
         let text = m.render(&[Arc::new(job)]);
+        let per_job = |cause: &str, n: i64| {
+            let line = format!(
+                "diphoma_operator_job_repairs{{cause=\"{cause}\",diphoma_job=\"train\",job_namespace=\"team-a\"}} {n}"
+            );
+            assert!(text.contains(&line), "{line} missing from {text}");
+        };
+        per_job("ProcessExit", 2);
+        per_job("NodeLost", 0);
+        let none = m.render(&[]);
+        assert!(
+            none.contains("diphoma_operator_jobs{phase=\"Running\"} 0")
+                && !none.contains("diphoma_operator_job_repairs"),
+            "{none}"
+        );
         assert!(
             text.contains("diphoma_operator_worker_failures_total{cause=\"NodeLost\"} 2"),
             "{text}"
