@@ -44,7 +44,9 @@ pub struct Metrics {
     pub leader: IntGauge,
 }
 
-/// Name of the per-job repairs gauge (without the registry's prefix).
+/// Prefix of every metric name (the registry's, and the per-scrape job gauge's).
+const PREFIX: &str = "diphoma_operator";
+/// Name of the per-job repairs gauge (without the prefix).
 const JOB_REPAIRS: &str = "job_repairs";
 /// Its labels: the job's namespace and name (`namespace` and `job` would clash with the target
 /// labels Prometheus attaches to the operator's own series), and the cause.
@@ -52,8 +54,7 @@ const JOB_REPAIRS_LABELS: [&str; 3] = ["job_namespace", "diphoma_job", "cause"];
 
 impl Default for Metrics {
     fn default() -> Self {
-        let registry =
-            Registry::new_custom(Some("diphoma_operator".into()), None).expect("valid prefix");
+        let registry = Registry::new_custom(Some(PREFIX.into()), None).expect("valid prefix");
         let counter = |n: &str, h: &str| IntCounter::new(n, h).expect("valid metric");
         let counter_vec = |n: &str, h: &str, l: &str| {
             IntCounterVec::new(Opts::new(n, h), &[l]).expect("valid metric")
@@ -166,7 +167,7 @@ impl Metrics {
                 JOB_REPAIRS,
                 "Ring repairs of each job, by cause (its status.repairs)",
             )
-            .namespace("diphoma_operator"),
+            .namespace(PREFIX),
             &JOB_REPAIRS_LABELS,
         )
         .expect("valid metric");
