@@ -6,7 +6,7 @@ NODES ?= 4
 GPUS ?= 8
 CARGO ?= cargo
 
-.PHONY: help deps tools build generate test unit e2e fmt-check bench bench-repair cluster-up cluster-down demo
+.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair cluster-up cluster-down demo
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -30,7 +30,10 @@ generate: tools ## regenerate the derived files: the CRD (crds/, the chart's cop
 fmt-check:
 	$(CARGO) fmt --all -- --check
 
-test: tools build fmt-check ## run every test: unit, loopback TCP, and end-to-end on a real control plane
+clippy: ## lint every crate and target; warnings are errors
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+
+test: tools build fmt-check clippy ## run every test: unit, loopback TCP, and end-to-end on a real control plane
 	DIPHOMA_K8S_BIN=$$(bash e2e/cluster/build-bins.sh 2>/dev/null) $(CARGO) test --workspace --locked
 
 bench: deps ## allreduce benchmark side by side with gloo and Open MPI (prints the merged table)

@@ -15,3 +15,6 @@ if ((${#need[@]})); then
 fi
 command -v go >/dev/null || { echo "install-deps: Go (>= 1.25) is required to build the control plane" >&2; exit 1; }
 command -v cargo >/dev/null || { echo "install-deps: a Rust toolchain (>= 1.89, rustup) is required" >&2; exit 1; }
+for comp in clippy rustfmt; do   # `make test` lints and checks formatting
+  cargo "${comp/rustfmt/fmt}" --version >/dev/null 2>&1 || rustup component add "$comp"
+done
