@@ -292,8 +292,8 @@ fn maybe_checkpoint(
     Ok(match checkpoint::write_atomic(dir, &ck) {
         Ok(_) => Some(step),
         Err(e) => {
-            eprintln!(
-                "diphoma-worker: warning: checkpoint of step {step} into {} failed: {e}",
+            tracing::warn!(
+                "checkpoint of step {step} into {} failed: {e}",
                 dir.display()
             );
             None
@@ -388,11 +388,7 @@ pub fn train_rank(
         })
         .map_err(|e| TrainError::Config(format!("checkpoint dir {}: {e}", dir.display())))?;
         if let Some((path, c)) = resumed {
-            eprintln!(
-                "diphoma-worker: resuming from {} at step {}",
-                path.display(),
-                c.step
-            );
+            tracing::info!("resuming from {} at step {}", path.display(), c.step);
             let s = State {
                 step: c.step,
                 params: c.params,
@@ -444,6 +440,7 @@ pub fn train_rank(
                     stats.allreduce_seconds += secs;
                     stats.allreduce_bytes = bytes;
                     if comm.rank() == 0 && cfg.log_every > 0 && step.is_multiple_of(cfg.log_every) {
+                        // Progress output of the CLI on stdout (e2e reads it), not a log line.
                         println!(
                             "step {step} generation {gen_no} loss {loss:.5} samples/s {:.1} allreduce {:.2} ms",
                             stats.samples_per_second(cfg.batch),
