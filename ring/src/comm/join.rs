@@ -18,8 +18,11 @@ use crate::error::CommError;
 use crate::frame::ProtocolError;
 use crate::schedule;
 
+/// Bound on each blocking handshake read or write (and each connect attempt).
 const HANDSHAKE_MAX: Duration = Duration::from_secs(5);
 
+/// The socket timeout of one handshake I/O: what is left until `deadline`, 1 ms to
+/// [`HANDSHAKE_MAX`].
 fn clamp_timeout(deadline: Instant) -> Option<Duration> {
     let left = deadline.saturating_duration_since(Instant::now());
     Some(left.clamp(Duration::from_millis(1), HANDSHAKE_MAX))

@@ -185,7 +185,7 @@ impl AbortHandle {
 ///
 /// Not `Sync`: one collective at a time, called by every rank in the same order with buffers of
 /// the same length (the usual collective contract; a mismatch is detected as a
-/// [`ProtocolError::OutOfStep`]).
+/// [`ProtocolError::OutOfStep`](crate::ProtocolError::OutOfStep)).
 pub struct Communicator {
     rank: usize,
     world: usize,
@@ -216,6 +216,8 @@ impl std::fmt::Debug for Communicator {
     }
 }
 
+/// The timeout of `op`, begun at `start`, blaming `peer` when one was awaited (used by `join.rs`
+/// and `transport.rs`).
 fn timeout_err(op: &'static str, start: Instant, peer: Option<usize>) -> CommError {
     CommError::Timeout {
         op,
@@ -223,6 +225,7 @@ fn timeout_err(op: &'static str, start: Instant, peer: Option<usize>) -> CommErr
         peer,
     }
 }
+
 impl Communicator {
     /// Binds `config.addresses[rank]` and joins the ring (see [`Communicator::connect`]).
     ///
@@ -462,6 +465,9 @@ impl Drop for Communicator {
         }
     }
 }
+
+/// True when a step sends from and receives into overlapping ranges (exchange steps): the
+/// received data must wait in scratch until the send completes.
 fn overlaps(step: &Step) -> bool {
     match (&step.send, &step.recv) {
         (Some(s), Some((r, _))) => s.range.start < r.range.end && r.range.start < s.range.end,
