@@ -37,8 +37,8 @@
 //!   synthetic --params N`) are both an [`model::Mlp`] of some widths on some
 //!   [`data::Dataset`]; the train loop does not know which.
 //! - **Kubernetes mode**: `train` without `--standalone` follows the ring ConfigMap through
-//!   `diphoma_ring::k8s::KubeRing`, wrapped in [`metrics::Metered`]. Verified by hand against a
-//!   real kube-apiserver (scale-down, join, kill -9, SIGTERM) and by the e2e suite.
+//!   `diphoma_ring::k8s::KubeRing`, wrapped in [`metrics::Metered`]; the e2e fault catalogue
+//!   (`e2e/tests/faults.rs`) runs it against a real control plane.
 
 pub mod checkpoint;
 pub mod data;

@@ -536,8 +536,8 @@ fn kubernetes_mode_serves_metrics_and_exits_0_on_sigterm() {
     }
     assert!(body.contains("diphoma_worker_step 0"), "{body}");
     // SIGTERM while waiting for a ring: exit 0.
-    // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("child pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
     let _ = std::fs::remove_dir_all(dir);
