@@ -13,9 +13,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
 use common::*;
+use diphoma_contract::LABEL_JOB_NAME;
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::prometheus::{Prometheus, prometheus_bin, write_targets};
-use diphoma_worker::contract::LABEL_JOB_NAME;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};

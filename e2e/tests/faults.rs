@@ -978,15 +978,13 @@ async fn a_lost_node_is_detected_and_its_worker_moves(ctx: Arc<Ctx>, ns: String)
     );
     let index = victim
         .labels()
-        .get(diphoma_worker::contract::LABEL_REPLICA_INDEX)
+        .get(diphoma_contract::LABEL_REPLICA_INDEX)
         .cloned();
     let replacement = worker_pods(&ctx, &ns, "digits")
         .await?
         .into_iter()
         .find(|p| {
-            p.labels()
-                .get(diphoma_worker::contract::LABEL_REPLICA_INDEX)
-                == index.as_ref()
+            p.labels().get(diphoma_contract::LABEL_REPLICA_INDEX) == index.as_ref()
                 && p.name_any() != victim.name_any()
         })
         .context("no replacement worker")?;

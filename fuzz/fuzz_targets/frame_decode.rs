@@ -2,7 +2,7 @@
 //! messages). Must never panic; an accepted frame lies within the input.
 #![no_main]
 
-use diphoma_worker::frame::{self, HEADER_LEN, Header};
+use diphoma_ring::frame::{self, HEADER_LEN, Header};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

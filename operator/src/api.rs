@@ -103,7 +103,7 @@ pub struct DiphomaJobSpec {
 }
 
 fn default_ring_port() -> i32 {
-    diphoma_worker::contract::DEFAULT_RING_PORT.into()
+    diphoma_contract::DEFAULT_RING_PORT.into()
 }
 
 /// Elastic bounds of the ring size.

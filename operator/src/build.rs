@@ -5,10 +5,10 @@
 
 use std::collections::BTreeMap;
 
-use diphoma_worker::contract::{
-    self, ENV_JOB_NAME, ENV_JOB_UID, ENV_KEY_FILE, ENV_MEMBERSHIP, ENV_NAMESPACE, ENV_POD_IP,
-    ENV_POD_NAME, ENV_RING_PORT, KEY_FILE_NAME, KEY_MOUNT_DIR, LABEL_JOB_NAME, LABEL_REPLICA_INDEX,
-    MEMBERSHIP_KEY, Membership,
+use diphoma_contract::{
+    self as contract, ENV_JOB_NAME, ENV_JOB_UID, ENV_KEY_FILE, ENV_MEMBERSHIP, ENV_NAMESPACE,
+    ENV_POD_IP, ENV_POD_NAME, ENV_RING_PORT, KEY_FILE_NAME, KEY_MOUNT_DIR, LABEL_JOB_NAME,
+    LABEL_REPLICA_INDEX, MEMBERSHIP_KEY, Membership,
 };
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use diphoma_worker::contract::{self, FailureReport, MEMBERSHIP_KEY, Membership, ProgressReport};
+use diphoma_contract::{
+    self as contract, FailureReport, MEMBERSHIP_KEY, Membership, ProgressReport,
+};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret, Service, ServiceAccount};

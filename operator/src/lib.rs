@@ -11,7 +11,7 @@
 //! - [`metrics`]: Prometheus metrics and the `/metrics`, `/healthz`, `/readyz` server.
 //!
 //! The operator/worker contract (env names, labels, membership format, key file) is imported
-//! from `diphoma_worker::contract`, never restated here.
+//! from `diphoma_contract`, never restated here.
 
 pub mod api;
 pub mod build;

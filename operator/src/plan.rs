@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use diphoma_worker::contract::{FailureReport, Member, Membership, ProgressReport};
+use diphoma_contract::{FailureReport, Member, Membership, ProgressReport};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
@@ -864,7 +864,7 @@ fn ring_status(job: &str, m: &Membership, departed: Vec<String>) -> RingStatus {
     RingStatus {
         generation: m.generation as i64,
         size: m.members.len() as i32,
-        config_map: diphoma_worker::contract::membership_configmap_name(job),
+        config_map: diphoma_contract::membership_configmap_name(job),
         departed,
     }
 }

@@ -364,10 +364,7 @@ pub fn load_newest(
             });
         match r {
             Ok(c) => return Ok(Some((path, c))),
-            Err(e) => eprintln!(
-                "diphoma-worker: warning: skipping checkpoint {}: {e}",
-                path.display()
-            ),
+            Err(e) => tracing::warn!("skipping checkpoint {}: {e}", path.display()),
         }
     }
     Ok(None)

@@ -1,11 +1,15 @@
-//! The worker's Prometheus metrics (own registry, `diphoma_worker_` prefix, no labels) and the
-//! `/metrics` endpoint.
+//! The worker's Prometheus metrics (own registry, `diphoma_worker_` prefix, no labels), the
+//! `/metrics` endpoint, and [`Metered`]: a ring source that records them. It decides nothing
+//! about what to record beyond what the ring source is told.
 
+use std::net::SocketAddr;
+
+use diphoma_ring::k8s::KubeError;
+use diphoma_ring::source::{Control, Generation, Progress, RingSource};
+use diphoma_ring::{AbortHandle, CommError};
 use prometheus::{
     Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Registry, TextEncoder,
 };
-
-use crate::train::Progress;
 
 /// Every metric the worker exports.
 #[derive(Clone, Debug)]
@@ -109,6 +113,58 @@ impl WorkerMetrics {
             }),
         );
         axum::serve(listener, app).await
+    }
+
+    /// Binds `addr` and serves `/metrics` there on `rt` in the background (a failing server is
+    /// logged, not fatal).
+    ///
+    /// # Errors
+    /// [`KubeError::Bind`] when `addr` cannot be bound.
+    pub fn spawn_server(
+        &self,
+        rt: &tokio::runtime::Handle,
+        addr: SocketAddr,
+    ) -> Result<(), KubeError> {
+        let l = rt
+            .block_on(tokio::net::TcpListener::bind(addr))
+            .map_err(|source| KubeError::Bind { addr, source })?;
+        let m = self.clone();
+        rt.spawn(async move {
+            if let Err(e) = m.serve(l).await {
+                tracing::warn!("/metrics server: {e}");
+            }
+        });
+        Ok(())
+    }
+}
+
+/// A [`RingSource`] that records the worker's metrics around another one: the generation on
+/// each connect, each committed step, each ring re-formed after a failure.
+#[derive(Debug)]
+pub struct Metered<S> {
+    /// The source followed (e.g. the ring ConfigMap's `KubeRing`).
+    pub inner: S,
+    /// Where it records.
+    pub metrics: WorkerMetrics,
+}
+
+impl<S: RingSource> RingSource for Metered<S> {
+    fn connected(&mut self, generation: u64, rank: usize, abort: AbortHandle) {
+        self.metrics.ring_generation.set(generation as i64);
+        self.inner.connected(generation, rank, abort);
+    }
+
+    fn after_commit(&mut self, progress: &Progress) -> Control {
+        self.metrics.observe(progress);
+        self.inner.after_commit(progress)
+    }
+
+    fn after_failure(&mut self, err: &CommError) -> Option<Generation> {
+        let next = self.inner.after_failure(err);
+        if next.is_some() {
+            self.metrics.repairs.inc();
+        }
+        next
     }
 }
 

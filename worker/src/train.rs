@@ -21,14 +21,17 @@
 //! the digits MLP on the digits set, or the synthetic bandwidth model on
 //! [`crate::data::synthetic`] data; the loop is the same.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
+
+use diphoma_ring::source::{
+    Control, FixedRing, Generation, Progress, RingSource, local_generation,
+};
+use diphoma_ring::{CommError, Communicator, ReduceOp};
 
 use crate::checkpoint;
 use crate::data::{self, Dataset};
 use crate::model::{Mlp, digits_widths, fuse, unfuse};
 use crate::optim::{OptState, Optim, OptimizerKind};
-use crate::{AbortHandle, CommError, Communicator, Config, ReduceOp};
 
 /// Hyper-parameters and schedule of a training run (identical on every rank).
 #[derive(Debug, Clone)]
@@ -69,63 +72,6 @@ impl Default for TrainConfig {
             log_every: 0,
         }
     }
-}
-
-/// One ring generation to join: the communicator config and the listener bound at this
-/// member's address.
-#[derive(Debug)]
-pub struct Generation {
-    /// Rank, world, addresses, generation number, key.
-    pub config: Config,
-    /// Bound at `config.addresses[config.rank]`.
-    pub listener: TcpListener,
-}
-
-/// What a rank does after a committed step.
-#[derive(Debug)]
-pub enum Control {
-    /// Go on in the current generation.
-    Continue,
-    /// Leave the current generation and join this one.
-    Switch(Generation),
-    /// Leave the ring and stop training (scale-down, SIGTERM).
-    Leave,
-}
-
-/// Where a rank learns about ring generations (the ring ConfigMap in Kubernetes, a fixed list
-/// in standalone runs and tests).
-pub trait RingSource {
-    /// Called once a generation is connected, with the handle that aborts its collective in
-    /// flight (e.g. when a newer generation is published while a peer hangs).
-    fn connected(&mut self, _generation: u64, _rank: usize, _abort: AbortHandle) {}
-    /// Called after a step committed.
-    fn after_commit(&mut self, progress: &Progress) -> Control;
-    /// Called after a collective or a connect failed with `err`: the generation to join next,
-    /// or `None` to give up.
-    fn after_failure(&mut self, err: &CommError) -> Option<Generation>;
-}
-
-/// What a rank knows after a committed step.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Progress {
-    /// Steps committed.
-    pub step: u64,
-    /// Steps to train in total.
-    pub total_steps: u64,
-    /// The generation it committed in.
-    pub generation: u64,
-    /// This member's rank in that generation.
-    pub rank: usize,
-    /// Global mean training loss of the step.
-    pub loss: f32,
-    /// Samples per second over the ring since the generation started.
-    pub samples_per_second: f64,
-    /// Step of the last checkpoint written by this rank, if any.
-    pub last_checkpoint: Option<u64>,
-    /// Duration of the step's allreduce, in seconds.
-    pub allreduce_seconds: f64,
-    /// Size of the step's fused allreduce buffer, in bytes.
-    pub allreduce_bytes: u64,
 }
 
 /// Why training stopped with an error.
@@ -346,8 +292,8 @@ fn maybe_checkpoint(
     Ok(match checkpoint::write_atomic(dir, &ck) {
         Ok(_) => Some(step),
         Err(e) => {
-            eprintln!(
-                "diphoma-worker: warning: checkpoint of step {step} into {} failed: {e}",
+            tracing::warn!(
+                "checkpoint of step {step} into {} failed: {e}",
                 dir.display()
             );
             None
@@ -442,11 +388,7 @@ pub fn train_rank(
         })
         .map_err(|e| TrainError::Config(format!("checkpoint dir {}: {e}", dir.display())))?;
         if let Some((path, c)) = resumed {
-            eprintln!(
-                "diphoma-worker: resuming from {} at step {}",
-                path.display(),
-                c.step
-            );
+            tracing::info!("resuming from {} at step {}", path.display(), c.step);
             let s = State {
                 step: c.step,
                 params: c.params,
@@ -498,6 +440,7 @@ pub fn train_rank(
                     stats.allreduce_seconds += secs;
                     stats.allreduce_bytes = bytes;
                     if comm.rank() == 0 && cfg.log_every > 0 && step.is_multiple_of(cfg.log_every) {
+                        // Progress output of the CLI on stdout (e2e reads it), not a log line.
                         println!(
                             "step {step} generation {gen_no} loss {loss:.5} samples/s {:.1} allreduce {:.2} ms",
                             stats.samples_per_second(cfg.batch),
@@ -547,53 +490,6 @@ pub fn train_rank(
         left,
         stats,
     })
-}
-
-/// A ring that never changes: one generation, no replacement after a failure.
-#[derive(Debug, Default)]
-pub struct FixedRing;
-
-impl RingSource for FixedRing {
-    fn after_commit(&mut self, _progress: &Progress) -> Control {
-        Control::Continue
-    }
-    fn after_failure(&mut self, _err: &CommError) -> Option<Generation> {
-        None
-    }
-}
-
-/// Generation 1 of a ring of `world` ranks on 127.0.0.1 (ephemeral ports, one random key),
-/// one [`Generation`] per rank.
-///
-/// # Errors
-/// An I/O error binding a listener.
-pub fn local_generation(
-    world: usize,
-    generation: u64,
-    key: &[u8],
-) -> std::io::Result<Vec<Generation>> {
-    let ls = (0..world)
-        .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<std::io::Result<Vec<_>>>()?;
-    let addrs = ls
-        .iter()
-        .map(TcpListener::local_addr)
-        .collect::<std::io::Result<Vec<_>>>()?;
-    Ok(ls
-        .into_iter()
-        .enumerate()
-        .map(|(r, listener)| Generation {
-            config: Config::new(
-                r,
-                world,
-                addrs.clone(),
-                generation,
-                "standalone",
-                key.to_vec(),
-            ),
-            listener,
-        })
-        .collect())
 }
 
 /// Runs `world` ranks as threads on 127.0.0.1 with a [`FixedRing`]; outcomes by rank.

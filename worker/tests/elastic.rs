@@ -8,13 +8,11 @@ use std::collections::VecDeque;
 use std::path::Path;
 
 use common::max_diff;
-use diphoma_worker::CommError;
+use diphoma_ring::CommError;
+use diphoma_ring::source::{Control, Generation, Progress, RingSource, local_generation};
 use diphoma_worker::data;
 use diphoma_worker::optim::{OptState, OptimizerKind};
-use diphoma_worker::train::{
-    Control, Generation, Progress, RingSource, TrainConfig, local_generation, train_rank,
-    train_standalone,
-};
+use diphoma_worker::train::{TrainConfig, train_rank, train_standalone};
 
 /// As in `tests/train.rs`: the runs differ only in the order of f32 additions (world 4, 3, 4
 /// against 4), measured gap ~1e-7 after 40 steps.

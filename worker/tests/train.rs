@@ -433,7 +433,7 @@ fn killed_run_resumes_from_its_newest_checkpoint_with(opt: OptimizerKind) {
 
 #[test]
 fn kubernetes_mode_names_a_missing_or_malformed_variable() {
-    use diphoma_worker::contract::*;
+    use diphoma_contract::*;
     let vars = [
         ENV_JOB_NAME,
         ENV_JOB_UID,
@@ -483,7 +483,7 @@ fn kubernetes_mode_names_a_missing_or_malformed_variable() {
 
 #[test]
 fn kubernetes_mode_serves_metrics_and_exits_0_on_sigterm() {
-    use diphoma_worker::contract::*;
+    use diphoma_contract::*;
     use std::io::{Read, Write};
     let dir = scratch("k8s");
     let key = dir.join("ring.key");
@@ -536,8 +536,8 @@ fn kubernetes_mode_serves_metrics_and_exits_0_on_sigterm() {
     }
     assert!(body.contains("diphoma_worker_step 0"), "{body}");
     // SIGTERM while waiting for a ring: exit 0.
-    // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("child pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
     let _ = std::fs::remove_dir_all(dir);

@@ -19,10 +19,10 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant, SystemTime};
 
 use clap::Parser;
+use diphoma_contract::{self as contract, Membership};
 use diphoma_e2e::cluster::{ControlPlane, TempNamespace, http_get};
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::kubelet::{FailMode, Kubelet, KubeletConfig};
-use diphoma_worker::contract::{self, Membership};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{DynamicObject, Patch, PatchParams};
 use kube::core::{ApiResource, GroupVersionKind};

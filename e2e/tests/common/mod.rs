@@ -9,11 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
+use diphoma_contract::{MEMBERSHIP_KEY, Membership};
 use diphoma_e2e::cluster::{ControlPlane, TempNamespace};
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::kubelet::{Kubelet, KubeletConfig};
 use diphoma_operator::api::{DiphomaJob, Phase};
-use diphoma_worker::contract::{MEMBERSHIP_KEY, Membership};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{ListParams, PostParams};
 use kube::runtime::wait::await_condition;

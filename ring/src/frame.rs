@@ -1,6 +1,7 @@
 //! Wire format: length-prefixed frames with a fixed 16-byte header, and the handshake messages.
 //!
-//! Owns encoding and validation only; it never touches a socket. Decoding never panics and
+//! Owns encoding and validation only, and [`ProtocolError`], what a decoder refuses; it never
+//! touches a socket and imports nothing else of the crate. Decoding never panics and
 //! never allocates: a header is validated (magic, version, kind, length ≤ the kind's limit)
 //! before anyone reads or buffers its payload, so a malformed or oversized frame is a
 //! [`ProtocolError`] and costs nothing.
@@ -15,7 +16,7 @@
 //! | 4..8 | payload length in bytes (u32) |
 //! | 8..16 | sequence number (u64; the collective's number for `Data`, 0 in the handshake) |
 
-use crate::error::ProtocolError;
+use diphoma_contract::MAX_JOB_UID;
 
 /// Frame magic, the first two bytes of every frame.
 pub const MAGIC: [u8; 2] = *b"DR";
@@ -28,12 +29,63 @@ pub const MAX_HANDSHAKE_PAYLOAD: usize = 256;
 /// Largest payload of one data frame, in bytes (a collective step's payload is split into
 /// frames of at most this size).
 pub const MAX_DATA_PAYLOAD: usize = 1 << 20;
-/// Longest job UID carried in a `Hello`, in bytes (Kubernetes UIDs are 36).
-pub const MAX_JOB_UID: usize = 128;
 /// Nonce length in bytes.
 pub const NONCE_LEN: usize = 32;
 /// HMAC-SHA256 tag length in bytes.
 pub const MAC_LEN: usize = 32;
+
+/// What was wrong with a frame or a handshake message .
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolError {
+    /// The first bytes are not the frame magic: not a Diphoma peer, or garbage.
+    #[error("bad magic {0:02x?}")]
+    BadMagic([u8; 2]),
+    /// Unsupported protocol version.
+    #[error("unsupported version {0}")]
+    BadVersion(u8),
+    /// Unknown frame kind.
+    #[error("unknown frame kind {0}")]
+    BadKind(u8),
+    /// Declared payload larger than allowed for its kind.
+    #[error("frame of {len} bytes exceeds the limit of {max}")]
+    Oversized {
+        /// Declared payload length.
+        len: u64,
+        /// Limit for that frame kind.
+        max: u64,
+    },
+    /// The input ended inside a frame.
+    #[error("truncated frame: need {need} bytes, have {have}")]
+    Truncated {
+        /// Bytes needed.
+        need: usize,
+        /// Bytes available.
+        have: usize,
+    },
+    /// A frame of another kind than the protocol step expects.
+    #[error("unexpected frame kind {got:?}, expected {expected:?}")]
+    Unexpected {
+        /// Kind received.
+        got: Kind,
+        /// Kind expected.
+        expected: Kind,
+    },
+    /// A data frame with the wrong sequence number or length.
+    #[error("data frame out of step: seq {seq} len {len}, expected seq {want_seq} len {want_len}")]
+    OutOfStep {
+        /// Sequence received.
+        seq: u64,
+        /// Length received.
+        len: u32,
+        /// Sequence expected.
+        want_seq: u64,
+        /// Length expected.
+        want_len: u32,
+    },
+    /// A handshake payload whose fields do not parse.
+    #[error("malformed {0} message")]
+    Malformed(&'static str),
+}
 
 /// The kind of a frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

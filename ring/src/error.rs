@@ -3,8 +3,13 @@
 //! Every fallible call of the communicator returns it; each variant names what failed so the
 //! worker can decide between "re-form the ring" (`PeerLost`, `Timeout`) and "this peer is not one
 //! of us" (`AuthFailed`, `WrongJob`, `StaleGeneration`). This module owns no I/O.
+//!
+//! It wraps the wire format's [`ProtocolError`] (owned by `frame.rs`); the dependency is one-way:
+//! `frame` never imports `error`.
 
 use std::time::Duration;
+
+use crate::frame::ProtocolError;
 
 /// A failure of a communicator call (connect, allreduce, broadcast, barrier).
 ///
@@ -74,59 +79,6 @@ pub enum CommError {
         #[source]
         source: std::io::Error,
     },
-}
-
-/// What was wrong with a frame or a handshake message (see `frame.rs`).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ProtocolError {
-    /// The first bytes are not the frame magic: not a Diphoma peer, or garbage.
-    #[error("bad magic {0:02x?}")]
-    BadMagic([u8; 2]),
-    /// Unsupported protocol version.
-    #[error("unsupported version {0}")]
-    BadVersion(u8),
-    /// Unknown frame kind.
-    #[error("unknown frame kind {0}")]
-    BadKind(u8),
-    /// Declared payload larger than allowed for its kind.
-    #[error("frame of {len} bytes exceeds the limit of {max}")]
-    Oversized {
-        /// Declared payload length.
-        len: u64,
-        /// Limit for that frame kind.
-        max: u64,
-    },
-    /// The input ended inside a frame.
-    #[error("truncated frame: need {need} bytes, have {have}")]
-    Truncated {
-        /// Bytes needed.
-        need: usize,
-        /// Bytes available.
-        have: usize,
-    },
-    /// A frame of another kind than the protocol step expects.
-    #[error("unexpected frame kind {got:?}, expected {expected:?}")]
-    Unexpected {
-        /// Kind received.
-        got: crate::frame::Kind,
-        /// Kind expected.
-        expected: crate::frame::Kind,
-    },
-    /// A data frame with the wrong sequence number or length.
-    #[error("data frame out of step: seq {seq} len {len}, expected seq {want_seq} len {want_len}")]
-    OutOfStep {
-        /// Sequence received.
-        seq: u64,
-        /// Length received.
-        len: u32,
-        /// Sequence expected.
-        want_seq: u64,
-        /// Length expected.
-        want_len: u32,
-    },
-    /// A handshake payload whose fields do not parse.
-    #[error("malformed {0} message")]
-    Malformed(&'static str),
 }
 
 impl CommError {

@@ -31,10 +31,12 @@ use hmac::{Hmac, Mac};
 use rand::RngCore;
 use sha2::Sha256;
 
-use crate::error::{CommError, ProtocolError};
+use diphoma_contract::MAX_JOB_UID;
+
+use crate::error::CommError;
 use crate::frame::{
     self, Challenge, HEADER_LEN, Header, Hello, Kind, MAC_LEN, MAX_HANDSHAKE_PAYLOAD, NONCE_LEN,
-    Proof, Reject, RejectReason,
+    Proof, ProtocolError, Reject, RejectReason,
 };
 
 const DOMAIN: &[u8] = b"diphoma-ring-auth-v1";
@@ -107,7 +109,7 @@ impl RefusalCounters {
 fn tag(p: &AuthParams<'_>, from: u32, to: u32, ni: &[u8], na: &[u8], role: u8) -> Hmac<Sha256> {
     // HMAC accepts keys of any length (RFC 2104 §2), so this cannot fail.
     let mut m = <Hmac<Sha256> as Mac>::new_from_slice(p.key).expect("HMAC takes any key length");
-    let uid = &p.job_uid.as_bytes()[..p.job_uid.len().min(frame::MAX_JOB_UID)];
+    let uid = &p.job_uid.as_bytes()[..p.job_uid.len().min(MAX_JOB_UID)];
     m.update(DOMAIN);
     m.update(&[uid.len() as u8]);
     m.update(uid);

@@ -3,7 +3,7 @@
 
 mod common;
 
-use diphoma_worker::{Element, ReduceOp, bf16, f16};
+use diphoma_ring::{Element, ReduceOp, bf16, f16};
 
 /// Rank r's value at index i: small integers, so every partial sum is exact in every dtype.
 fn value(r: usize, i: usize) -> f32 {
@@ -11,10 +11,10 @@ fn value(r: usize, i: usize) -> f32 {
 }
 
 fn check<T: Element + PartialEq + std::fmt::Debug>(
-    comms: Vec<diphoma_worker::Communicator>,
+    comms: Vec<diphoma_ring::Communicator>,
     len: usize,
     op: ReduceOp,
-) -> Vec<diphoma_worker::Communicator> {
+) -> Vec<diphoma_ring::Communicator> {
     let n = comms.len();
     let (comms, bufs) = common::on_all(comms, move |r, c| {
         let mut buf: Vec<T> = (0..len).map(|i| T::from_f32(value(r, i))).collect();

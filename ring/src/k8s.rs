@@ -1,4 +1,4 @@
-//! Kubernetes mode of `train`: the contract's env, the ring ConfigMap watched as a
+//! The membership follower of a worker pod: the contract's env, the ring ConfigMap watched as a
 //! [`RingSource`], and the heartbeat ConfigMap writes (docs/design/heartbeat.md).
 //!
 //! Pure parts (unit-tested): [`WorkerEnv::from_lookup`] and [`decide`]. I/O parts: [`KubeRing`]
@@ -8,6 +8,9 @@
 //! re-formed it). Rank 0 patches its [`ProgressReport`] into `<job>-heartbeat` every
 //! [`PROGRESS_EVERY`]; a member whose collective fails patches one [`FailureReport`] under
 //! `report.<pod>`. Nothing is written per worker per step.
+//!
+//! It must not train or record metrics: the worker wraps it (its `metrics::Metered`) and serves
+//! `/metrics` on [`KubeRing::handle`].
 
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::PathBuf;
@@ -20,12 +23,13 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 
-use crate::contract::{
-    self, ENV_JOB_NAME, ENV_JOB_UID, ENV_KEY_FILE, ENV_MEMBERSHIP, ENV_NAMESPACE, ENV_POD_IP,
-    ENV_POD_NAME, ENV_RING_PORT, FailureReport, MEMBERSHIP_KEY, Membership, ProgressReport,
+use diphoma_contract::{
+    self as contract, ENV_JOB_NAME, ENV_JOB_UID, ENV_KEY_FILE, ENV_MEMBERSHIP, ENV_NAMESPACE,
+    ENV_POD_IP, ENV_POD_NAME, ENV_RING_PORT, FailureReport, MEMBERSHIP_KEY, Membership,
+    ProgressReport,
 };
-use crate::metrics::WorkerMetrics;
-use crate::train::{Control, Generation, Progress, RingSource};
+
+use crate::source::{Control, Generation, Progress, RingSource};
 use crate::{AbortHandle, CommError, Config};
 
 /// How often rank 0 writes its progress record.
@@ -164,7 +168,6 @@ pub struct KubeRing {
     last_report: Option<ProgressReport>,
     /// The progress write still in flight (the next one waits for it: writes land in order).
     pending_progress: Option<tokio::task::JoinHandle<()>>,
-    metrics: WorkerMetrics,
     terminating: Arc<AtomicBool>,
     removed: bool,
     reported: Option<u64>,
@@ -186,7 +189,7 @@ pub enum KubeError {
     /// No client configuration (kubeconfig / in-cluster) or runtime.
     #[error("kubernetes client: {0}")]
     Client(String),
-    /// The ring or metrics port could not be bound.
+    /// A port (the ring's, or the worker's metrics port) could not be bound.
     #[error("binding {addr}: {source}")]
     Bind {
         /// The address.
@@ -198,13 +201,12 @@ pub enum KubeError {
 }
 
 impl KubeRing {
-    /// Connects to the API server (`KUBECONFIG` or in-cluster config), serves `/metrics` on
-    /// the pod IP at `metrics_port` (0: no endpoint) and starts watching the ring ConfigMap.
+    /// Connects to the API server (`KUBECONFIG` or in-cluster config) and starts watching the
+    /// ring ConfigMap, on a private tokio runtime (see [`KubeRing::handle`]).
     ///
     /// # Errors
-    /// [`KubeError::Client`] when no client can be built; [`KubeError::Bind`] when the metrics
-    /// port cannot be bound.
-    pub fn start(env: WorkerEnv, key: Vec<u8>, metrics_port: u16) -> Result<KubeRing, KubeError> {
+    /// [`KubeError::Client`] when no client or runtime can be built.
+    pub fn start(env: WorkerEnv, key: Vec<u8>) -> Result<KubeRing, KubeError> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -218,24 +220,11 @@ impl KubeRing {
                 .map_err(|e| KubeError::Client(format!("SIGTERM handler: {e}")))?;
             tokio::spawn(async move {
                 sig.recv().await;
-                eprintln!("diphoma-worker: SIGTERM: leaving the ring after the current step");
+                tracing::info!("SIGTERM: leaving the ring after the current step");
                 term.store(true, Ordering::SeqCst);
             });
             Ok::<_, KubeError>(())
         })?;
-        let metrics = WorkerMetrics::new();
-        if metrics_port != 0 {
-            let addr = SocketAddr::new(env.pod_ip, metrics_port);
-            let l = rt
-                .block_on(tokio::net::TcpListener::bind(addr))
-                .map_err(|source| KubeError::Bind { addr, source })?;
-            let m = metrics.clone();
-            rt.spawn(async move {
-                if let Err(e) = m.serve(l).await {
-                    eprintln!("diphoma-worker: warning: /metrics server: {e}");
-                }
-            });
-        }
         let client = rt
             .block_on(kube::Client::try_default())
             .map_err(|e| KubeError::Client(e.to_string()))?;
@@ -254,7 +243,7 @@ impl KubeRing {
                     Ok(watcher::Event::Apply(cm) | watcher::Event::InitApply(cm)) => cm,
                     Ok(_) => continue,
                     Err(e) => {
-                        eprintln!("diphoma-worker: warning: ring watch: {e}");
+                        tracing::warn!("ring watch: {e}");
                         continue;
                     }
                 };
@@ -264,7 +253,7 @@ impl KubeRing {
                 let m = match Membership::parse(json) {
                     Ok(m) => m,
                     Err(e) => {
-                        eprintln!("diphoma-worker: warning: ignoring ring membership: {e}");
+                        tracing::warn!("ignoring ring membership: {e}");
                         continue;
                     }
                 };
@@ -290,7 +279,6 @@ impl KubeRing {
             last_progress: None,
             last_report: None,
             pending_progress: None,
-            metrics,
             terminating,
             removed: false,
             reported: None,
@@ -361,6 +349,12 @@ impl KubeRing {
         Ok(Generation { config, listener })
     }
 
+    /// The private tokio runtime the watch and the heartbeat writes run on (the worker serves
+    /// `/metrics` on it too).
+    pub fn handle(&self) -> &tokio::runtime::Handle {
+        self.rt.handle()
+    }
+
     /// Sets the bound on each collective and connect (default [`OP_TIMEOUT`]); keep it below
     /// half the job's `faultTolerance.detectionSeconds`.
     pub fn set_op_timeout(&mut self, t: Duration) {
@@ -409,7 +403,7 @@ impl KubeRing {
                 .patch(&name, &PatchParams::default(), &Patch::Merge(&body))
                 .await
             {
-                eprintln!("diphoma-worker: warning: writing {key} into {name}: {e}");
+                tracing::warn!("writing {key} into {name}: {e}");
             }
         }
     }
@@ -429,7 +423,7 @@ impl KubeRing {
             Decision::Join(r) => match self.join(m, r) {
                 Ok(g) => Control::Switch(g),
                 Err(e) => {
-                    eprintln!("diphoma-worker: {e}");
+                    tracing::error!("{e}");
                     Control::Leave
                 }
             },
@@ -478,12 +472,10 @@ fn now() -> String {
 
 impl RingSource for KubeRing {
     fn connected(&mut self, generation: u64, _rank: usize, abort: AbortHandle) {
-        self.metrics.ring_generation.set(generation as i64);
         *self.in_flight.lock().expect("slot") = Some((generation, abort));
     }
 
     fn after_commit(&mut self, p: &Progress) -> Control {
-        self.metrics.observe(p);
         if self.terminating() {
             return Control::Leave;
         }
@@ -512,7 +504,7 @@ impl RingSource for KubeRing {
     }
 
     fn after_failure(&mut self, err: &CommError) -> Option<Generation> {
-        eprintln!("diphoma-worker: collective failed: {err}");
+        tracing::warn!("collective failed: {err}");
         if self.terminating() {
             return None;
         }
@@ -558,12 +550,9 @@ impl RingSource for KubeRing {
             return None;
         };
         match self.join(m, r) {
-            Ok(g) => {
-                self.metrics.repairs.inc();
-                Some(g)
-            }
+            Ok(g) => Some(g),
             Err(e) => {
-                eprintln!("diphoma-worker: {e}");
+                tracing::error!("{e}");
                 None
             }
         }

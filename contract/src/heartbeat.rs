@@ -1,0 +1,63 @@
+//! The heartbeat ConfigMap `<job>-heartbeat` (docs/design/heartbeat.md): rank 0's progress
+//! record and the workers' failure reports. Serde types and key names; no I/O.
+
+use serde::{Deserialize, Serialize};
+
+/// Name of the per-job heartbeat ConfigMap, `<job>-heartbeat`: rank 0's progress record and the
+/// workers' failure reports (docs/design/heartbeat.md). Workers may get, patch and update it.
+pub fn heartbeat_configmap_name(job: &str) -> String {
+    format!("{job}-heartbeat")
+}
+
+/// Key of rank 0's [`ProgressReport`] in the heartbeat ConfigMap (JSON).
+pub const PROGRESS_KEY: &str = "progress.json";
+/// Prefix of the failure-report keys in the heartbeat ConfigMap: `report.<pod>` holds that pod's
+/// latest [`FailureReport`] (JSON).
+pub const REPORT_KEY_PREFIX: &str = "report.";
+
+/// Training progress, written by rank 0 every few seconds (one write per job, whatever the
+/// number of workers): the operator copies it into the job's status.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProgressReport {
+    /// Ring generation the step was committed in.
+    pub generation: u64,
+    /// Last committed step.
+    pub step: u64,
+    /// Steps to train in total.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_steps: Option<u64>,
+    /// Training loss at `step`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss: Option<f64>,
+    /// Samples per second over the ring.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples_per_second: Option<f64>,
+    /// Step of the newest checkpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_checkpoint_step: Option<u64>,
+    /// Accuracy of the trained model on the held-out test split, in [0, 1]: only in the last
+    /// report, written after the final step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_accuracy: Option<f64>,
+    /// When it was written (RFC 3339).
+    pub time: String,
+}
+
+/// A worker's report that a collective failed at `generation` because of `suspect` (the peer
+/// whose connection broke or went silent), written once per failure, never in steady state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FailureReport {
+    /// Generation of the failed collective.
+    pub generation: u64,
+    /// The reporting pod (alive, since it reports).
+    pub reporter: String,
+    /// The pod it blames, if it could tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suspect: Option<String>,
+    /// The error kind (`PeerLost`, `Timeout`, …).
+    pub error: String,
+    /// When it was written (RFC 3339).
+    pub time: String,
+}

@@ -1,0 +1,82 @@
+//! The operator/worker contract: environment variable names, ports, labels, the ring-membership
+//! format, the key file and the heartbeat formats. The operator, the ring, the worker and e2e
+//! import this crate; nothing here is written down anywhere else.
+//!
+//! Plain constants and serde types; no I/O (parsing takes strings and bytes the caller read).
+//!
+//! How a worker pod finds its ring:
+//! 1. The operator publishes generation `g` as JSON ([`Membership`]) under the key
+//!    [`MEMBERSHIP_KEY`] of the ConfigMap named by [`ENV_MEMBERSHIP`] (`<job>-ring`,
+//!    see [`membership_configmap_name`]).
+//! 2. The worker finds its own entry by pod name ([`ENV_POD_NAME`]), listens on
+//!    [`ENV_RING_PORT`] at [`ENV_POD_IP`], and connects to its peers with the per-job key read
+//!    from the file at [`ENV_KEY_FILE`] (a Secret volume; the file holds at least
+//!    [`MIN_KEY_LEN`] raw bytes, used as the HMAC-SHA256 key).
+//!
+//! # Layout
+//!
+//! | module | owns | must not |
+//! |---|---|---|
+//! | crate root | env names, ports, labels, key-file constants, protocol bounds shared with the ring | do I/O |
+//! | [`membership`] | the ring-membership document ([`Membership`]), its validation, the key-file check | do I/O |
+//! | [`heartbeat`] | the heartbeat ConfigMap: rank 0's [`ProgressReport`], the workers' [`FailureReport`]s | do I/O |
+//!
+//! This crate imports nothing of ours (only serde, serde_json and thiserror): the operator, the
+//! ring, the worker and e2e all depend on it, and it on none of them.
+
+pub mod heartbeat;
+pub mod membership;
+
+pub use heartbeat::{
+    FailureReport, PROGRESS_KEY, ProgressReport, REPORT_KEY_PREFIX, heartbeat_configmap_name,
+};
+pub use membership::{
+    ContractError, MEMBERSHIP_KEY, Member, Membership, membership_configmap_name, parse_key,
+};
+
+/// Env: the `DiphomaJob` name.
+pub const ENV_JOB_NAME: &str = "DIPHOMA_JOB_NAME";
+/// Env: the `DiphomaJob`'s `metadata.uid`, bound into every ring handshake.
+pub const ENV_JOB_UID: &str = "DIPHOMA_JOB_UID";
+/// Env: the job's namespace (downward API `metadata.namespace`).
+pub const ENV_NAMESPACE: &str = "DIPHOMA_NAMESPACE";
+/// Env: this pod's name (downward API `metadata.name`).
+pub const ENV_POD_NAME: &str = "DIPHOMA_POD_NAME";
+/// Env: this pod's IP (downward API `status.podIP`).
+pub const ENV_POD_IP: &str = "DIPHOMA_POD_IP";
+/// Env: the TCP port of the ring on the pod IP (from `spec.ringPort`).
+pub const ENV_RING_PORT: &str = "DIPHOMA_RING_PORT";
+/// Env: path of the per-job key file (a mounted Secret).
+pub const ENV_KEY_FILE: &str = "DIPHOMA_KEY_FILE";
+/// Env: name of the ConfigMap holding the ring membership.
+pub const ENV_MEMBERSHIP: &str = "DIPHOMA_MEMBERSHIP";
+/// Env: directory of the checkpoints (the mount path of `spec.checkpoint.volume`); unset: none.
+pub const ENV_CHECKPOINT_DIR: &str = "DIPHOMA_CHECKPOINT_DIR";
+/// Env: steps between two checkpoints (`spec.checkpoint.everySteps`).
+pub const ENV_CHECKPOINT_EVERY: &str = "DIPHOMA_CHECKPOINT_EVERY";
+
+/// Default TCP port of the ring (`spec.ringPort`).
+pub const DEFAULT_RING_PORT: u16 = 29500;
+/// Name of the ring port on the worker container.
+pub const RING_PORT_NAME: &str = "ring";
+
+/// Default TCP port of the worker's `/metrics` endpoint (on the pod IP).
+pub const DEFAULT_METRICS_PORT: u16 = 9400;
+/// Name of the metrics port on the worker container.
+pub const METRICS_PORT_NAME: &str = "metrics";
+
+/// Label on every worker pod: the owning job's name.
+pub const LABEL_JOB_NAME: &str = "diphoma.io/job-name";
+/// Label on every worker pod: its replica index (stable pod identity, not the ring rank, which
+/// changes with each generation).
+pub const LABEL_REPLICA_INDEX: &str = "diphoma.io/replica-index";
+
+/// Key inside the job's Secret, and file name inside its mount, of the per-job HMAC key.
+pub const KEY_FILE_NAME: &str = "ring.key";
+/// Directory where the operator mounts the key Secret in worker pods.
+pub const KEY_MOUNT_DIR: &str = "/var/run/diphoma";
+/// Shortest acceptable per-job key, in bytes.
+pub const MIN_KEY_LEN: usize = 32;
+/// Longest job UID, in bytes: a membership's `jobUid` and the ring handshake's `Hello` carry at
+/// most this many (Kubernetes UIDs are 36).
+pub const MAX_JOB_UID: usize = 128;

@@ -1,0 +1,69 @@
+//! Diphoma's ring runtime: allreduce, broadcast and barrier over authenticated TCP, for one
+//! ring generation at a time, and the membership follower that tells a worker pod which
+//! generation to join.
+//!
+//! ```no_run
+//! use diphoma_ring::{Communicator, Config, ReduceOp};
+//! # fn main() -> Result<(), diphoma_ring::CommError> {
+//! let addrs = vec!["10.0.0.1:29500".parse().unwrap(), "10.0.0.2:29500".parse().unwrap()];
+//! let cfg = Config::new(0, 2, addrs, 1, "job-uid", vec![7u8; 32]);
+//! let mut comm = Communicator::bind_and_connect(cfg)?;
+//! let mut grads = vec![1.0f32; 1 << 20];
+//! comm.allreduce(&mut grads, ReduceOp::Avg)?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Layout
+//!
+//! | module | owns | must not |
+//! |---|---|---|
+//! | [`schedule`] | the collective schedules as pure step lists (ring, recursive doubling, trees, chains) | touch sockets |
+//! | [`reduce`] | element types and the f32-accumulating reduction kernels | touch sockets |
+//! | [`frame`] | the wire format: 16-byte headers, handshake messages, validating decoders, [`ProtocolError`] | touch sockets, allocate while decoding, import `error` |
+//! | [`auth`] | the HMAC-SHA256 challenge-response on one stream, refusal counters | open sockets, see data |
+//! | [`comm`] | the [`Communicator`] and its collectives (`comm/mod.rs`), the non-blocking transport (`comm/transport.rs`), joining a generation (`comm/join.rs`) | choose schedules by itself beyond size thresholds |
+//! | [`error`] | [`CommError`], the error of every communicator call | do I/O |
+//! | [`source`] | the [`source::RingSource`] a training loop follows, the standalone [`source::FixedRing`] | train |
+//! | [`k8s`] | the membership follower: contract env, the ring ConfigMap as a [`source::RingSource`], heartbeat writes | train, record metrics |
+//!
+//! This crate must not import candle, safetensors or anything of training, nor the operator:
+//! its only Diphoma dependency is `diphoma-contract`.
+//!
+//! # Design decisions
+//!
+//! - **Transport: one thread, non-blocking sockets, `poll(2)`.** A step's send and receive
+//!   are interleaved on the calling thread with non-blocking `writev`/`readv`, spinning briefly
+//!   (yielding) before sleeping in `poll`. Full duplex without helper threads or hand-offs:
+//!   nothing to wake, no deadlock when both sides send at once (neither blocks in `write`), and
+//!   every wait is bounded by the collective's deadline. On a 2-core box running 4 ranks this
+//!   matters: every extra thread competes for the same cores.
+//! - **Algorithms by size** (see [`comm::Config`]): recursive doubling up to 64 KiB (direct
+//!   exchange for 2 ranks), the Rabenseifner halving-doubling schedule for larger buffers when
+//!   the world is a power of two above 2, and the ring otherwise; all three are pure schedules.
+//! - **Half types stay half on the wire** and are reduced through f32 (AVX2/F16C kernels chosen
+//!   at run time, portable ones otherwise).
+//! - **Failure cascade:** on any error the communicator shuts all its sockets, so every
+//!   neighbour's call fails at once with `PeerLost` rather than at its timeout.
+//! - **Kubernetes mode** ([`k8s`]): a watch of the ring ConfigMap on a private tokio runtime; a
+//!   newer generation aborts the collective in flight; after a failure a member writes one
+//!   report per generation, waits [`k8s::REJOIN_WAIT`] for a newer generation, else re-forms the
+//!   newest it knows.
+
+#[cfg(target_endian = "big")]
+compile_error!("the wire format is little-endian and buffers travel as raw bytes");
+
+pub mod auth;
+pub mod comm;
+pub mod error;
+pub mod frame;
+pub mod k8s;
+pub mod reduce;
+pub mod schedule;
+pub mod source;
+
+pub use auth::RefusalCounters;
+pub use comm::{AbortHandle, Communicator, Config};
+pub use error::CommError;
+pub use frame::ProtocolError;
+pub use half::{bf16, f16};
+pub use reduce::{DType, Element, ReduceOp};

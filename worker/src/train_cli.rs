@@ -1,0 +1,212 @@
+//! The `train` subcommand: builds the run from its arguments, trains standalone (N ranks as
+//! threads) or as one rank of a Kubernetes job (following the ring ConfigMap, serving
+//! `/metrics`), and prints the result. It must not hold training logic (that is the library's
+//! `train`).
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use diphoma_ring::k8s;
+use diphoma_worker::metrics::{Metered, WorkerMetrics};
+use diphoma_worker::optim::OptimizerKind;
+use diphoma_worker::{data, model, train};
+
+use crate::AnyErr;
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum ModelArg {
+    /// `64 → --hidden → 10` on the digits set.
+    Digits,
+    /// A deep MLP of about `--params` parameters (`--layers` hidden layers of one width,
+    /// 256 inputs, 16 classes) on seeded synthetic data.
+    Synthetic,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum OptimizerArg {
+    /// candle-nn's SGD (no state).
+    Sgd,
+    /// AdamW (candle-nn's update and defaults; its moments travel in checkpoints and syncs).
+    Adamw,
+}
+
+#[derive(Args)]
+pub(crate) struct TrainArgs {
+    /// Run N ranks as threads on 127.0.0.1. Without it: one rank of a Kubernetes job, configured
+    /// by the operator's env (DIPHOMA_*), following the ring ConfigMap.
+    #[arg(long)]
+    standalone: bool,
+    /// Number of ranks (standalone).
+    #[arg(long, default_value_t = 1)]
+    world: usize,
+    /// Steps to train.
+    #[arg(long, default_value_t = 400)]
+    steps: u64,
+    /// Global batch size (samples per step over all ranks; independent of --world).
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// Seed of the data order and of the initial weights.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The model and its data.
+    #[arg(long, value_enum, default_value = "digits")]
+    model: ModelArg,
+    /// Synthetic model: its parameter count (the hidden width is chosen to come closest).
+    #[arg(long, default_value_t = 20_000_000)]
+    params: usize,
+    /// Synthetic model: number of hidden layers.
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// The optimizer.
+    #[arg(long, value_enum, default_value = "sgd")]
+    optimizer: OptimizerArg,
+    /// Learning rate (default: 0.5 for sgd, 0.001 for adamw; these suit digits: the deep
+    /// synthetic model is unstable with sgd at 0.5 and descends steadily at 0.05).
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Hidden units of the digits MLP.
+    #[arg(long, default_value_t = 64)]
+    hidden: usize,
+    /// The digits CSV (gzip).
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/digits.csv.gz"))]
+    data: std::path::PathBuf,
+    /// Print the loss every this many steps (0: never).
+    #[arg(long, default_value_t = 50)]
+    log_every: u64,
+    /// Rank 0 writes a checkpoint every this many steps (0: never).
+    #[arg(long, env = diphoma_contract::ENV_CHECKPOINT_EVERY, default_value_t = 0)]
+    checkpoint_every: u64,
+    /// Directory of the checkpoints; training resumes from the newest valid one in it.
+    #[arg(long, env = diphoma_contract::ENV_CHECKPOINT_DIR)]
+    checkpoint_dir: Option<std::path::PathBuf>,
+    /// Kubernetes mode: bound on each collective and connect, in seconds; keep it below half
+    /// the job's faultTolerance.detectionSeconds.
+    #[arg(long, default_value_t = k8s::OP_TIMEOUT.as_secs_f64())]
+    op_timeout_s: f64,
+    /// Kubernetes mode: port of `/metrics` on the pod IP (0: none).
+    #[arg(long, default_value_t = diphoma_contract::DEFAULT_METRICS_PORT)]
+    metrics_port: u16,
+}
+
+/// Samples of the synthetic set (a fifth held out for testing, as for digits).
+const SYNTHETIC_SAMPLES: usize = 5120;
+
+/// Runs `train`; the exit code is 0 also when the rank left the ring (scale-down, SIGTERM).
+pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
+    // Kubernetes mode checks its environment before anything else.
+    let kube_env = if a.standalone {
+        None
+    } else {
+        let env = k8s::WorkerEnv::from_env()?;
+        let key = env.read_key()?;
+        Some((env, key))
+    };
+    let (widths, (train_set, test_set)) = match a.model {
+        ModelArg::Digits => (
+            model::digits_widths(a.hidden),
+            data::load_digits(&a.data)?.split(),
+        ),
+        ModelArg::Synthetic => {
+            if a.layers == 0 || a.params == 0 {
+                return Err("--params and --layers must be positive".into());
+            }
+            let set = data::synthetic(
+                SYNTHETIC_SAMPLES,
+                model::SYNTHETIC_FEATURES,
+                model::SYNTHETIC_CLASSES,
+                a.seed,
+            );
+            (model::synthetic_widths(a.params, a.layers), set.split())
+        }
+    };
+    let optimizer = match a.optimizer {
+        OptimizerArg::Sgd => OptimizerKind::Sgd,
+        OptimizerArg::Adamw => OptimizerKind::AdamW,
+    };
+    let lr = a.lr.unwrap_or(optimizer.default_lr());
+    if !(lr > 0.0 && lr.is_finite()) {
+        return Err(format!("--lr {lr} must be positive").into());
+    }
+    println!(
+        "model {:?}: {} parameters, optimizer {} (lr {lr})",
+        widths,
+        model::count_params(&widths),
+        optimizer.name()
+    );
+    let cfg = train::TrainConfig {
+        steps: a.steps,
+        batch: a.batch,
+        seed: a.seed,
+        lr,
+        widths,
+        optimizer,
+        checkpoint_every: a.checkpoint_every,
+        checkpoint_dir: a.checkpoint_dir,
+        log_every: a.log_every,
+    };
+    let (out, world, mut ring) = match kube_env {
+        None => {
+            let mut outs = train::train_standalone(&cfg, &train_set, a.world)?;
+            (outs.swap_remove(0), a.world, None)
+        }
+        Some((env, key)) => {
+            if !(a.op_timeout_s > 0.0 && a.op_timeout_s.is_finite()) {
+                return Err(format!("--op-timeout-s {} must be positive", a.op_timeout_s).into());
+            }
+            let metrics_addr = std::net::SocketAddr::new(env.pod_ip, a.metrics_port);
+            let mut kube = k8s::KubeRing::start(env, key)?;
+            kube.set_op_timeout(Duration::from_secs_f64(a.op_timeout_s));
+            let metrics = WorkerMetrics::new();
+            if a.metrics_port != 0 {
+                metrics.spawn_server(kube.handle(), metrics_addr)?;
+            }
+            let mut ring = Metered {
+                inner: kube,
+                metrics,
+            };
+            let Some(first) = ring.inner.first_generation()? else {
+                println!("terminated before joining a ring");
+                return Ok(ExitCode::SUCCESS);
+            };
+            let world = first.config.world;
+            let out = match train::train_rank(&cfg, &train_set, first, &mut ring) {
+                Err(e) if ring.inner.done() => {
+                    println!("left the ring: {e}");
+                    return Ok(ExitCode::SUCCESS);
+                }
+                r => r?,
+            };
+            if out.left {
+                println!("left the ring after step {}", out.step);
+                return Ok(ExitCode::SUCCESS);
+            }
+            (out, world, Some(ring))
+        }
+    };
+    let st = &out.stats;
+    let per_step = st.allreduce_per_step();
+    let rate = if world > 1 && per_step > 0.0 {
+        format!("{:.3} GB/s", st.allreduce_bytes as f64 / per_step / 1e9)
+    } else {
+        "no peers".to_string()
+    };
+    println!(
+        "throughput {:.1} samples/s, allreduce {:.2} ms per step of {:.2} MB ({rate}), {} steps on rank 0",
+        st.samples_per_second(cfg.batch),
+        per_step * 1e3,
+        st.allreduce_bytes as f64 / 1e6,
+        st.steps,
+    );
+    let acc = out.model.accuracy(&test_set)?;
+    println!(
+        "test accuracy {acc:.4} ({} of {} held-out samples) after {} steps, world {world}",
+        (acc * test_set.len() as f64).round(),
+        test_set.len(),
+        out.step,
+    );
+    if let Some(ring) = &mut ring {
+        ring.inner.report_test_accuracy(acc);
+    }
+    Ok(ExitCode::SUCCESS)
+}
