@@ -59,7 +59,7 @@ fn mock(objects: Vec<(String, Value)>) -> (Client, Log) {
 }
 
 fn worker(job: &DiphomaJob, i: i32, phase: &str, exit: Option<i32>) -> Value {
-    let mut p = serde_json::to_value(build::worker_pod(job, i, 0)).unwrap();
+    let mut p = serde_json::to_value(build::worker_pod(job, i, 0).unwrap()).unwrap();
     p["spec"]["nodeName"] = json!("n0");
     p["status"] = match exit {
         None => json!({"phase": phase, "podIP": format!("127.0.0.{}", i + 2),
@@ -111,7 +111,7 @@ async fn settled(job: DiphomaJob, objects: &[(String, Value)]) -> DiphomaJob {
     let (client, _) = mock(objects.to_vec());
     let obs = observe(&client, &job).await.unwrap();
     let mut j = job;
-    j.status = Some(plan::plan(&j, &obs).status);
+    j.status = Some(plan::plan(&j, &obs).unwrap().status);
     j
 }
 
