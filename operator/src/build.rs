@@ -568,6 +568,19 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_template_that_cannot_make_a_worker_is_an_error_naming_the_job_and_field() {
+        let no_spec = job(json!({"replicas": 1, "template": {"metadata": {"labels": {"a": "b"}}}}));
+        let err = worker_pod(&no_spec, 0, 0).unwrap_err();
+        assert_eq!(err.to_string(), "job train: spec.template.spec is missing");
+        let no_container = job(json!({"replicas": 1, "template": {"spec": {"containers": []}}}));
+        let err = worker_pod(&no_container, 0, 0).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "job train: spec.template.spec.containers is empty"
+        );
+    }
+
+    #[test]
     fn replacement_names_count_attempts() {
         assert_eq!(pod_name("j", 3, 0), "j-worker-3");
         assert_eq!(pod_name("j", 3, 2), "j-worker-3-2");

@@ -181,3 +181,28 @@ async fn a_lost_worker_is_counted_before_its_pod_is_touched() {
         "a fixed-size ring waits for the replacement"
     );
 }
+
+#[tokio::test]
+async fn run_serves_health_on_the_injected_listener_and_stops_on_shutdown() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (client, _) = mock(vec![]);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(run(client, Options::default(), Some(listener), async {
+        let _ = stopped.await;
+    }));
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut reply = String::new();
+    conn.read_to_string(&mut reply).await.unwrap();
+    assert!(
+        reply.starts_with("HTTP/1.1 200") && reply.ends_with("ok"),
+        "{reply}"
+    );
+    stop.send(()).unwrap();
+    let done = tokio::time::timeout(Duration::from_secs(10), task).await;
+    assert!(matches!(done, Ok(Ok(Ok(())))), "{done:?}");
+}

@@ -830,3 +830,57 @@ fn resumed_workers_named_like_departed_members_get_a_new_generation_and_are_not_
     assert!(p.failures.is_empty(), "{:?}", p.failures);
     assert_eq!(p.publish.map(|m| m.generation), Some(2));
 }
+
+#[test]
+fn the_plan_says_when_to_look_again() {
+    // A running job is polled every detectionSeconds / 3 (node health is not watched); a
+    // shorter timer of its own wins.
+    let j = with_status(basic(), Phase::Running);
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let steady = plan(&j, &obs(pods.clone(), Some(ring(&j, 3, &[0, 1, 2, 3]))));
+    let node_check = Duration::from_secs_f64(10.0 / 3.0);
+    assert_eq!(steady.look_again, Some(node_check));
+    let mut o = Observed {
+        reports: vec![report(0, 1, 3, 98)],
+        ..obs(pods, Some(ring(&j, 3, &[0, 1, 2, 3])))
+    };
+    o.now = t(100);
+    let young = plan(&j, &o);
+    assert!(young.requeue_after.unwrap() < node_check);
+    assert_eq!(young.look_again, young.requeue_after);
+    // A finished job waits for a change, or for its TTL only.
+    let failed = with_status(basic(), Phase::Failed);
+    assert_eq!(plan(&failed, &obs(vec![], None)).look_again, None);
+    let mut ttl = failed.clone();
+    ttl.spec.run_policy.ttl_seconds_after_finished = Some(3600);
+    ttl.status.as_mut().unwrap().completion_time = Some(t(0).to_string());
+    let p = plan(&ttl, &obs(vec![], None));
+    assert_eq!(p.look_again, p.requeue_after);
+    assert!(p.look_again.unwrap() > Duration::from_secs(3000));
+}
+
+#[test]
+fn static_children_are_applied_when_the_spec_generation_moves_until_the_job_finishes() {
+    let new = basic();
+    assert!(plan(&new, &obs(vec![], None)).apply_children);
+    let mut seen = with_status(basic(), Phase::Running);
+    seen.status.as_mut().unwrap().observed_generation = Some(1);
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&seen, i, "Running")).collect();
+    let ring4 = Some(ring(&seen, 1, &[0, 1, 2, 3]));
+    assert!(!plan(&seen, &obs(pods.clone(), ring4.clone())).apply_children);
+    seen.metadata.generation = Some(2);
+    assert!(plan(&seen, &obs(pods, ring4)).apply_children);
+    let mut finished = with_status(basic(), Phase::Succeeded);
+    finished.metadata.generation = Some(5);
+    assert!(!plan(&finished, &obs(vec![], None)).apply_children);
+}
+
+#[test]
+fn a_template_without_containers_is_an_error_naming_the_job() {
+    let j = job(json!({"replicas": 1, "template": {"spec": {"containers": []}}}));
+    let err = super::plan(&j, &obs(vec![], None)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "job train: spec.template.spec.containers is empty"
+    );
+}
