@@ -1,5 +1,7 @@
-//! Desired children of a job, built as plain objects (no I/O): worker pods, the headless Service,
-//! the ServiceAccount, Role and RoleBinding of its workers, the ring ConfigMap and the key Secret.
+//! Desired children of a job, built as typed k8s-openapi objects (no I/O, no JSON editing): worker
+//! pods, the headless Service, the NetworkPolicy, the ServiceAccount, Role and RoleBinding of its
+//! workers, the ring and heartbeat ConfigMaps and the key Secret. A template that cannot make a
+//! worker is a [`BuildError`] naming the job and the field, never a pod without spec.
 //! Names are deterministic, every object carries the job as controller owner and the standard
 //! labels, so the reconciler can apply them with server-side apply and prune by label.
 
@@ -13,14 +15,17 @@ use diphoma_worker::contract::{
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, ContainerPort, EnvVar, EnvVarSource, NodeSelectorRequirement,
     NodeSelectorTerm, ObjectFieldSelector, Pod, PodSpec, Secret, SecretVolumeSource, Service,
-    ServiceAccount, Toleration, Volume, VolumeMount,
+    ServiceAccount, ServicePort, ServiceSpec, Toleration, Volume, VolumeMount,
 };
-use k8s_openapi::api::networking::v1::NetworkPolicy;
-use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::api::networking::v1::{
+    NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
+    NetworkPolicySpec,
+};
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
-use serde_json::json;
 
 use crate::api::DiphomaJob;
 
@@ -298,34 +303,56 @@ pub fn avoid_nodes(pod: &mut Pod, nodes: &std::collections::BTreeSet<String>) {
 
 /// The headless Service of the workers (stable DNS names; the ring itself dials pod IPs).
 pub fn service(job: &DiphomaJob) -> Service {
-    serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": meta(job, job.name_any()),
-        "spec": {"clusterIP": "None", "selector": {LABEL_JOB_NAME: job.name_any()},
-                 "ports": [{"name": contract::RING_PORT_NAME, "port": job.spec.ring_port}]}
-    }))
-    .expect("static service")
+    Service {
+        metadata: meta(job, job.name_any()),
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".into()),
+            selector: Some(BTreeMap::from([(LABEL_JOB_NAME.into(), job.name_any())])),
+            ports: Some(vec![ServicePort {
+                name: Some(contract::RING_PORT_NAME.into()),
+                port: job.spec.ring_port,
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        status: None,
+    }
 }
 
 /// The job's NetworkPolicy (created when the operator runs with `--network-policy`): the ring
 /// port of its workers accepts only this job's workers; the metrics port stays open to scrapers.
 /// Other ingress to the workers is denied (the policy selects them).
 pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
-    let workers = json!({"matchLabels": {LABEL_JOB_NAME: job.name_any()}});
-    serde_json::from_value(json!({
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": meta(job, job.name_any()),
-        "spec": {
-            "podSelector": workers,
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [{"podSelector": workers}],
-                 "ports": [{"protocol": "TCP", "port": job.spec.ring_port}]},
-                {"ports": [{"protocol": "TCP", "port": contract::DEFAULT_METRICS_PORT}]}
-            ]
-        }
-    }))
-    .expect("static network policy")
+    let workers = LabelSelector {
+        match_labels: Some(BTreeMap::from([(LABEL_JOB_NAME.into(), job.name_any())])),
+        ..Default::default()
+    };
+    let tcp = |port: i32| NetworkPolicyPort {
+        protocol: Some("TCP".into()),
+        port: Some(IntOrString::Int(port)),
+        ..Default::default()
+    };
+    NetworkPolicy {
+        metadata: meta(job, job.name_any()),
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(workers.clone()),
+            policy_types: Some(vec!["Ingress".into()]),
+            ingress: Some(vec![
+                NetworkPolicyIngressRule {
+                    from: Some(vec![NetworkPolicyPeer {
+                        pod_selector: Some(workers),
+                        ..Default::default()
+                    }]),
+                    ports: Some(vec![tcp(job.spec.ring_port)]),
+                },
+                NetworkPolicyIngressRule {
+                    from: None,
+                    ports: Some(vec![tcp(contract::DEFAULT_METRICS_PORT.into())]),
+                },
+            ]),
+            ..Default::default()
+        }),
+    }
 }
 
 /// The workers' ServiceAccount.
@@ -340,29 +367,45 @@ pub fn service_account(job: &DiphomaJob) -> ServiceAccount {
 /// Nothing else (the key reaches the pods as a volume, mounted by the kubelet).
 pub fn role(job: &DiphomaJob) -> Role {
     let name = job.name_any();
-    serde_json::from_value(json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-        "metadata": meta(job, worker_account_name(&name)),
-        "rules": [
-            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"],
-             "resourceNames": [contract::membership_configmap_name(&name)]},
-            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "patch", "update"],
-             "resourceNames": [contract::heartbeat_configmap_name(&name)]}
-        ]
-    }))
-    .expect("static role")
+    let configmap = |verbs: &[&str], object: String| PolicyRule {
+        api_groups: Some(vec!["".into()]),
+        resources: Some(vec!["configmaps".into()]),
+        verbs: verbs.iter().map(|v| (*v).to_owned()).collect(),
+        resource_names: Some(vec![object]),
+        ..Default::default()
+    };
+    Role {
+        metadata: meta(job, worker_account_name(&name)),
+        rules: Some(vec![
+            configmap(
+                &["get", "list", "watch"],
+                contract::membership_configmap_name(&name),
+            ),
+            configmap(
+                &["get", "patch", "update"],
+                contract::heartbeat_configmap_name(&name),
+            ),
+        ]),
+    }
 }
 
 /// Binds [`role`] to [`service_account`].
 pub fn role_binding(job: &DiphomaJob) -> RoleBinding {
     let name = worker_account_name(&job.name_any());
-    serde_json::from_value(json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-        "metadata": meta(job, name.clone()),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job.namespace()}]
-    }))
-    .expect("static role binding")
+    RoleBinding {
+        metadata: meta(job, name.clone()),
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "Role".into(),
+            name: name.clone(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name,
+            namespace: job.namespace(),
+            ..Default::default()
+        }]),
+    }
 }
 
 /// The ring ConfigMap holding one generation's membership JSON.
@@ -419,7 +462,7 @@ pub fn attempt_of(job: &str, pod: &str) -> i32 {
 pub(crate) mod tests {
     use super::*;
     use crate::api::DiphomaJobSpec;
-    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    use serde_json::json;
 
     /// A stored job (name, namespace, uid set) from a spec given as JSON.
     pub fn job(spec: serde_json::Value) -> DiphomaJob {

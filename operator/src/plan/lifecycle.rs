@@ -30,10 +30,8 @@ pub fn finished(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
 /// How a running job's lifecycle goes on after its failures were recorded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Next {
-    /// The plan is complete (the job finished, or it holds while its ring completes).
+    /// The plan is complete: the job finished, holds while its ring completes, or is suspended.
     Done,
-    /// The job is suspended: no workers, the plan is complete.
-    Suspended,
     /// The job runs on: plan its workers and its ring.
     Run,
 }
@@ -56,7 +54,7 @@ pub fn lifecycle(job: &DiphomaJob, obs: &Observed, found: &Found, plan: &mut Pla
     }
     if job.spec.run_policy.suspend {
         suspend(job, obs, plan);
-        return Next::Suspended;
+        return Next::Done;
     }
     Next::Run
 }

@@ -218,25 +218,26 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Result<Plan, BuildError> {
 
 /// The steps, in order; each later step sees what the earlier ones planned.
 fn decide(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) -> Result<(), BuildError> {
-    if job
-        .status
-        .as_ref()
-        .and_then(|s| s.phase)
-        .is_some_and(Phase::is_terminal)
-    {
+    let prev_phase = job.status.as_ref().and_then(|s| s.phase);
+    if prev_phase.is_some_and(Phase::is_terminal) {
         lifecycle::finished(job, obs, plan); // finished jobs stay finished
         return Ok(());
     }
     status::progress(&mut plan.status, obs);
+    // 1. Failures: which nodes are lost or late, then which pods and members are lost.
     let detection = job.spec.fault_tolerance.detection_seconds;
     let nodes = failures::judge_nodes(&obs.nodes, obs.now, detection);
-    let found = failures::detect(job, obs, &nodes, plan); // 1
-    if lifecycle::lifecycle(job, obs, &found, plan) != lifecycle::Next::Run {
-        return Ok(()); // 2: finished, completing or suspended
+    let found = failures::detect(job, obs, &nodes, plan);
+    // 2. Lifecycle: fail, complete or suspend the job.
+    if lifecycle::lifecycle(job, obs, &found, plan) == lifecycle::Next::Done {
+        return Ok(());
     }
-    let workers = workers::workers(job, obs, &found, plan)?; // 3
-    let ring = ring::next_generation(job, obs, &workers, found, plan); // 4
-    status::running(job, obs, &workers, &ring, plan); // 5
+    // 3. Workers: create the missing ones, scale away the surplus.
+    let workers = workers::workers(job, obs, &found, plan)?;
+    // 4. Ring: the next generation, when the membership changed.
+    let ring = ring::next_generation(job, obs, &workers, found, plan);
+    // 5. Status: readiness, waiting, phase, conditions.
+    status::running(job, obs, &workers, &ring, plan);
     Ok(())
 }
 
