@@ -238,8 +238,12 @@ pub struct DiphomaJobStatus {
     /// Lifecycle phase.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<Phase>,
-    /// `Ready`, `Progressing`, `Suspended`, `Complete`, `Failed` (`metav1.Condition`); each
-    /// condition's reason says why it has its status.
+    /// `Ready`, `Progressing`, `Suspended`, `Complete`, `Failed` (`metav1.Condition`). Each
+    /// condition's reason says why it has its status: `Ready` and `Progressing` carry the phase's
+    /// (`Pending`, `WorkersStarting`, `RingFormed`, `RingRepairing`, `RingScaling`, `Suspended`,
+    /// `RingCompleted`, or the failure's: `NonRetryableExit`, `BackoffLimitExceeded`,
+    /// `DeadlineExceeded`); `Suspended`, `Complete` and `Failed` carry it when True, and
+    /// otherwise `NotSuspended`, `NotCompleted` (`JobFailed` once the job failed), `NotFailed`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// Desired workers (for `/scale`).

@@ -29,7 +29,7 @@ pub enum Error {
         source: ContractError,
     },
     /// A worker pod could not be built from the job's template.
-    #[error(transparent)]
+    #[error("build a worker pod: {0}")]
     Build(#[from] BuildError),
     /// Applying a static child (Service, RBAC, NetworkPolicy, key Secret, heartbeat ConfigMap)
     /// failed.
