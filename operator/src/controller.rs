@@ -3,14 +3,14 @@
 //! children are re-applied and when to look again are the plan's.
 //!
 //! API calls per reconcile:
-//! - reads ([`observe`]): the job's pods (one list), the ring and heartbeat ConfigMaps, and for
+//! - reads (`observe`): the job's pods (one list), the ring and heartbeat ConfigMaps, and for
 //!   each node its pods run on, that node's Lease in `kube-node-lease` and the Node;
-//! - writes ([`apply`]), only what the plan asks for, in this order: the static children
+//! - writes (`apply`), only what the plan asks for, in this order: the static children
 //!   (ServiceAccount, Role, RoleBinding, Service, NetworkPolicy by server-side apply; key Secret
 //!   and heartbeat ConfigMap created once) when [`Plan::apply_children`]; the status when it
 //!   differs; a failure annotation on each newly failed pod; an annotation, then a deletion, for
 //!   each pod to delete; each new pod (server-side apply); the ring ConfigMap of a new
-//!   generation; the events; the job itself once its TTL passed.
+//!   generation; the events. Once the TTL passed ([`Plan::delete_job`]), only the job's deletion.
 //!
 //! A steady job therefore writes nothing.
 

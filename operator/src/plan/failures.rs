@@ -192,7 +192,7 @@ pub struct Found {
 }
 
 /// Step 1: finds the failures since the last reconcile — lost pods, silent members, members
-/// that vanished — and records each new one in `plan` (see [`record`]). Sets
+/// that vanished — and records each new one in `plan` (see `record`). Sets
 /// `plan.requeue_after` when failure reports are still too young to judge.
 pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) -> Found {
     let spec = &job.spec;
