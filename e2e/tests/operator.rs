@@ -325,8 +325,8 @@ async fn two_replicas_elect_one_leader_that_serves_metrics(
     let mut replicas = vec![];
     for id in ["replica-a", "replica-b"] {
         let addr = free_addr()?;
+        let listener = tokio::net::TcpListener::bind(addr).await?;
         let opts = Options {
-            metrics_addr: Some(addr),
             leader_election: Some(LeaderElection {
                 namespace: ns.clone(),
                 lease_name: "diphoma-operator".into(),
@@ -337,7 +337,7 @@ async fn two_replicas_elect_one_leader_that_serves_metrics(
         let (tx, rx) = oneshot::channel::<()>();
         let client = ctx.client.clone();
         let task = tokio::spawn(async move {
-            run(client, opts, async move {
+            run(client, opts, Some(listener), async move {
                 let _ = rx.await;
             })
             .await

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::PodTemplateSpec;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -237,7 +238,12 @@ pub struct DiphomaJobStatus {
     /// Lifecycle phase.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<Phase>,
-    /// `Ready`, `Progressing`, `Suspended`, `Complete`, `Failed` (metav1.Condition).
+    /// `Ready`, `Progressing`, `Suspended`, `Complete`, `Failed` (`metav1.Condition`). Each
+    /// condition's reason says why it has its status: `Ready` and `Progressing` carry the phase's
+    /// (`Pending`, `WorkersStarting`, `RingFormed`, `RingRepairing`, `RingScaling`, `Suspended`,
+    /// `RingCompleted`, or the failure's: `NonRetryableExit`, `BackoffLimitExceeded`,
+    /// `DeadlineExceeded`); `Suspended`, `Complete` and `Failed` carry it when True, and
+    /// otherwise `NotSuspended`, `NotCompleted` (`JobFailed` once the job failed), `NotFailed`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// Desired workers (for `/scale`).
@@ -319,27 +325,6 @@ impl Phase {
     pub fn is_terminal(self) -> bool {
         matches!(self, Phase::Succeeded | Phase::Failed)
     }
-}
-
-/// A `metav1.Condition`.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub struct Condition {
-    /// `Ready`, `Progressing`, `Suspended`, `Complete` or `Failed`.
-    #[serde(rename = "type")]
-    pub type_: String,
-    /// `True`, `False` or `Unknown`.
-    pub status: String,
-    /// PascalCase reason.
-    pub reason: String,
-    /// Human-readable detail.
-    #[serde(default)]
-    pub message: String,
-    /// When `status` last changed (RFC 3339); unchanged while it does not flip.
-    pub last_transition_time: String,
-    /// The spec generation it was computed from.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub observed_generation: Option<i64>,
 }
 
 /// The ring's current generation.

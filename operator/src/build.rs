@@ -1,5 +1,7 @@
-//! Desired children of a job, built as plain objects (no I/O): worker pods, the headless Service,
-//! the ServiceAccount, Role and RoleBinding of its workers, the ring ConfigMap and the key Secret.
+//! Desired children of a job, built as typed k8s-openapi objects (no I/O, no JSON editing): worker
+//! pods, the headless Service, the NetworkPolicy, the ServiceAccount, Role and RoleBinding of its
+//! workers, the ring and heartbeat ConfigMaps and the key Secret. A template that cannot make a
+//! worker is a [`BuildError`] naming the job and the field, never a pod without spec.
 //! Names are deterministic, every object carries the job as controller owner and the standard
 //! labels, so the reconciler can apply them with server-side apply and prune by label.
 
@@ -10,12 +12,20 @@ use diphoma_contract::{
     ENV_POD_IP, ENV_POD_NAME, ENV_RING_PORT, KEY_FILE_NAME, KEY_MOUNT_DIR, LABEL_JOB_NAME,
     LABEL_REPLICA_INDEX, MEMBERSHIP_KEY, Membership,
 };
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service, ServiceAccount};
-use k8s_openapi::api::networking::v1::NetworkPolicy;
-use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, ContainerPort, EnvVar, EnvVarSource, NodeSelectorRequirement,
+    NodeSelectorTerm, ObjectFieldSelector, Pod, PodSpec, Secret, SecretVolumeSource, Service,
+    ServiceAccount, ServicePort, ServiceSpec, Toleration, Volume, VolumeMount,
+};
+use k8s_openapi::api::networking::v1::{
+    NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
+    NetworkPolicySpec,
+};
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
-use serde_json::json;
 
 use crate::api::DiphomaJob;
 
@@ -86,200 +96,263 @@ fn meta(job: &DiphomaJob, name: String) -> ObjectMeta {
     }
 }
 
+/// Why a worker pod cannot be built from a job's template.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The template has no pod spec.
+    #[error("job {job}: spec.template.spec is missing")]
+    NoPodSpec {
+        /// The job.
+        job: String,
+    },
+    /// The template's pod spec has no container.
+    #[error("job {job}: spec.template.spec.containers is empty")]
+    NoContainer {
+        /// The job.
+        job: String,
+    },
+}
+
 /// Worker pod `index` (attempt `attempt`): the user's template plus the contract env, the ring
 /// port, labels, `nvidia.com/gpu` limits, GPU node selection and toleration, and the key volume.
-/// `restartPolicy` is `Never`: the operator replaces failed workers itself.
-pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Pod {
+/// `restartPolicy` is `Never`: the operator replaces failed workers itself. The first container
+/// is the worker.
+///
+/// Errors: [`BuildError`] naming the job when the template has no pod spec or no container.
+pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Result<Pod, BuildError> {
     let spec = &job.spec;
     let name = job.name_any();
-    let mut tpl = serde_json::to_value(&spec.template).unwrap_or_else(|_| json!({}));
-    let mut pod_labels = tpl["metadata"]["labels"]
-        .as_object()
-        .cloned()
-        .unwrap_or_default();
-    for (k, v) in labels(job) {
-        pod_labels.insert(k, v.into());
-    }
-    pod_labels.insert(LABEL_REPLICA_INDEX.into(), index.to_string().into());
-    let field = |path: &str| json!({"valueFrom": {"fieldRef": {"fieldPath": path}}});
-    let env = [
-        (ENV_JOB_NAME, json!({"value": name})),
-        (ENV_JOB_UID, json!({"value": job.uid().unwrap_or_default()})),
-        (ENV_NAMESPACE, field("metadata.namespace")),
-        (ENV_POD_NAME, field("metadata.name")),
-        (ENV_POD_IP, field("status.podIP")),
-        (ENV_RING_PORT, json!({"value": spec.ring_port.to_string()})),
-        (
-            ENV_KEY_FILE,
-            json!({"value": format!("{KEY_MOUNT_DIR}/{KEY_FILE_NAME}")}),
-        ),
-        (
-            ENV_MEMBERSHIP,
-            json!({"value": contract::membership_configmap_name(&name)}),
-        ),
+    let tpl_meta = spec.template.metadata.clone().unwrap_or_default();
+    let mut pod_spec = spec
+        .template
+        .spec
+        .clone()
+        .ok_or_else(|| BuildError::NoPodSpec { job: name.clone() })?;
+    let c = pod_spec
+        .containers
+        .first_mut()
+        .ok_or_else(|| BuildError::NoContainer { job: name.clone() })?;
+    worker_container(job, c);
+    pod_spec.volumes.get_or_insert_default().push(Volume {
+        name: "diphoma-key".into(),
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(key_secret_name(&name)),
+            default_mode: Some(0o400),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    pod_spec.restart_policy = Some("Never".into());
+    pod_spec.service_account_name = Some(worker_account_name(&name));
+    pod_spec.hostname = Some(pod_name(&name, index, attempt));
+    pod_spec.subdomain = Some(name.clone());
+    place(spec, &mut pod_spec);
+    let mut meta = meta(job, pod_name(&name, index, attempt));
+    let mut pod_labels = tpl_meta.labels.unwrap_or_default();
+    pod_labels.extend(labels(job));
+    pod_labels.insert(LABEL_REPLICA_INDEX.into(), index.to_string());
+    meta.labels = Some(pod_labels);
+    meta.annotations = tpl_meta.annotations;
+    Ok(Pod {
+        metadata: meta,
+        spec: Some(pod_spec),
+        status: None,
+    })
+}
+
+/// The worker container: the contract env (replacing the template's variables of the same
+/// names), the checkpoint env and volume, the ring and metrics ports, the key mount, GPU limits
+/// (and requests, where the template has requests).
+fn worker_container(job: &DiphomaJob, c: &mut Container) {
+    let spec = &job.spec;
+    let name = job.name_any();
+    let value = |n: &str, v: String| EnvVar {
+        name: n.into(),
+        value: Some(v),
+        value_from: None,
+    };
+    let field = |n: &str, path: &str| EnvVar {
+        name: n.into(),
+        value: None,
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: path.into(),
+                api_version: None,
+            }),
+            ..Default::default()
+        }),
+    };
+    let contract_env = [
+        value(ENV_JOB_NAME, name.clone()),
+        value(ENV_JOB_UID, job.uid().unwrap_or_default()),
+        field(ENV_NAMESPACE, "metadata.namespace"),
+        field(ENV_POD_NAME, "metadata.name"),
+        field(ENV_POD_IP, "status.podIP"),
+        value(ENV_RING_PORT, spec.ring_port.to_string()),
+        value(ENV_KEY_FILE, format!("{KEY_MOUNT_DIR}/{KEY_FILE_NAME}")),
+        value(ENV_MEMBERSHIP, contract::membership_configmap_name(&name)),
     ];
-    let pod_spec = tpl["spec"]
-        .as_object_mut()
-        .map(std::mem::take)
-        .unwrap_or_default();
-    let mut pod_spec = serde_json::Value::Object(pod_spec);
-    if let Some(c) = pod_spec["containers"]
-        .as_array_mut()
-        .and_then(|c| c.first_mut())
-    {
-        let mut envs: Vec<serde_json::Value> = c["env"].as_array().cloned().unwrap_or_default();
-        envs.retain(|e| !env.iter().any(|(n, _)| e["name"] == *n));
-        for (n, v) in &env {
-            let mut e = v.clone();
-            e["name"] = json!(n);
-            envs.push(e);
-        }
-        c["env"] = json!(envs);
-        let mut ports: Vec<serde_json::Value> = c["ports"].as_array().cloned().unwrap_or_default();
-        ports.push(json!({"name": contract::RING_PORT_NAME, "containerPort": spec.ring_port, "protocol": "TCP"}));
-        ports.push(json!({"name": contract::METRICS_PORT_NAME, "containerPort": contract::DEFAULT_METRICS_PORT, "protocol": "TCP"}));
-        c["ports"] = json!(ports);
-        let mut mounts: Vec<serde_json::Value> =
-            c["volumeMounts"].as_array().cloned().unwrap_or_default();
-        if let Some(cp) = &spec.checkpoint {
-            // Rank 0 checkpoints into the named volume: where the template mounts it, else here.
-            let path = match mounts.iter().find(|m| m["name"] == cp.volume.as_str()) {
-                Some(m) => m["mountPath"]
-                    .as_str()
-                    .unwrap_or(CHECKPOINT_MOUNT_DIR)
-                    .to_owned(),
-                None => {
-                    mounts.push(json!({"name": cp.volume, "mountPath": CHECKPOINT_MOUNT_DIR}));
-                    CHECKPOINT_MOUNT_DIR.to_owned()
-                }
-            };
-            let mut envs = c["env"].as_array().cloned().unwrap_or_default();
-            envs.push(json!({"name": contract::ENV_CHECKPOINT_DIR, "value": path}));
-            envs.push(json!({"name": contract::ENV_CHECKPOINT_EVERY, "value": cp.every_steps.to_string()}));
-            c["env"] = json!(envs);
-        }
-        mounts.push(json!({"name": "diphoma-key", "mountPath": KEY_MOUNT_DIR, "readOnly": true}));
-        c["volumeMounts"] = json!(mounts);
-        if spec.gpus_per_worker > 0 {
-            let g = spec.gpus_per_worker.to_string();
-            c["resources"]["limits"][GPU_RESOURCE] = json!(g);
-            if c["resources"]["requests"].is_object() {
-                c["resources"]["requests"][GPU_RESOURCE] = json!(g);
+    let env = c.env.get_or_insert_default();
+    env.retain(|e| !contract_env.iter().any(|n| n.name == e.name));
+    env.extend(contract_env);
+    let port = |n: &str, p: i32| ContainerPort {
+        name: Some(n.into()),
+        container_port: p,
+        protocol: Some("TCP".into()),
+        ..Default::default()
+    };
+    c.ports.get_or_insert_default().extend([
+        port(contract::RING_PORT_NAME, spec.ring_port),
+        port(
+            contract::METRICS_PORT_NAME,
+            contract::DEFAULT_METRICS_PORT.into(),
+        ),
+    ]);
+    let mounts = c.volume_mounts.get_or_insert_default();
+    if let Some(cp) = &spec.checkpoint {
+        // Rank 0 checkpoints into the named volume: where the template mounts it, else here.
+        let path = match mounts.iter().find(|m| m.name == cp.volume) {
+            Some(m) => m.mount_path.clone(),
+            None => {
+                mounts.push(VolumeMount {
+                    name: cp.volume.clone(),
+                    mount_path: CHECKPOINT_MOUNT_DIR.into(),
+                    ..Default::default()
+                });
+                CHECKPOINT_MOUNT_DIR.to_owned()
             }
+        };
+        env.extend([
+            value(contract::ENV_CHECKPOINT_DIR, path),
+            value(contract::ENV_CHECKPOINT_EVERY, cp.every_steps.to_string()),
+        ]);
+    }
+    mounts.push(VolumeMount {
+        name: "diphoma-key".into(),
+        mount_path: KEY_MOUNT_DIR.into(),
+        read_only: Some(true),
+        ..Default::default()
+    });
+    if spec.gpus_per_worker > 0 {
+        let g = Quantity(spec.gpus_per_worker.to_string());
+        let resources = c.resources.get_or_insert_default();
+        resources
+            .limits
+            .get_or_insert_default()
+            .insert(GPU_RESOURCE.into(), g.clone());
+        if let Some(requests) = &mut resources.requests {
+            requests.insert(GPU_RESOURCE.into(), g);
         }
     }
-    let mut volumes: Vec<serde_json::Value> =
-        pod_spec["volumes"].as_array().cloned().unwrap_or_default();
-    volumes.push(json!({"name": "diphoma-key", "secret": {"secretName": key_secret_name(&name), "defaultMode": 0o400}}));
-    pod_spec["volumes"] = json!(volumes);
-    pod_spec["restartPolicy"] = json!("Never");
-    pod_spec["serviceAccountName"] = json!(worker_account_name(&name));
-    pod_spec["hostname"] = json!(pod_name(&name, index, attempt));
-    pod_spec["subdomain"] = json!(name);
+}
+
+/// Node choice: the template's node selector and tolerations plus [`crate::api::Placement`]'s,
+/// GPU nodes (label and taint) for GPU workers, and the placement's affinity when it has one.
+fn place(spec: &crate::api::DiphomaJobSpec, pod_spec: &mut PodSpec) {
     let placement = spec.placement.clone().unwrap_or_default();
-    let mut selector = pod_spec["nodeSelector"]
-        .as_object()
-        .cloned()
-        .unwrap_or_default();
-    for (k, v) in placement.node_selector {
-        selector.insert(k, v.into());
-    }
-    let mut tolerations: Vec<serde_json::Value> = pod_spec["tolerations"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
-    tolerations.extend(
-        placement
-            .tolerations
-            .iter()
-            .map(|t| serde_json::to_value(t).unwrap_or_default()),
-    );
+    let mut selector = pod_spec.node_selector.take().unwrap_or_default();
+    selector.extend(placement.node_selector);
+    let mut tolerations = pod_spec.tolerations.take().unwrap_or_default();
+    tolerations.extend(placement.tolerations);
     if spec.gpus_per_worker > 0 {
         selector.insert("nvidia.com/gpu.present".into(), "true".into());
-        tolerations
-            .push(json!({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}));
+        tolerations.push(Toleration {
+            key: Some(GPU_RESOURCE.into()),
+            operator: Some("Exists".into()),
+            effect: Some("NoSchedule".into()),
+            ..Default::default()
+        });
     }
-    if !selector.is_empty() {
-        pod_spec["nodeSelector"] = json!(selector);
-    }
-    if !tolerations.is_empty() {
-        pod_spec["tolerations"] = json!(tolerations);
-    }
-    if let Some(a) = placement.affinity {
-        pod_spec["affinity"] = serde_json::to_value(a).unwrap_or_default();
-    }
-    let mut meta = meta(job, pod_name(&name, index, attempt));
-    meta.labels = Some(
-        pod_labels
-            .into_iter()
-            .map(|(k, v)| (k, v.as_str().unwrap_or_default().to_owned()))
-            .collect(),
-    );
-    meta.annotations = tpl["metadata"]["annotations"].as_object().map(|a| {
-        a.iter()
-            .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
-            .collect()
-    });
-    Pod {
-        metadata: meta,
-        spec: serde_json::from_value(pod_spec).ok(),
-        status: None,
+    pod_spec.node_selector = (!selector.is_empty()).then_some(selector);
+    pod_spec.tolerations = (!tolerations.is_empty()).then_some(tolerations);
+    if placement.affinity.is_some() {
+        pod_spec.affinity = placement.affinity;
     }
 }
 
 /// Keeps `pod` off `nodes` (nodes found lost): a required node-affinity term excluding their
-/// hostnames, added to every term the template already has. No-op for an empty set.
+/// hostnames, added to every term the template already has. No-op for an empty set or a pod
+/// without spec.
 pub fn avoid_nodes(pod: &mut Pod, nodes: &std::collections::BTreeSet<String>) {
-    if nodes.is_empty() {
+    let Some(spec) = pod.spec.as_mut().filter(|_| !nodes.is_empty()) else {
         return;
+    };
+    let expr = NodeSelectorRequirement {
+        key: "kubernetes.io/hostname".into(),
+        operator: "NotIn".into(),
+        values: Some(nodes.iter().cloned().collect()),
+    };
+    let required = spec
+        .affinity
+        .get_or_insert_default()
+        .node_affinity
+        .get_or_insert_default()
+        .required_during_scheduling_ignored_during_execution
+        .get_or_insert_default();
+    if required.node_selector_terms.is_empty() {
+        required
+            .node_selector_terms
+            .push(NodeSelectorTerm::default());
     }
-    let expr = json!({"key": "kubernetes.io/hostname", "operator": "NotIn", "values": nodes});
-    let mut spec = serde_json::to_value(pod.spec.take()).unwrap_or_default();
-    let terms = &mut spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-        ["nodeSelectorTerms"];
-    match terms.as_array_mut() {
-        Some(ts) if !ts.is_empty() => {
-            ts.iter_mut()
-                .for_each(|t| match t["matchExpressions"].as_array_mut() {
-                    Some(es) => es.push(expr.clone()),
-                    None => t["matchExpressions"] = json!([expr.clone()]),
-                })
-        }
-        _ => *terms = json!([{"matchExpressions": [expr]}]),
+    for t in &mut required.node_selector_terms {
+        t.match_expressions
+            .get_or_insert_default()
+            .push(expr.clone());
     }
-    pod.spec = serde_json::from_value(spec).ok();
 }
 
 /// The headless Service of the workers (stable DNS names; the ring itself dials pod IPs).
 pub fn service(job: &DiphomaJob) -> Service {
-    serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": meta(job, job.name_any()),
-        "spec": {"clusterIP": "None", "selector": {LABEL_JOB_NAME: job.name_any()},
-                 "ports": [{"name": contract::RING_PORT_NAME, "port": job.spec.ring_port}]}
-    }))
-    .expect("static service")
+    Service {
+        metadata: meta(job, job.name_any()),
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".into()),
+            selector: Some(BTreeMap::from([(LABEL_JOB_NAME.into(), job.name_any())])),
+            ports: Some(vec![ServicePort {
+                name: Some(contract::RING_PORT_NAME.into()),
+                port: job.spec.ring_port,
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        status: None,
+    }
 }
 
 /// The job's NetworkPolicy (created when the operator runs with `--network-policy`): the ring
 /// port of its workers accepts only this job's workers; the metrics port stays open to scrapers.
 /// Other ingress to the workers is denied (the policy selects them).
 pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
-    let workers = json!({"matchLabels": {LABEL_JOB_NAME: job.name_any()}});
-    serde_json::from_value(json!({
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": meta(job, job.name_any()),
-        "spec": {
-            "podSelector": workers,
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [{"podSelector": workers}],
-                 "ports": [{"protocol": "TCP", "port": job.spec.ring_port}]},
-                {"ports": [{"protocol": "TCP", "port": contract::DEFAULT_METRICS_PORT}]}
-            ]
-        }
-    }))
-    .expect("static network policy")
+    let workers = LabelSelector {
+        match_labels: Some(BTreeMap::from([(LABEL_JOB_NAME.into(), job.name_any())])),
+        ..Default::default()
+    };
+    let tcp = |port: i32| NetworkPolicyPort {
+        protocol: Some("TCP".into()),
+        port: Some(IntOrString::Int(port)),
+        ..Default::default()
+    };
+    NetworkPolicy {
+        metadata: meta(job, job.name_any()),
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(workers.clone()),
+            policy_types: Some(vec!["Ingress".into()]),
+            ingress: Some(vec![
+                NetworkPolicyIngressRule {
+                    from: Some(vec![NetworkPolicyPeer {
+                        pod_selector: Some(workers),
+                        ..Default::default()
+                    }]),
+                    ports: Some(vec![tcp(job.spec.ring_port)]),
+                },
+                NetworkPolicyIngressRule {
+                    from: None,
+                    ports: Some(vec![tcp(contract::DEFAULT_METRICS_PORT.into())]),
+                },
+            ]),
+            ..Default::default()
+        }),
+    }
 }
 
 /// The workers' ServiceAccount.
@@ -294,29 +367,45 @@ pub fn service_account(job: &DiphomaJob) -> ServiceAccount {
 /// Nothing else (the key reaches the pods as a volume, mounted by the kubelet).
 pub fn role(job: &DiphomaJob) -> Role {
     let name = job.name_any();
-    serde_json::from_value(json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-        "metadata": meta(job, worker_account_name(&name)),
-        "rules": [
-            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"],
-             "resourceNames": [contract::membership_configmap_name(&name)]},
-            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "patch", "update"],
-             "resourceNames": [contract::heartbeat_configmap_name(&name)]}
-        ]
-    }))
-    .expect("static role")
+    let configmap = |verbs: &[&str], object: String| PolicyRule {
+        api_groups: Some(vec!["".into()]),
+        resources: Some(vec!["configmaps".into()]),
+        verbs: verbs.iter().map(|v| (*v).to_owned()).collect(),
+        resource_names: Some(vec![object]),
+        ..Default::default()
+    };
+    Role {
+        metadata: meta(job, worker_account_name(&name)),
+        rules: Some(vec![
+            configmap(
+                &["get", "list", "watch"],
+                contract::membership_configmap_name(&name),
+            ),
+            configmap(
+                &["get", "patch", "update"],
+                contract::heartbeat_configmap_name(&name),
+            ),
+        ]),
+    }
 }
 
 /// Binds [`role`] to [`service_account`].
 pub fn role_binding(job: &DiphomaJob) -> RoleBinding {
     let name = worker_account_name(&job.name_any());
-    serde_json::from_value(json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-        "metadata": meta(job, name.clone()),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job.namespace()}]
-    }))
-    .expect("static role binding")
+    RoleBinding {
+        metadata: meta(job, name.clone()),
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "Role".into(),
+            name: name.clone(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name,
+            namespace: job.namespace(),
+            ..Default::default()
+        }]),
+    }
 }
 
 /// The ring ConfigMap holding one generation's membership JSON.
@@ -373,7 +462,7 @@ pub fn attempt_of(job: &str, pod: &str) -> i32 {
 pub(crate) mod tests {
     use super::*;
     use crate::api::DiphomaJobSpec;
-    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    use serde_json::json;
 
     /// A stored job (name, namespace, uid set) from a spec given as JSON.
     pub fn job(spec: serde_json::Value) -> DiphomaJob {
@@ -394,7 +483,7 @@ pub(crate) mod tests {
 
     #[test]
     fn worker_pod_carries_contract_gpu_and_key() {
-        let p = worker_pod(&basic(), 2, 0);
+        let p = worker_pod(&basic(), 2, 0).unwrap();
         assert_eq!(p.metadata.name.as_deref(), Some("train-worker-2"));
         let labels = p.metadata.labels.clone().unwrap();
         assert_eq!(labels[LABEL_REPLICA_INDEX], "2");
@@ -455,7 +544,12 @@ pub(crate) mod tests {
             volume: "ckpt".into(),
             every_steps: 25,
         });
-        let c = worker_pod(&j, 0, 0).spec.unwrap().containers.remove(0);
+        let c = worker_pod(&j, 0, 0)
+            .unwrap()
+            .spec
+            .unwrap()
+            .containers
+            .remove(0);
         let env: BTreeMap<String, String> = c
             .env
             .unwrap()
@@ -496,14 +590,14 @@ pub(crate) mod tests {
     fn cpu_workers_get_no_gpu_limit_or_toleration() {
         let mut j = basic();
         j.spec.gpus_per_worker = 0;
-        let spec = worker_pod(&j, 0, 0).spec.unwrap();
+        let spec = worker_pod(&j, 0, 0).unwrap().spec.unwrap();
         assert!(spec.containers[0].resources.is_none());
         assert!(spec.tolerations.is_none() && spec.node_selector.is_none());
     }
 
     #[test]
     fn replacements_avoid_lost_nodes_in_every_affinity_term() {
-        let mut p = worker_pod(&basic(), 0, 1);
+        let mut p = worker_pod(&basic(), 0, 1).unwrap();
         avoid_nodes(&mut p, &["n1".to_owned()].into());
         let a = serde_json::to_value(p.spec.unwrap().affinity).unwrap();
         let terms = &a["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"];
@@ -511,9 +605,22 @@ pub(crate) mod tests {
             terms[0]["matchExpressions"][0],
             json!({"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n1"]})
         );
-        let mut untouched = worker_pod(&basic(), 0, 0);
+        let mut untouched = worker_pod(&basic(), 0, 0).unwrap();
         avoid_nodes(&mut untouched, &Default::default());
         assert!(untouched.spec.unwrap().affinity.is_none());
+    }
+
+    #[test]
+    fn a_template_that_cannot_make_a_worker_is_an_error_naming_the_job_and_field() {
+        let no_spec = job(json!({"replicas": 1, "template": {"metadata": {"labels": {"a": "b"}}}}));
+        let err = worker_pod(&no_spec, 0, 0).unwrap_err();
+        assert_eq!(err.to_string(), "job train: spec.template.spec is missing");
+        let no_container = job(json!({"replicas": 1, "template": {"spec": {"containers": []}}}));
+        let err = worker_pod(&no_container, 0, 0).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "job train: spec.template.spec.containers is empty"
+        );
     }
 
     #[test]

@@ -1,12 +1,20 @@
-//! The reconciler: observe → plan (pure, [`crate::plan`]) → apply → status. Only this module
-//! talks to the API server.
+//! The reconciler: observe → plan (pure, [`crate::plan`]) → apply. Only this module talks to
+//! the API server, and it decides nothing: which nodes are lost, which pods go, when the static
+//! children are re-applied and when to look again are the plan's.
 //!
-//! API calls per reconcile: reads — the job's pods (one list), the ring and heartbeat ConfigMaps,
-//! the Leases and Nodes of the nodes its pods run on; writes — only what the plan changes (status when it
-//! differs, pods created or deleted, a ring generation), plus the static children when the spec
-//! generation changes. A steady job therefore writes nothing.
+//! API calls per reconcile:
+//! - reads (`observe`): the job's pods (one list), the ring and heartbeat ConfigMaps, and for
+//!   each node its pods run on, that node's Lease in `kube-node-lease` and the Node;
+//! - writes (`apply`), only what the plan asks for, in this order: the static children
+//!   (ServiceAccount, Role, RoleBinding, Service, NetworkPolicy by server-side apply; key Secret
+//!   and heartbeat ConfigMap created once) when [`Plan::apply_children`]; the status when it
+//!   differs; a failure annotation on each newly failed pod; an annotation, then a deletion, for
+//!   each pod to delete; each new pod (server-side apply); the ring ConfigMap of a new
+//!   generation; the events. Once the TTL passed ([`Plan::delete_job`]), only the job's deletion.
+//!
+//! A steady job therefore writes nothing.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -16,9 +24,7 @@ use diphoma_contract::{
 };
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret, Service, ServiceAccount};
-use k8s_openapi::api::networking::v1::NetworkPolicy;
-use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -29,38 +35,9 @@ use serde::de::DeserializeOwned;
 
 use crate::api::{DiphomaJob, FIELD_MANAGER};
 use crate::build::{self, ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED, MANAGED_BY};
+use crate::error::Error;
 use crate::metrics::Metrics;
-use crate::plan::{self, NodeLease, Observed, Plan};
-
-/// Errors of one reconcile.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// An API request failed.
-    #[error("kubernetes API: {0}")]
-    Kube(#[from] kube::Error),
-    /// The published ring ConfigMap is not valid membership.
-    #[error("ring ConfigMap {name}: {source}")]
-    Ring {
-        /// The ConfigMap.
-        name: String,
-        /// Why it was refused.
-        #[source]
-        source: contract::ContractError,
-    },
-}
-
-impl Error {
-    /// Every value of [`Error::metric_label`] (metric label values are initialized from it).
-    pub const LABELS: [&'static str; 2] = ["kube", "ring"];
-
-    /// Bounded label for metrics and logs.
-    pub fn metric_label(&self) -> &'static str {
-        match self {
-            Error::Kube(_) => "kube",
-            Error::Ring { .. } => "ring",
-        }
-    }
-}
+use crate::plan::{self, NodeHealth, Observed, Plan};
 
 /// What every reconcile shares.
 pub struct Context {
@@ -101,11 +78,9 @@ pub struct LeaderElection {
     pub identity: String,
 }
 
-/// How [`run`] serves and coordinates.
+/// How [`run`] coordinates.
 #[derive(Debug, Clone, Default)]
 pub struct Options {
-    /// Where to serve `/metrics`, `/healthz` and `/readyz` (none: not served).
-    pub metrics_addr: Option<std::net::SocketAddr>,
     /// Reconcile only while holding this Lease (none: always).
     pub leader_election: Option<LeaderElection>,
     /// Give each job a NetworkPolicy that opens its ring port only to its own workers.
@@ -115,15 +90,6 @@ pub struct Options {
 /// Why [`run`] stopped before its shutdown signal.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    /// The metrics address could not be bound.
-    #[error("metrics address {addr}: {source}")]
-    Bind {
-        /// The address.
-        addr: std::net::SocketAddr,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
     /// The leader Lease could not be set up.
     #[error("leader election on lease {lease}: {source}")]
     Lease {
@@ -141,14 +107,15 @@ pub enum RunError {
 /// How long [`run`] waits for reconciles in flight after its shutdown signal.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
-/// Runs the controller until `shutdown` resolves: serves metrics and health, waits for the
-/// leader Lease when asked to, then reconciles every `DiphomaJob`.
+/// Runs the controller until `shutdown` resolves: serves `/metrics`, `/healthz` and `/readyz` on
+/// `metrics` (a bound listener, none: not served), waits for the leader Lease when asked to,
+/// then reconciles every `DiphomaJob`.
 ///
-/// Errors: [`RunError`] when the metrics address cannot be bound, the Lease cannot be managed, or
-/// leadership is lost.
+/// Errors: [`RunError`] when the Lease cannot be managed, or leadership is lost.
 pub async fn run(
     client: Client,
     opts: Options,
+    metrics_listener: Option<tokio::net::TcpListener>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
     let jobs: Api<DiphomaJob> = Api::all(client.clone());
@@ -158,10 +125,7 @@ pub async fn run(
     let ready = Arc::new(AtomicBool::new(false));
     let controller = Controller::new(jobs, watcher::Config::default().any_semantic())
         .owns(pods, watcher::Config::default().labels(&managed));
-    if let Some(addr) = opts.metrics_addr {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|source| RunError::Bind { addr, source })?;
+    if let Some(listener) = metrics_listener {
         tokio::spawn(crate::metrics::serve(
             listener,
             metrics.clone(),
@@ -259,88 +223,79 @@ pub async fn reconcile(job: Arc<DiphomaJob>, ctx: Arc<Context>) -> Result<Action
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
     let obs = observe(&ctx.client, &job).await?; // reads
-    let plan = plan::plan(&job, &obs); // pure
+    let plan = plan::plan(&job, &obs)?; // pure
     apply(&ctx, &job, &plan).await?; // writes
     ctx.metrics.observe_plan(&plan);
-    let running = plan.status.phase.is_some_and(|p| !p.is_terminal());
-    let node_check =
-        Duration::from_secs_f64(f64::from(job.spec.fault_tolerance.detection_seconds) / 3.0);
-    let next = match plan.requeue_after {
-        Some(d) if running => d.min(node_check),
-        Some(d) => d,
-        None if running => node_check,
-        None => return Ok(Action::await_change()),
-    };
-    Ok(Action::requeue(next))
+    Ok(plan
+        .look_again
+        .map_or_else(Action::await_change, Action::requeue))
 }
 
-/// Reads the job's pods, its published ring and the health of the nodes its pods run on.
+/// Reads the job's pods, its published ring, the workers' reports and the health of the nodes
+/// its pods run on.
 async fn observe(client: &Client, job: &DiphomaJob) -> Result<Observed, Error> {
     let ns = job.namespace().unwrap_or_default();
     let name = job.name_any();
+    let read = |what| move |source| Error::Observe { what, source };
     let pods = Api::<Pod>::namespaced(client.clone(), &ns)
         .list(&ListParams::default().labels(&build::selector(&name)))
-        .await?
+        .await
+        .map_err(read("pods"))?
         .items;
+    let configmaps = Api::<ConfigMap>::namespaced(client.clone(), &ns);
     let ring_name = contract::membership_configmap_name(&name);
-    let ring = match Api::<ConfigMap>::namespaced(client.clone(), &ns)
+    let ring_cm = configmaps
         .get_opt(&ring_name)
-        .await?
-    {
-        Some(cm) => match cm.data.as_ref().and_then(|d| d.get(MEMBERSHIP_KEY)) {
-            Some(json) => Some(Membership::parse(json).map_err(|source| Error::Ring {
-                name: ring_name.clone(),
-                source,
-            })?),
-            None => None,
-        },
+        .await
+        .map_err(read("ring ConfigMap"))?;
+    let ring = match ring_cm.and_then(|cm| cm.data?.remove(MEMBERSHIP_KEY)) {
+        Some(json) => Some(Membership::parse(&json).map_err(|source| Error::Ring {
+            name: ring_name.clone(),
+            source,
+        })?),
         None => None,
     };
-    let heartbeat = Api::<ConfigMap>::namespaced(client.clone(), &ns)
+    let heartbeat = configmaps
         .get_opt(&contract::heartbeat_configmap_name(&name))
-        .await?;
+        .await
+        .map_err(read("heartbeat ConfigMap"))?;
     let (progress, reports) = read_heartbeat(heartbeat.and_then(|cm| cm.data).unwrap_or_default());
     let now = jiff::Timestamp::now();
-    let nodes: BTreeSet<String> = pods
+    let names: BTreeSet<String> = pods
         .iter()
         .filter_map(|p| p.spec.as_ref()?.node_name.clone())
         .collect();
-    let (mut lost_nodes, mut late_nodes) = (BTreeSet::new(), BTreeSet::new());
-    for n in nodes {
-        let spec = Api::<Lease>::namespaced(client.clone(), "kube-node-lease")
+    let mut nodes = BTreeMap::new();
+    for n in names {
+        let lease = Api::<Lease>::namespaced(client.clone(), "kube-node-lease")
             .get_opt(&n)
-            .await?
+            .await
+            .map_err(read("node Lease"))?
             .and_then(|l| l.spec);
-        let lease = plan::node_lease(
-            spec.as_ref()
+        let node = Api::<Node>::all(client.clone())
+            .get_opt(&n)
+            .await
+            .map_err(read("Node"))?;
+        let health = NodeHealth {
+            lease_renewed: lease
+                .as_ref()
                 .and_then(|s| s.renew_time.as_ref())
                 .map(|t| t.0),
-            spec.as_ref().and_then(|s| s.lease_duration_seconds),
-            now,
-            job.spec.fault_tolerance.detection_seconds,
-        );
-        let ready = Api::<Node>::all(client.clone())
-            .get_opt(&n)
-            .await?
-            .is_some_and(|node| {
+            lease_duration_seconds: lease.as_ref().and_then(|s| s.lease_duration_seconds),
+            ready: node.is_some_and(|node| {
                 node.status
                     .and_then(|s| s.conditions)
                     .into_iter()
                     .flatten()
                     .any(|c| c.type_ == "Ready" && c.status == "True")
-            });
-        if lease != NodeLease::Fresh || !ready {
-            late_nodes.insert(n.clone());
-        }
-        if lease == NodeLease::Lost || !ready {
-            lost_nodes.insert(n);
-        }
+            }),
+        };
+        nodes.insert(n, health);
     }
     Ok(Observed {
         pods,
         ring,
-        lost_nodes,
-        late_nodes,
+        nodes,
         progress,
         reports,
         now,
@@ -370,7 +325,8 @@ fn read_heartbeat(
     (progress, reports)
 }
 
-async fn apply_one<K>(api: &Api<K>, obj: &K) -> Result<(), Error>
+/// Server-side applies `obj` (forced, as [`FIELD_MANAGER`]).
+async fn apply_one<K>(api: &Api<K>, obj: &K) -> Result<(), kube::Error>
 where
     K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
 {
@@ -384,62 +340,20 @@ where
     Ok(())
 }
 
-/// Carries out the plan: static children (when the spec generation moved), status, failure
-/// annotations and deletions, new pods, the ring generation, events, the TTL deletion.
+/// Carries out the plan, in the order the module doc lists.
 async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error> {
     let client = &ctx.client;
     let ns = job.namespace().unwrap_or_default();
     let name = job.name_any();
     let jobs: Api<DiphomaJob> = Api::namespaced(client.clone(), &ns);
     if plan.delete_job {
-        jobs.delete(&name, &DeleteParams::background()).await?;
+        jobs.delete(&name, &DeleteParams::background())
+            .await
+            .map_err(|source| Error::DeleteJob { source })?;
         return Ok(());
     }
-    let prev = job.status.clone().unwrap_or_default();
-    let finished = prev.phase.is_some_and(|p| p.is_terminal());
-    if !finished && prev.observed_generation != job.metadata.generation {
-        apply_one(
-            &Api::<ServiceAccount>::namespaced(client.clone(), &ns),
-            &build::service_account(job),
-        )
-        .await?;
-        apply_one(
-            &Api::<Role>::namespaced(client.clone(), &ns),
-            &build::role(job),
-        )
-        .await?;
-        apply_one(
-            &Api::<RoleBinding>::namespaced(client.clone(), &ns),
-            &build::role_binding(job),
-        )
-        .await?;
-        apply_one(
-            &Api::<Service>::namespaced(client.clone(), &ns),
-            &build::service(job),
-        )
-        .await?;
-        if ctx.network_policy {
-            apply_one(
-                &Api::<NetworkPolicy>::namespaced(client.clone(), &ns),
-                &build::network_policy(job),
-            )
-            .await?;
-        }
-        let key: Vec<u8> = (0..contract::MIN_KEY_LEN)
-            .map(|_| rand::random::<u8>())
-            .collect();
-        create_once(
-            &Api::<Secret>::namespaced(client.clone(), &ns),
-            &build::key_secret(job, key),
-        )
-        .await?;
-        // The workers may patch the heartbeat object but not create it (create cannot be
-        // limited by resourceNames), so the operator creates it, empty, once.
-        create_once(
-            &Api::<ConfigMap>::namespaced(client.clone(), &ns),
-            &build::heartbeat_configmap(job),
-        )
-        .await?;
+    if plan.apply_children {
+        apply_children(ctx, job).await?;
     }
     // Status first: a counted failure is never lost, even if what follows fails.
     if job.status.as_ref() != Some(&plan.status) {
@@ -449,23 +363,15 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
             &PatchParams::apply(FIELD_MANAGER).force(),
             &Patch::Apply(&body),
         )
-        .await?;
+        .await
+        .map_err(|source| Error::PatchStatus { source })?;
     }
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     for f in plan.failures.iter().filter(|f| f.exists) {
-        let mark = serde_json::json!({"metadata": {"annotations": {ANNOT_FAILURE_COUNTED: f.cause.as_str()}}});
-        ignore_missing(
-            pods.patch(&f.pod, &PatchParams::default(), &Patch::Merge(&mark))
-                .await,
-        )?;
+        annotate(&pods, &f.pod, ANNOT_FAILURE_COUNTED, f.cause.as_str()).await?;
     }
     for d in &plan.delete {
-        let mark =
-            serde_json::json!({"metadata": {"annotations": {ANNOT_DELETED_BY_OPERATOR: d.reason}}});
-        ignore_missing(
-            pods.patch(&d.pod, &PatchParams::default(), &Patch::Merge(&mark))
-                .await,
-        )?;
+        annotate(&pods, &d.pod, ANNOT_DELETED_BY_OPERATOR, d.reason).await?;
         let dp = if d.force {
             DeleteParams {
                 grace_period_seconds: Some(0),
@@ -474,28 +380,42 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
         } else {
             DeleteParams::default()
         };
-        ignore_missing(pods.delete(&d.pod, &dp).await.map(|_| ()))?;
+        ignore_missing(pods.delete(&d.pod, &dp).await.map(|_| ())).map_err(|source| {
+            Error::DeletePod {
+                pod: d.pod.clone(),
+                source,
+            }
+        })?;
     }
     for p in &plan.create {
-        apply_one(&pods, p).await?;
+        apply_one(&pods, p)
+            .await
+            .map_err(|source| Error::CreatePod {
+                pod: p.name_any(),
+                source,
+            })?;
     }
     if let Some(m) = &plan.publish {
         apply_one(
             &Api::<ConfigMap>::namespaced(client.clone(), &ns),
             &build::ring_configmap(job, m),
         )
-        .await?;
+        .await
+        .map_err(|source| Error::PublishRing {
+            generation: m.generation,
+            source,
+        })?;
     }
     let reference = job.object_ref(&());
-    for (warning, reason, note) in &plan.events {
+    for e in &plan.events {
         let ev = Event {
-            type_: if *warning {
+            type_: if e.warning {
                 EventType::Warning
             } else {
                 EventType::Normal
             },
-            reason: (*reason).into(),
-            note: Some(note.clone()),
+            reason: e.reason.into(),
+            note: Some(e.note.clone()),
             action: "Reconcile".into(),
             secondary: None,
         };
@@ -506,22 +426,84 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
     Ok(())
 }
 
+/// Sets annotation `key` to `value` on `pod` (a pod already gone is fine).
+async fn annotate(pods: &Api<Pod>, pod: &str, key: &str, value: &str) -> Result<(), Error> {
+    let body = serde_json::json!({"metadata": {"annotations": {key: value}}});
+    let r = pods
+        .patch(pod, &PatchParams::default(), &Patch::Merge(&body))
+        .await;
+    ignore_missing(r)
+        .map(|_| ())
+        .map_err(|source| Error::MarkPod {
+            pod: pod.to_owned(),
+            source,
+        })
+}
+
+/// The static children: ServiceAccount, Role, RoleBinding, Service and (with
+/// [`Options::network_policy`]) NetworkPolicy applied; the key Secret and the heartbeat
+/// ConfigMap created once.
+async fn apply_children(ctx: &Context, job: &DiphomaJob) -> Result<(), Error> {
+    let (client, ns) = (&ctx.client, job.namespace().unwrap_or_default());
+    let failed = |kind: &'static str, name: &str| {
+        let name = name.to_owned();
+        move |source| Error::ApplyChild { kind, name, source }
+    };
+    let sa = build::service_account(job);
+    apply_one(&Api::namespaced(client.clone(), &ns), &sa)
+        .await
+        .map_err(failed("ServiceAccount", &sa.name_any()))?;
+    let role = build::role(job);
+    apply_one(&Api::namespaced(client.clone(), &ns), &role)
+        .await
+        .map_err(failed("Role", &role.name_any()))?;
+    let binding = build::role_binding(job);
+    apply_one(&Api::namespaced(client.clone(), &ns), &binding)
+        .await
+        .map_err(failed("RoleBinding", &binding.name_any()))?;
+    let service = build::service(job);
+    apply_one(&Api::namespaced(client.clone(), &ns), &service)
+        .await
+        .map_err(failed("Service", &service.name_any()))?;
+    if ctx.network_policy {
+        let np = build::network_policy(job);
+        apply_one(&Api::namespaced(client.clone(), &ns), &np)
+            .await
+            .map_err(failed("NetworkPolicy", &np.name_any()))?;
+    }
+    let key: Vec<u8> = (0..contract::MIN_KEY_LEN)
+        .map(|_| rand::random::<u8>())
+        .collect();
+    let secret = build::key_secret(job, key);
+    create_once(&Api::namespaced(client.clone(), &ns), &secret)
+        .await
+        .map_err(failed("Secret", &secret.name_any()))?;
+    // The workers may patch the heartbeat object but not create it (create cannot be limited by
+    // resourceNames), so the operator creates it, empty, once.
+    let heartbeat = build::heartbeat_configmap(job);
+    create_once(&Api::namespaced(client.clone(), &ns), &heartbeat)
+        .await
+        .map_err(failed("ConfigMap", &heartbeat.name_any()))?;
+    Ok(())
+}
+
 /// Creates `obj` unless it exists (never overwritten: the key must not change under running
 /// workers, and the heartbeat's data belongs to them).
-async fn create_once<K>(api: &Api<K>, obj: &K) -> Result<(), Error>
+async fn create_once<K>(api: &Api<K>, obj: &K) -> Result<(), kube::Error>
 where
     K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
 {
     match api.create(&PostParams::default(), obj).await {
         Err(kube::Error::Api(s)) if s.is_already_exists() => Ok(()),
-        other => other.map(|_| ()).map_err(Error::from),
+        other => other.map(|_| ()),
     }
 }
 
-fn ignore_missing<T: Default>(r: Result<T, kube::Error>) -> Result<T, Error> {
+/// A 404 is success: the object is already gone.
+fn ignore_missing<T: Default>(r: Result<T, kube::Error>) -> Result<T, kube::Error> {
     match r {
         Err(kube::Error::Api(s)) if s.is_not_found() => Ok(T::default()),
-        other => Ok(other?),
+        other => other,
     }
 }
 

@@ -3,12 +3,18 @@
 //! # Layout
 //! - [`api`]: the CRD types (spec, status, schema bounds, CEL rules). Types only.
 //! - [`build`]: the desired children (worker pods, Service, RBAC, ring ConfigMap, key Secret) as
-//!   plain objects. Pure.
-//! - [`plan`]: the decision of one reconcile — failures, pods to create and delete, the next ring
-//!   generation, the status. Pure, and where most tests live.
-//! - [`controller`]: observe → plan → apply → status against the API server, leader election.
+//!   typed k8s-openapi objects. Pure.
+//! - [`plan`]: the decision of one reconcile, as named steps (one module each): failures (which
+//!   nodes are lost or late, which pods and members are lost) → lifecycle (finish, deadline,
+//!   TTL, suspend) → workers (create, delete) → ring (next generation) → status; plus when the
+//!   static children are re-applied and when to look again. Pure, and where most tests live.
+//! - [`controller`]: observe → plan → apply against the API server, leader election. Decides
+//!   nothing; the metrics listener is injected.
+//! - [`error`]: the reconcile errors, one variant per step, each with a bounded metric label.
+//!   Imported by `controller` and `metrics`, importing neither.
 //! - [`docs`]: the DiphomaJob reference (Markdown) generated from the CRD. Pure.
-//! - [`metrics`]: Prometheus metrics and the `/metrics`, `/healthz`, `/readyz` server.
+//! - [`metrics`]: Prometheus metrics and the `/metrics`, `/healthz`, `/readyz` server. Never
+//!   imports `controller`.
 //!
 //! The operator/worker contract (env names, labels, membership format, key file) is imported
 //! from `diphoma_contract`, never restated here.
@@ -17,6 +23,7 @@ pub mod api;
 pub mod build;
 pub mod controller;
 pub mod docs;
+pub mod error;
 pub mod metrics;
 pub mod plan;
 

@@ -84,8 +84,15 @@ async fn main() {
                 .ok()
                 .and_then(|ip| ip.parse().ok())
                 .unwrap_or([127, 0, 0, 1].into());
+            let metrics_addr = args.metrics_addr.unwrap_or((ip, args.metrics_port).into());
+            let listener = match tokio::net::TcpListener::bind(metrics_addr).await {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("diphoma-operator: metrics address {metrics_addr}: {e}");
+                    std::process::exit(1);
+                }
+            };
             let opts = Options {
-                metrics_addr: Some(args.metrics_addr.unwrap_or((ip, args.metrics_port).into())),
                 leader_election: args.leader_elect.then_some(LeaderElection {
                     namespace: args.lease_namespace,
                     lease_name: args.lease_name,
@@ -93,7 +100,7 @@ async fn main() {
                 }),
                 network_policy: args.network_policy,
             };
-            tracing::info!(metrics = ?opts.metrics_addr, leader_election = opts.leader_election.is_some(), "diphoma-operator running");
+            tracing::info!(metrics = %metrics_addr, leader_election = opts.leader_election.is_some(), "diphoma-operator running");
             let stop = async {
                 let mut term =
                     tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -103,7 +110,7 @@ async fn main() {
                     _ = term.recv() => {}
                 }
             };
-            if let Err(e) = run(client, opts, stop).await {
+            if let Err(e) = run(client, opts, Some(listener), stop).await {
                 eprintln!("diphoma-operator: {e}");
                 std::process::exit(1);
             }

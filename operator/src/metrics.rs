@@ -124,7 +124,7 @@ impl Default for Metrics {
         }
         // Every known label value exists from the start at 0, so that rates and dashboards have
         // data before the first error or repair (Prometheus: "avoid missing metrics").
-        for l in crate::controller::Error::LABELS {
+        for l in crate::error::Error::LABELS {
             m.errors.with_label_values(&[l]);
         }
         for c in Cause::ALL {
@@ -315,7 +315,7 @@ mod tests {
             "diphoma_operator_jobs{phase=\"Failed\"} 0",
             "diphoma_operator_ring_repairs_total{cause=\"Hung\"} 0",
             "diphoma_operator_worker_failures_total{cause=\"Evicted\"} 0",
-            "diphoma_operator_reconcile_errors_total{error=\"kube\"} 0",
+            "diphoma_operator_reconcile_errors_total{error=\"observe\"} 0",
         ] {
             assert!(text.contains(zero), "{zero} missing from {text}");
         }

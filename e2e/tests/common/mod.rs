@@ -334,7 +334,7 @@ impl Ctx {
             let stop = async move {
                 let _ = rx.await;
             };
-            if let Err(e) = diphoma_operator::controller::run(client, opts, stop).await {
+            if let Err(e) = diphoma_operator::controller::run(client, opts, None, stop).await {
                 panic!("operator: {e}");
             }
         });

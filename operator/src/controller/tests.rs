@@ -59,7 +59,7 @@ fn mock(objects: Vec<(String, Value)>) -> (Client, Log) {
 }
 
 fn worker(job: &DiphomaJob, i: i32, phase: &str, exit: Option<i32>) -> Value {
-    let mut p = serde_json::to_value(build::worker_pod(job, i, 0)).unwrap();
+    let mut p = serde_json::to_value(build::worker_pod(job, i, 0).unwrap()).unwrap();
     p["spec"]["nodeName"] = json!("n0");
     p["status"] = match exit {
         None => json!({"phase": phase, "podIP": format!("127.0.0.{}", i + 2),
@@ -111,7 +111,7 @@ async fn settled(job: DiphomaJob, objects: &[(String, Value)]) -> DiphomaJob {
     let (client, _) = mock(objects.to_vec());
     let obs = observe(&client, &job).await.unwrap();
     let mut j = job;
-    j.status = Some(plan::plan(&j, &obs).status);
+    j.status = Some(plan::plan(&j, &obs).unwrap().status);
     j
 }
 
@@ -180,4 +180,29 @@ async fn a_lost_worker_is_counted_before_its_pod_is_touched() {
             .any(|w| w.1.ends_with("/configmaps/train-ring")),
         "a fixed-size ring waits for the replacement"
     );
+}
+
+#[tokio::test]
+async fn run_serves_health_on_the_injected_listener_and_stops_on_shutdown() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (client, _) = mock(vec![]);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(run(client, Options::default(), Some(listener), async {
+        let _ = stopped.await;
+    }));
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut reply = String::new();
+    conn.read_to_string(&mut reply).await.unwrap();
+    assert!(
+        reply.starts_with("HTTP/1.1 200") && reply.ends_with("ok"),
+        "{reply}"
+    );
+    stop.send(()).unwrap();
+    let done = tokio::time::timeout(Duration::from_secs(10), task).await;
+    assert!(matches!(done, Ok(Ok(Ok(())))), "{done:?}");
 }

@@ -1,9 +1,21 @@
 //! Pure tests of the plan: phases, failure causes, scaling, gang waiting, suspension, deadlines,
 //! budgets, and what is never counted.
 
+use std::collections::BTreeMap;
+
+use diphoma_contract::Member;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
 use super::*;
+use crate::api::RingStatus;
+use crate::build;
 use crate::build::tests::{basic, job};
 use serde_json::json;
+
+/// The plan of a job whose template is valid.
+fn plan(j: &DiphomaJob, o: &Observed) -> Plan {
+    super::plan(j, o).expect("a valid template")
+}
 
 fn t(secs: i64) -> Timestamp {
     Timestamp::from_second(1_800_000_000 + secs).unwrap()
@@ -13,17 +25,31 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
     Observed {
         pods,
         ring,
-        lost_nodes: BTreeSet::new(),
-        late_nodes: BTreeSet::new(),
+        nodes: BTreeMap::new(),
         progress: None,
         reports: vec![],
         now: t(100),
     }
 }
 
+/// A lost node: neither its Lease nor a Ready Node was found.
+fn lost_node() -> NodeHealth {
+    NodeHealth::default()
+}
+
+/// A Ready node whose 8 s Lease was last renewed 5 s before `now`: late (a renewal missed), not
+/// lost (detectionSeconds 10).
+fn late_node(now: Timestamp) -> NodeHealth {
+    NodeHealth {
+        lease_renewed: Some(now - jiff::SignedDuration::from_secs(5)),
+        lease_duration_seconds: Some(8),
+        ready: true,
+    }
+}
+
 /// Worker pod `i` (attempt 0) in `phase`, Ready when Running, on node `n<i>`.
 fn pod(j: &DiphomaJob, i: i32, phase: &str) -> Pod {
-    let mut p = build::worker_pod(j, i, 0);
+    let mut p = build::worker_pod(j, i, 0).unwrap();
     let ready = if phase == "Running" { "True" } else { "False" };
     p.spec.as_mut().unwrap().node_name = Some(format!("n{i}"));
     p.status = Some(serde_json::from_value(json!({
@@ -312,7 +338,7 @@ fn node_loss_and_eviction_are_classified() {
     pods[3].metadata.deletion_timestamp =
         Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(t(90)));
     let mut o = obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3])));
-    o.lost_nodes.insert("n2".into());
+    o.nodes.insert("n2".into(), lost_node());
     let p = plan(&j, &o);
     let causes: BTreeMap<String, Cause> = p
         .failures
@@ -386,7 +412,7 @@ fn scale_up_beyond_capacity_keeps_training_and_says_what_is_short() {
         max_replicas: 6,
     });
     let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
-    let mut stuck = build::worker_pod(&j, 4, 0);
+    let mut stuck = build::worker_pod(&j, 4, 0).unwrap();
     stuck.status = Some(serde_json::from_value(json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]})).unwrap());
     pods.push(stuck);
     let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
@@ -406,7 +432,7 @@ fn gang_waits_below_min_replicas_with_the_scheduler_reason() {
     j.spec.replicas = 4;
     let mut pods: Vec<Pod> = (0..2).map(|i| pod(&j, i, "Running")).collect();
     for i in 2..4 {
-        let mut stuck = build::worker_pod(&j, i, 0);
+        let mut stuck = build::worker_pod(&j, i, 0).unwrap();
         stuck.status = Some(serde_json::from_value(json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "Insufficient nvidia.com/gpu"}]})).unwrap());
         pods.push(stuck);
     }
@@ -583,7 +609,7 @@ fn unschedulable_pods_never_block_completion() {
         max_replicas: 6,
     });
     let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Succeeded")).collect();
-    pods.push(build::worker_pod(&j, 4, 0));
+    pods.push(build::worker_pod(&j, 4, 0).unwrap());
     let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
     assert_eq!(p.status.phase, Some(Phase::Succeeded));
     assert_eq!(
@@ -601,10 +627,10 @@ fn conditions_keep_transition_times_unless_they_flip() {
     let ready = c.iter().find(|c| c.type_ == "Ready").unwrap();
     assert_eq!(
         (ready.status.as_str(), ready.last_transition_time.clone()),
-        ("False", t(3).to_string())
+        ("False", Time(t(3)))
     );
     let progressing = c.iter().find(|c| c.type_ == "Progressing").unwrap();
-    assert_eq!(progressing.last_transition_time, t(1).to_string());
+    assert_eq!(progressing.last_transition_time, Time(t(1)));
 }
 
 #[test]
@@ -682,7 +708,7 @@ fn a_silent_member_on_a_node_with_a_late_lease_is_a_node_loss() {
         now: t(102),
         ..obs(pods, Some(ring(&j, 2, &[0, 1, 2, 3])))
     };
-    o.late_nodes.insert("n1".into());
+    o.nodes.insert("n1".into(), late_node(o.now));
     let p = plan(&j, &o);
     let got: Vec<_> = p
         .failures
@@ -753,11 +779,11 @@ fn reports_of_an_older_generation_are_ignored_and_progress_is_copied() {
 fn a_pod_bound_to_a_lost_node_before_it_ran_is_rescheduled_uncounted() {
     let j = with_status(basic(), Phase::Repairing);
     let mut pods: Vec<Pod> = [0, 2, 3].iter().map(|&i| pod(&j, i, "Running")).collect();
-    let mut fresh = build::worker_pod(&j, 1, 1);
+    let mut fresh = build::worker_pod(&j, 1, 1).unwrap();
     fresh.spec.as_mut().unwrap().node_name = Some("n9".into());
     pods.push(fresh);
     let mut o = obs(pods, Some(ring(&j, 2, &[0, 2, 3])));
-    o.lost_nodes.insert("n9".into());
+    o.nodes.insert("n9".into(), lost_node());
     let p = plan(&j, &o);
     assert!(p.failures.is_empty());
     assert_eq!(p.status.failures.total, 0);
@@ -803,4 +829,58 @@ fn resumed_workers_named_like_departed_members_get_a_new_generation_and_are_not_
     let p = plan(&j, &o);
     assert!(p.failures.is_empty(), "{:?}", p.failures);
     assert_eq!(p.publish.map(|m| m.generation), Some(2));
+}
+
+#[test]
+fn the_plan_says_when_to_look_again() {
+    // A running job is polled every detectionSeconds / 3 (node health is not watched); a
+    // shorter timer of its own wins.
+    let j = with_status(basic(), Phase::Running);
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let steady = plan(&j, &obs(pods.clone(), Some(ring(&j, 3, &[0, 1, 2, 3]))));
+    let node_check = Duration::from_secs_f64(10.0 / 3.0);
+    assert_eq!(steady.look_again, Some(node_check));
+    let mut o = Observed {
+        reports: vec![report(0, 1, 3, 98)],
+        ..obs(pods, Some(ring(&j, 3, &[0, 1, 2, 3])))
+    };
+    o.now = t(100);
+    let young = plan(&j, &o);
+    assert!(young.requeue_after.unwrap() < node_check);
+    assert_eq!(young.look_again, young.requeue_after);
+    // A finished job waits for a change, or for its TTL only.
+    let failed = with_status(basic(), Phase::Failed);
+    assert_eq!(plan(&failed, &obs(vec![], None)).look_again, None);
+    let mut ttl = failed.clone();
+    ttl.spec.run_policy.ttl_seconds_after_finished = Some(3600);
+    ttl.status.as_mut().unwrap().completion_time = Some(t(0).to_string());
+    let p = plan(&ttl, &obs(vec![], None));
+    assert_eq!(p.look_again, p.requeue_after);
+    assert!(p.look_again.unwrap() > Duration::from_secs(3000));
+}
+
+#[test]
+fn static_children_are_applied_when_the_spec_generation_moves_until_the_job_finishes() {
+    let new = basic();
+    assert!(plan(&new, &obs(vec![], None)).apply_children);
+    let mut seen = with_status(basic(), Phase::Running);
+    seen.status.as_mut().unwrap().observed_generation = Some(1);
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&seen, i, "Running")).collect();
+    let ring4 = Some(ring(&seen, 1, &[0, 1, 2, 3]));
+    assert!(!plan(&seen, &obs(pods.clone(), ring4.clone())).apply_children);
+    seen.metadata.generation = Some(2);
+    assert!(plan(&seen, &obs(pods, ring4)).apply_children);
+    let mut finished = with_status(basic(), Phase::Succeeded);
+    finished.metadata.generation = Some(5);
+    assert!(!plan(&finished, &obs(vec![], None)).apply_children);
+}
+
+#[test]
+fn a_template_without_containers_is_an_error_naming_the_job() {
+    let j = job(json!({"replicas": 1, "template": {"spec": {"containers": []}}}));
+    let err = super::plan(&j, &obs(vec![], None)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "job train: spec.template.spec.containers is empty"
+    );
 }

@@ -1,0 +1,175 @@
+//! The errors of one reconcile, one variant per step that can fail (observe, build, apply the
+//! children, patch the status, mark, delete and create pods, publish the ring, delete the job),
+//! each with its cause as `#[source]` and a bounded [`Error::metric_label`]. Types only: this
+//! module imports neither the controller nor the metrics, which both import it.
+
+use diphoma_contract::ContractError;
+
+use crate::build::BuildError;
+
+/// Why one reconcile of one job failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Reading what the job's world looks like failed.
+    #[error("observe {what}: {source}")]
+    Observe {
+        /// What was read: `pods`, `ring ConfigMap`, `heartbeat ConfigMap`, `node Lease`, `Node`.
+        what: &'static str,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The published ring ConfigMap is not valid membership.
+    #[error("ring ConfigMap {name}: {source}")]
+    Ring {
+        /// The ConfigMap.
+        name: String,
+        /// Why it was refused.
+        #[source]
+        source: ContractError,
+    },
+    /// A worker pod could not be built from the job's template.
+    #[error("build a worker pod: {0}")]
+    Build(#[from] BuildError),
+    /// Applying a static child (Service, RBAC, NetworkPolicy, key Secret, heartbeat ConfigMap)
+    /// failed.
+    #[error("apply {kind} {name}: {source}")]
+    ApplyChild {
+        /// The child's kind.
+        kind: &'static str,
+        /// Its name.
+        name: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Writing the job's status failed.
+    #[error("patch status: {source}")]
+    PatchStatus {
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Annotating a pod (failure counted, deleted by the operator) failed.
+    #[error("annotate pod {pod}: {source}")]
+    MarkPod {
+        /// The pod.
+        pod: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Deleting a pod failed.
+    #[error("delete pod {pod}: {source}")]
+    DeletePod {
+        /// The pod.
+        pod: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Creating a worker pod failed.
+    #[error("create pod {pod}: {source}")]
+    CreatePod {
+        /// The pod.
+        pod: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Publishing a ring generation failed.
+    #[error("publish ring generation {generation}: {source}")]
+    PublishRing {
+        /// The generation.
+        generation: u64,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Deleting the job after `ttlSecondsAfterFinished` failed.
+    #[error("delete the finished job: {source}")]
+    DeleteJob {
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl Error {
+    /// Every value of [`Error::metric_label`] (metric label values are initialized from it).
+    pub const LABELS: [&'static str; 10] = [
+        "observe",
+        "ring",
+        "build",
+        "apply_child",
+        "patch_status",
+        "mark_pod",
+        "delete_pod",
+        "create_pod",
+        "publish_ring",
+        "delete_job",
+    ];
+
+    /// Bounded label for metrics and logs: the step that failed.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Observe { .. } => "observe",
+            Error::Ring { .. } => "ring",
+            Error::Build(_) => "build",
+            Error::ApplyChild { .. } => "apply_child",
+            Error::PatchStatus { .. } => "patch_status",
+            Error::MarkPod { .. } => "mark_pod",
+            Error::DeletePod { .. } => "delete_pod",
+            Error::CreatePod { .. } => "create_pod",
+            Error::PublishRing { .. } => "publish_ring",
+            Error::DeleteJob { .. } => "delete_job",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_label_is_listed_once() {
+        let api = || kube::Error::LinesCodecMaxLineLengthExceeded;
+        let all = [
+            Error::Observe {
+                what: "pods",
+                source: api(),
+            },
+            Error::Ring {
+                name: "r".into(),
+                source: diphoma_contract::Membership::parse("{").unwrap_err(),
+            },
+            Error::Build(BuildError::NoPodSpec { job: "j".into() }),
+            Error::ApplyChild {
+                kind: "Service",
+                name: "s".into(),
+                source: api(),
+            },
+            Error::PatchStatus { source: api() },
+            Error::MarkPod {
+                pod: "p".into(),
+                source: api(),
+            },
+            Error::DeletePod {
+                pod: "p".into(),
+                source: api(),
+            },
+            Error::CreatePod {
+                pod: "p".into(),
+                source: api(),
+            },
+            Error::PublishRing {
+                generation: 1,
+                source: api(),
+            },
+            Error::DeleteJob { source: api() },
+        ];
+        let labels: Vec<&str> = all.iter().map(Error::metric_label).collect();
+        assert_eq!(labels, Error::LABELS);
+        assert!(std::error::Error::source(&all[0]).is_some());
+    }
+}

@@ -1,0 +1,401 @@
+//! Step 1 of the plan: failures. Judges the nodes (Lease age, Ready condition), classifies lost
+//! pods, finds silent ring members from the workers' reports and members that vanished, and
+//! records each new failure (counts, last failure, event, the lost pod's deletion). Pure; it
+//! decides nothing about the job's end (that is [`super::lifecycle`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use diphoma_contract::{FailureReport, Membership};
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::Pod;
+use kube::{Resource, ResourceExt};
+
+use super::{
+    Cause, Deletion, EventNote, Failure, NodeHealth, Observed, Plan, by_operator, condition,
+    counted, node_of, parse_ts, pod_phase, present_pod, started, ts,
+};
+use crate::api::{DiphomaJob, DiphomaJobStatus, LastFailure};
+
+/// Lease duration assumed when a node's Lease has none: the kubelet's default
+/// (`nodeLeaseDurationSeconds`, 40 s).
+pub const DEFAULT_NODE_LEASE_SECONDS: i32 = 40;
+
+/// How current a node's Lease in `kube-node-lease` is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeLease {
+    /// Renewed on schedule.
+    Fresh,
+    /// A whole renewal was missed, but the node is not yet declared lost.
+    Late,
+    /// Older than both two renewal intervals and `detectionSeconds`, or never renewed.
+    Lost,
+}
+
+/// Judges a node Lease renewed at `renewed` with `leaseDurationSeconds` `duration_s`, at `now`.
+///
+/// The kubelet renews every `leaseDurationSeconds / 4` (its `nodeLeaseRenewIntervalFraction`,
+/// 0.25: every 10 s for the default 40 s). A Lease is late once it is older than two intervals (a
+/// renewal was missed, not merely delayed), and lost once it is also older than
+/// `detection_seconds`: a node is never declared lost for a slow renewal, however small
+/// `detectionSeconds` is.
+pub fn node_lease(
+    renewed: Option<Timestamp>,
+    duration_s: Option<i32>,
+    now: Timestamp,
+    detection_seconds: i32,
+) -> NodeLease {
+    let Some(renewed) = renewed else {
+        return NodeLease::Lost;
+    };
+    let interval_ms = i64::from(duration_s.unwrap_or(DEFAULT_NODE_LEASE_SECONDS).max(1)) * 250;
+    let late = jiff::SignedDuration::from_millis(interval_ms * 2);
+    let detection = jiff::SignedDuration::from_secs(detection_seconds.into());
+    match now.duration_since(renewed) {
+        age if age > late && age > detection => NodeLease::Lost,
+        age if age > late => NodeLease::Late,
+        _ => NodeLease::Fresh,
+    }
+}
+
+/// The nodes found unhealthy, by name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Nodes {
+    /// Lost: Lease [`NodeLease::Lost`] or the node not Ready. Its pods are lost.
+    pub lost: BTreeSet<String>,
+    /// Late: Lease not [`NodeLease::Fresh`] or the node not Ready (every lost node is late). A
+    /// silent member there is counted as `NodeLost`, not `Hung`.
+    pub late: BTreeSet<String>,
+}
+
+/// Which of the observed `nodes` are lost or late at `now` (see [`node_lease`]).
+pub fn judge_nodes(
+    nodes: &BTreeMap<String, NodeHealth>,
+    now: Timestamp,
+    detection_seconds: i32,
+) -> Nodes {
+    let mut out = Nodes::default();
+    for (name, h) in nodes {
+        let lease = node_lease(
+            h.lease_renewed,
+            h.lease_duration_seconds,
+            now,
+            detection_seconds,
+        );
+        if lease != NodeLease::Fresh || !h.ready {
+            out.late.insert(name.clone());
+        }
+        if lease == NodeLease::Lost || !h.ready {
+            out.lost.insert(name.clone());
+        }
+    }
+    out
+}
+
+/// Classifies a pod that is lost, or returns `None` for a healthy (or still starting) one.
+/// Returns (cause, reason, exit code).
+pub fn classify(p: &Pod, lost_nodes: &BTreeSet<String>) -> Option<(Cause, String, Option<i32>)> {
+    let disruption = condition(p, "DisruptionTarget")
+        .filter(|c| c.status == "True")
+        .and_then(|c| c.reason.clone());
+    let from_disruption = |r: &str| match r {
+        "EvictionByEvictionAPI" | "TerminationByKubelet" => Cause::Evicted,
+        "PreemptionByScheduler" => Cause::Preempted,
+        "DeletionByTaintManager" | "DeletionByPodGC" => Cause::NodeLost,
+        _ => Cause::PodDeleted,
+    };
+    if let Some(r) = &disruption {
+        return Some((from_disruption(r), r.clone(), None));
+    }
+    if pod_phase(p) == "Failed" {
+        let term = p
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .and_then(|cs| cs.iter().find_map(|c| c.state.as_ref()?.terminated.clone()));
+        let (code, reason) = term
+            .map(|t| {
+                (
+                    Some(t.exit_code),
+                    t.reason.unwrap_or_else(|| "Error".into()),
+                )
+            })
+            .unwrap_or((None, "Error".into()));
+        let reason = if p.status.as_ref().and_then(|s| s.reason.as_deref()) == Some("Evicted") {
+            "Evicted".to_owned()
+        } else {
+            reason
+        };
+        let cause = if reason == "Evicted" {
+            Cause::Evicted
+        } else {
+            Cause::ProcessExit
+        };
+        return Some((cause, reason, code));
+    }
+    if node_of(p).is_some_and(|n| lost_nodes.contains(n)) && pod_phase(p) != "Succeeded" {
+        return Some((Cause::NodeLost, "NodeLost".into(), None));
+    }
+    if p.metadata.deletion_timestamp.is_some() && !by_operator(p) {
+        return Some((Cause::PodDeleted, "Deleted".into(), None));
+    }
+    None
+}
+
+/// Members of `ring` that neighbours blame in reports of its generation and that did not report
+/// themselves: (pods, when to look again if the reports are still young). Reports get
+/// `detection_seconds / 2` to arrive, so that a live member whose own report is late is not taken
+/// for the silent one.
+pub fn silent_members(
+    ring: &Membership,
+    reports: &[FailureReport],
+    now: Timestamp,
+    detection_seconds: i32,
+) -> (Vec<String>, Option<Duration>) {
+    let current: Vec<&FailureReport> = reports
+        .iter()
+        .filter(|r| r.generation == ring.generation)
+        .collect();
+    let Some(oldest) = current.iter().filter_map(|r| parse_ts(&r.time)).min() else {
+        return (vec![], None);
+    };
+    let grace = jiff::SignedDuration::from_millis(i64::from(detection_seconds) * 500);
+    let age = now.duration_since(oldest);
+    if age < grace {
+        let wait = (grace - age).unsigned_abs() + Duration::from_millis(100);
+        return (vec![], Some(wait));
+    }
+    let reporters: BTreeSet<&str> = current.iter().map(|r| r.reporter.as_str()).collect();
+    let hung = ring
+        .members
+        .iter()
+        .map(|m| m.pod.as_str())
+        .filter(|p| {
+            !reporters.contains(p) && current.iter().any(|r| r.suspect.as_deref() == Some(*p))
+        })
+        .map(str::to_owned)
+        .collect();
+    (hung, None)
+}
+
+/// What the failures step found, for the steps after it.
+#[derive(Debug, Clone, Default)]
+pub struct Found {
+    /// Pods lost (counted now or before, or rescheduled): never live workers.
+    pub failed_pods: BTreeSet<String>,
+    /// Members of this generation that left and were accounted for (a counted failure, an
+    /// operator deletion); a pod with the same name now (resumed after a suspension) is new.
+    pub departed: BTreeSet<String>,
+    /// Nodes replacements avoid: the lost ones, and late ones whose silent member is counted
+    /// `NodeLost`.
+    pub dead_nodes: BTreeSet<String>,
+}
+
+/// Step 1: finds the failures since the last reconcile — lost pods, silent members, members
+/// that vanished — and records each new one in `plan` (see `record`). Sets
+/// `plan.requeue_after` when failure reports are still too young to judge.
+pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) -> Found {
+    let spec = &job.spec;
+    let now = obs.now;
+    let prev_ring = job.status.as_ref().and_then(|s| s.ring.as_ref());
+    let ring = obs.ring.as_ref();
+    let rank_of = |pod: &str| ring.and_then(|r| r.rank_of(pod)).map(|r| r as i32);
+    let mut found = Found {
+        dead_nodes: nodes.lost.clone(),
+        departed: match (prev_ring, ring) {
+            (Some(s), Some(r)) if s.generation == r.generation as i64 => {
+                s.departed.iter().cloned().collect()
+            }
+            _ => BTreeSet::new(),
+        },
+        ..Found::default()
+    };
+    for p in &obs.pods {
+        if by_operator(p) && p.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let Some((cause, reason, exit_code)) = classify(p, &nodes.lost) else {
+            continue;
+        };
+        found.failed_pods.insert(p.name_any());
+        if cause == Cause::NodeLost && rank_of(&p.name_any()).is_none() && !started(p) {
+            // Bound to a node that died before it ran: rescheduled, not a worker failure.
+            plan.delete.push(Deletion {
+                pod: p.name_any(),
+                force: true,
+                reason: "Rescheduled",
+            });
+            continue;
+        }
+        if counted(p) {
+            // Already counted: make sure it goes away so that its index is replaced.
+            if p.metadata.deletion_timestamp.is_none() || cause.force_delete() {
+                plan.delete.push(Deletion {
+                    pod: p.name_any(),
+                    force: cause.force_delete(),
+                    reason: "Replaced",
+                });
+            }
+            continue;
+        }
+        let retryable = match cause {
+            Cause::ProcessExit => exit_code.is_none_or(|c| spec.retryable_exit(c)),
+            _ => true,
+        };
+        plan.failures.push(Failure {
+            pod: p.name_any(),
+            rank: rank_of(&p.name_any()),
+            cause,
+            reason,
+            exit_code,
+            retryable,
+            exists: true,
+            at: loss_time(p).unwrap_or(now),
+        });
+    }
+    // Hung or cut-off members: blamed by a neighbour's report at the current generation and
+    // silent themselves, once the reports had `detectionSeconds / 2` to arrive. On a node whose
+    // Lease is late, the node went quiet with its worker: that is a node loss.
+    if let Some(r) = ring {
+        let (hung, wait) =
+            silent_members(r, &obs.reports, now, spec.fault_tolerance.detection_seconds);
+        let hung: Vec<String> = hung
+            .into_iter()
+            .filter(|p| {
+                !found.failed_pods.contains(p) && !found.departed.contains(p) && present_pod(obs, p)
+            })
+            .collect();
+        for pod in hung {
+            found.failed_pods.insert(pod.clone());
+            let node = obs
+                .pods
+                .iter()
+                .find(|p| p.name_any() == pod)
+                .and_then(node_of);
+            let (cause, reason) = if let Some(n) = node.filter(|n| nodes.late.contains(*n)) {
+                found.dead_nodes.insert(n.to_owned());
+                (Cause::NodeLost, "NodeLost")
+            } else {
+                (Cause::Hung, "Silent")
+            };
+            plan.failures.push(Failure {
+                rank: rank_of(&pod),
+                pod,
+                cause,
+                reason: reason.into(),
+                exit_code: None,
+                retryable: true,
+                exists: true,
+                at: now,
+            });
+        }
+        plan.requeue_after = wait;
+    }
+    // Members that vanished from the API without being accounted for were deleted by someone.
+    let present: BTreeSet<String> = obs.pods.iter().map(|p| p.name_any()).collect();
+    for m in ring.iter().flat_map(|r| r.members.iter()) {
+        if !present.contains(&m.pod) && !found.departed.contains(&m.pod) {
+            plan.failures.push(Failure {
+                pod: m.pod.clone(),
+                rank: Some(m.rank as i32),
+                cause: Cause::PodDeleted,
+                reason: "Deleted".into(),
+                exit_code: None,
+                retryable: true,
+                exists: false,
+                at: now,
+            });
+        }
+    }
+    for f in plan.failures.clone() {
+        record(&mut plan.status, &mut plan.delete, &mut plan.events, f);
+    }
+    found
+}
+
+/// Counts a failure, remembers it as the last one, announces it and, for a pod that still
+/// exists, schedules its deletion (it is replaced under a new name).
+fn record(
+    status: &mut DiphomaJobStatus,
+    delete: &mut Vec<Deletion>,
+    events: &mut Vec<EventNote>,
+    f: Failure,
+) {
+    status.failures.add(f.cause.as_str());
+    status.last_failure = Some(LastFailure {
+        pod: f.pod.clone(),
+        rank: f.rank,
+        exit_code: f.exit_code,
+        cause: f.cause.as_str().into(),
+        reason: f.reason.clone(),
+        time: ts(f.at),
+    });
+    let note = match f.exit_code {
+        Some(c) => format!(
+            "worker {} ({}) lost: {} with exit code {c}",
+            f.pod,
+            f.cause.as_str(),
+            f.reason
+        ),
+        None => format!("worker {} ({}) lost: {}", f.pod, f.cause.as_str(), f.reason),
+    };
+    if f.rank.is_some() {
+        status.repairs.add(f.cause.as_str()); // a ring member lost: the ring must be re-formed
+    }
+    let reason = if f.cause == Cause::NodeLost {
+        "NodeLost"
+    } else {
+        "WorkerFailed"
+    };
+    events.push(EventNote::warning(reason, note));
+    if f.exists && f.cause != Cause::PodDeleted {
+        delete.push(Deletion {
+            pod: f.pod.clone(),
+            force: f.cause.force_delete(),
+            reason: "Replaced",
+        });
+    }
+}
+
+/// When a lost pod was lost: its container's finish time, else its deletion time.
+pub(super) fn loss_time(p: &Pod) -> Option<Timestamp> {
+    let st = p.status.as_ref()?;
+    let finished = st
+        .container_statuses
+        .iter()
+        .flatten()
+        .find_map(|c| c.state.as_ref()?.terminated.as_ref()?.finished_at.clone());
+    finished
+        .map(|t| t.0)
+        .or(p.meta().deletion_timestamp.clone().map(|t| t.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).unwrap()
+    }
+
+    #[test]
+    fn nodes_are_judged_by_lease_and_readiness() {
+        let now = t(100);
+        let health = |age_s: i64, ready: bool| NodeHealth {
+            lease_renewed: Some(now - jiff::SignedDuration::from_secs(age_s)),
+            lease_duration_seconds: Some(8),
+            ready,
+        };
+        let nodes = BTreeMap::from([
+            ("fresh".to_owned(), health(1, true)),
+            ("late".to_owned(), health(5, true)),
+            ("lost".to_owned(), health(20, true)),
+            ("not-ready".to_owned(), health(1, false)),
+            ("no-lease".to_owned(), NodeHealth::default()),
+        ]);
+        let n = judge_nodes(&nodes, now, 10);
+        let set = |names: &[&str]| names.iter().map(|s| s.to_string()).collect();
+        assert_eq!(n.lost, set(&["lost", "no-lease", "not-ready"]));
+        assert_eq!(n.late, set(&["late", "lost", "no-lease", "not-ready"]));
+    }
+}

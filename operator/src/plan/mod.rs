@@ -1,0 +1,322 @@
+//! The reconcile plan, a pure function of the job and what the controller observed (pods, the
+//! published ring, the health of their nodes, the workers' reports, now): which failures to
+//! count, which pods to create and delete, whether to publish a new ring generation, when the
+//! static children are re-applied, the status that results and when to look again. Everything
+//! the operator decides is decided here; nothing here does I/O.
+//!
+//! [`plan`] reads as a table of contents, one named step per module:
+//! 1. [`failures`]: judge the nodes, find lost pods and silent or vanished members, count them;
+//! 2. [`lifecycle`]: a finished job's clean-up and TTL; fail, complete or suspend the job;
+//! 3. [`workers`]: create missing workers, scale away the surplus;
+//! 4. [`ring`]: publish the next ring generation when its membership changes;
+//! 5. [`status`]: readiness, waiting, phase and conditions.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use diphoma_contract::{FailureReport, Membership, ProgressReport};
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+
+use crate::api::{DiphomaJob, DiphomaJobStatus, Phase};
+use crate::build::{ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED, BuildError};
+
+pub mod failures;
+pub mod lifecycle;
+pub mod ring;
+pub mod status;
+pub mod workers;
+
+pub use failures::{NodeLease, classify, node_lease, silent_members};
+pub use status::conditions;
+
+/// What the reconciler observed for one job.
+#[derive(Debug, Clone)]
+pub struct Observed {
+    /// The job's worker pods (by label).
+    pub pods: Vec<Pod>,
+    /// The published ring generation, if any.
+    pub ring: Option<Membership>,
+    /// The health of the nodes the pods run on, by node name; a node not listed counts as
+    /// healthy.
+    pub nodes: BTreeMap<String, NodeHealth>,
+    /// Rank 0's latest progress record.
+    pub progress: Option<ProgressReport>,
+    /// The workers' failure reports (any generation).
+    pub reports: Vec<FailureReport>,
+    /// Now.
+    pub now: Timestamp,
+}
+
+/// What the controller read about one node: its Lease in `kube-node-lease` and its `Ready`
+/// condition. The default is a node with no Lease that is not Ready (neither object found).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeHealth {
+    /// The Lease's `renewTime` (none: no Lease, or never renewed).
+    pub lease_renewed: Option<Timestamp>,
+    /// The Lease's `leaseDurationSeconds` (none: the kubelet's default,
+    /// [`failures::DEFAULT_NODE_LEASE_SECONDS`]).
+    pub lease_duration_seconds: Option<i32>,
+    /// The Node's `Ready` condition is `True`.
+    pub ready: bool,
+}
+
+/// Why a worker was lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Cause {
+    /// Its process exited non-zero.
+    ProcessExit,
+    /// Its pod was deleted by someone else.
+    PodDeleted,
+    /// Evicted through the Eviction API (or by kubelet pressure).
+    Evicted,
+    /// Preempted by the scheduler.
+    Preempted,
+    /// Its node stopped heartbeating.
+    NodeLost,
+    /// It stopped answering its ring neighbours.
+    Hung,
+}
+
+impl Cause {
+    /// Whether the lost pod is deleted with grace 0: nobody on a lost node, and no frozen
+    /// process, would ever finish a graceful deletion.
+    pub fn force_delete(self) -> bool {
+        matches!(self, Cause::NodeLost | Cause::Hung)
+    }
+
+    /// Every cause, in declaration order (metric label values are initialized from it).
+    pub const ALL: [Cause; 6] = [
+        Cause::ProcessExit,
+        Cause::PodDeleted,
+        Cause::Evicted,
+        Cause::Preempted,
+        Cause::NodeLost,
+        Cause::Hung,
+    ];
+
+    /// The PascalCase name used in status, events and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cause::ProcessExit => "ProcessExit",
+            Cause::PodDeleted => "PodDeleted",
+            Cause::Evicted => "Evicted",
+            Cause::Preempted => "Preempted",
+            Cause::NodeLost => "NodeLost",
+            Cause::Hung => "Hung",
+        }
+    }
+}
+
+/// A newly observed worker failure.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Failure {
+    /// Pod name.
+    pub pod: String,
+    /// Its rank in the current generation, if it was a member.
+    pub rank: Option<i32>,
+    /// Cause.
+    pub cause: Cause,
+    /// Kubernetes reason (`Error`, `OOMKilled`, `EvictionByEvictionAPI`, …).
+    pub reason: String,
+    /// Exit code, for process exits.
+    pub exit_code: Option<i32>,
+    /// Whether the worker is replaced (false: the job fails).
+    pub retryable: bool,
+    /// Whether the pod still exists (its failure is then recorded on it).
+    pub exists: bool,
+    /// When the loss happened, as far as the API tells.
+    pub at: Timestamp,
+}
+
+/// A deletion the operator makes itself (never counted as a failure).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Deletion {
+    /// Pod name.
+    pub pod: String,
+    /// Grace period 0: the pod's node is lost, nobody would finish the deletion.
+    pub force: bool,
+    /// Why (for the event).
+    pub reason: &'static str,
+}
+
+/// A Kubernetes Event to publish on the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventNote {
+    /// `Warning` (a loss, a failed job) rather than `Normal`.
+    pub warning: bool,
+    /// PascalCase reason (`WorkerFailed`, `RingReformed`, ...).
+    pub reason: &'static str,
+    /// Human-readable note.
+    pub note: String,
+}
+
+impl EventNote {
+    /// A `Normal` event.
+    pub fn normal(reason: &'static str, note: String) -> Self {
+        EventNote {
+            warning: false,
+            reason,
+            note,
+        }
+    }
+
+    /// A `Warning` event.
+    pub fn warning(reason: &'static str, note: String) -> Self {
+        EventNote {
+            warning: true,
+            reason,
+            note,
+        }
+    }
+}
+
+/// Everything one reconcile does, in order: apply the static children, patch the status,
+/// record failures on pods, delete pods, create pods, publish the ring, publish events.
+#[derive(Debug, Clone, Default)]
+pub struct Plan {
+    /// (Re-)apply the static children (Service, RBAC, NetworkPolicy, key Secret, heartbeat
+    /// ConfigMap): the spec generation moved since the status last observed it, and the job has
+    /// not finished.
+    pub apply_children: bool,
+    /// Failures to record (annotation on the pod) and count.
+    pub failures: Vec<Failure>,
+    /// Pods to create.
+    pub create: Vec<Pod>,
+    /// Pods to delete.
+    pub delete: Vec<Deletion>,
+    /// A new ring generation to publish.
+    pub publish: Option<Membership>,
+    /// The status to write.
+    pub status: DiphomaJobStatus,
+    /// A timer of the job's own (deadline, TTL, completion grace, young failure reports).
+    pub requeue_after: Option<Duration>,
+    /// When to reconcile again without an event: [`Plan::requeue_after`], capped at a third of
+    /// `detectionSeconds` while the job runs (node health is polled, not watched); none: only on
+    /// a change.
+    pub look_again: Option<Duration>,
+    /// Delete the job itself (`ttlSecondsAfterFinished` passed).
+    pub delete_job: bool,
+    /// Events to publish.
+    pub events: Vec<EventNote>,
+}
+
+/// Computes the plan. Pure: same inputs, same plan.
+///
+/// Errors: [`BuildError`] when a worker to create cannot be built from the job's template.
+pub fn plan(job: &DiphomaJob, obs: &Observed) -> Result<Plan, BuildError> {
+    let mut plan = Plan {
+        apply_children: children_due(job),
+        status: status::carried(job),
+        ..Plan::default()
+    };
+    decide(job, obs, &mut plan)?;
+    plan.look_again = look_again(job, &plan);
+    Ok(plan)
+}
+
+/// The steps, in order; each later step sees what the earlier ones planned.
+fn decide(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) -> Result<(), BuildError> {
+    let prev_phase = job.status.as_ref().and_then(|s| s.phase);
+    if prev_phase.is_some_and(Phase::is_terminal) {
+        lifecycle::finished(job, obs, plan); // finished jobs stay finished
+        return Ok(());
+    }
+    status::progress(&mut plan.status, obs);
+    // 1. Failures: which nodes are lost or late, then which pods and members are lost.
+    let detection = job.spec.fault_tolerance.detection_seconds;
+    let nodes = failures::judge_nodes(&obs.nodes, obs.now, detection);
+    let found = failures::detect(job, obs, &nodes, plan);
+    // 2. Lifecycle: fail, complete or suspend the job.
+    if lifecycle::lifecycle(job, obs, &found, plan) == lifecycle::Next::Done {
+        return Ok(());
+    }
+    // 3. Workers: create the missing ones, scale away the surplus.
+    let workers = workers::workers(job, obs, &found, plan)?;
+    // 4. Ring: the next generation, when the membership changed.
+    let ring = ring::next_generation(job, obs, &workers, found, plan);
+    // 5. Status: readiness, waiting, phase, conditions.
+    status::running(job, obs, &workers, &ring, plan);
+    Ok(())
+}
+
+/// Whether the static children are due: the spec generation moved since the last status, and
+/// the job has not finished.
+fn children_due(job: &DiphomaJob) -> bool {
+    let prev = job.status.clone().unwrap_or_default();
+    !prev.phase.is_some_and(Phase::is_terminal)
+        && prev.observed_generation != job.metadata.generation
+}
+
+/// See [`Plan::look_again`].
+fn look_again(job: &DiphomaJob, plan: &Plan) -> Option<Duration> {
+    let running = plan.status.phase.is_some_and(|p| !p.is_terminal());
+    let node_check =
+        Duration::from_secs_f64(f64::from(job.spec.fault_tolerance.detection_seconds) / 3.0);
+    match plan.requeue_after {
+        Some(d) if running => Some(d.min(node_check)),
+        Some(d) => Some(d),
+        None if running => Some(node_check),
+        None => None,
+    }
+}
+
+fn ts(t: Timestamp) -> String {
+    t.to_string()
+}
+
+fn parse_ts(s: &str) -> Option<Timestamp> {
+    s.parse().ok()
+}
+
+fn pod_phase(p: &Pod) -> &str {
+    p.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("Pending")
+}
+
+fn condition<'a>(p: &'a Pod, t: &str) -> Option<&'a k8s_openapi::api::core::v1::PodCondition> {
+    p.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == t)
+}
+
+fn node_of(p: &Pod) -> Option<&str> {
+    p.spec.as_ref()?.node_name.as_deref()
+}
+
+fn by_operator(p: &Pod) -> bool {
+    p.annotations().contains_key(ANNOT_DELETED_BY_OPERATOR)
+}
+
+fn counted(p: &Pod) -> bool {
+    p.annotations().contains_key(ANNOT_FAILURE_COUNTED)
+}
+
+/// Whether any container of the pod has ever run.
+fn started(p: &Pod) -> bool {
+    let statuses = p
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref());
+    statuses.into_iter().flatten().any(|c| {
+        c.state
+            .as_ref()
+            .is_some_and(|s| s.running.is_some() || s.terminated.is_some())
+            || c.last_state
+                .as_ref()
+                .is_some_and(|s| s.terminated.is_some())
+    })
+}
+
+fn present_pod(obs: &Observed, name: &str) -> bool {
+    obs.pods.iter().any(|p| p.name_any() == name)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,252 @@
+//! Step 5 of the plan: the status — what carries over from the previous status, the progress
+//! the workers report, readiness, why the ring waits, the phase, and the conditions (each with
+//! its own reason and message; `lastTransitionTime` moves only when a condition flips). Pure.
+
+use jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::ResourceExt;
+
+use super::ring::RingView;
+use super::workers::{Workers, unschedulable};
+use super::{Observed, Plan, ts};
+use crate::api::{DiphomaJob, DiphomaJobStatus, Phase, Progress};
+use crate::build;
+
+/// The previous status with this spec's replicas, selector and generation.
+pub fn carried(job: &DiphomaJob) -> DiphomaJobStatus {
+    DiphomaJobStatus {
+        replicas: job.spec.replicas,
+        selector: Some(build::selector(&job.name_any())),
+        observed_generation: job.metadata.generation,
+        ..job.status.clone().unwrap_or_default()
+    }
+}
+
+/// The start time (now, the first time) and rank 0's latest progress.
+pub fn progress(status: &mut DiphomaJobStatus, obs: &Observed) {
+    if status.start_time.is_none() {
+        status.start_time = Some(ts(obs.now));
+    }
+    if let Some(p) = &obs.progress {
+        status.progress = Some(Progress {
+            step: p.step as i64,
+            total_steps: p.total_steps.map(|t| t as i64),
+            loss: p.loss,
+            samples_per_second: p.samples_per_second,
+            last_checkpoint_step: p.last_checkpoint_step.map(|s| s as i64),
+            test_accuracy: p.test_accuracy,
+        });
+    }
+}
+
+/// Step 5: readiness, waiting, phase and conditions of a job that runs on.
+pub fn running(
+    job: &DiphomaJob,
+    obs: &Observed,
+    workers: &Workers,
+    ring: &RingView,
+    plan: &mut Plan,
+) {
+    let prev = job.status.clone().unwrap_or_default();
+    let desired = job.spec.replicas;
+    let (min, _) = job.spec.bounds();
+    let status = &mut plan.status;
+    let ring_size = status.ring.as_ref().map_or(0, |r| r.size);
+    let members: std::collections::BTreeSet<&str> = plan
+        .publish
+        .as_ref()
+        .or(obs.ring.as_ref())
+        .iter()
+        .flat_map(|r| r.members.iter().map(|m| m.pod.as_str()))
+        .collect();
+    status.ready_replicas = ring
+        .ready
+        .iter()
+        .filter(|n| members.contains(n.as_str()))
+        .count() as i32;
+    status.ready = Some(format!("{}/{}", status.ready_replicas, desired));
+    let short = workers.live.values().find_map(|p| unschedulable(p));
+    let ready = ring.ready.len();
+    status.waiting = if !ring.enough {
+        Some(match short.filter(|m| !m.is_empty()) {
+            Some(msg) => format!("{ready} of {min} workers ready; the scheduler says: {msg}"),
+            None => format!("{ready} of {min} workers ready; waiting for workers to start"),
+        })
+    } else {
+        short.map(|m| format!("running with {ready} of {desired} workers; the scheduler says: {m}"))
+    };
+    let unrepaired = ring.lost_member && plan.publish.is_none();
+    let phase = if obs.ring.is_none() && plan.publish.is_none() {
+        if obs.pods.is_empty() {
+            Phase::Pending
+        } else {
+            Phase::Starting
+        }
+    } else if unrepaired || !plan.failures.is_empty() {
+        Phase::Repairing
+    } else if ring_size == desired {
+        Phase::Running
+    } else if prev.phase == Some(Phase::Repairing) && ring_size < desired && workers.starting > 0 {
+        Phase::Repairing
+    } else {
+        Phase::Scaling
+    };
+    status.phase = Some(phase);
+    let (reason, msg) = match phase {
+        Phase::Running => (
+            "RingFormed",
+            format!(
+                "{ring_size} workers at generation {}",
+                status.ring.as_ref().map_or(0, |r| r.generation)
+            ),
+        ),
+        _ => (
+            phase_reason(phase),
+            status
+                .waiting
+                .clone()
+                .unwrap_or_else(|| format!("{ring_size} of {desired} workers in the ring")),
+        ),
+    };
+    status.conditions = conditions(
+        &prev.conditions,
+        phase,
+        reason,
+        &msg,
+        obs.now,
+        job.metadata.generation,
+    );
+}
+
+fn phase_reason(p: Phase) -> &'static str {
+    match p {
+        Phase::Pending => "Pending",
+        Phase::Starting => "WorkersStarting",
+        Phase::Running => "RingFormed",
+        Phase::Repairing => "RingRepairing",
+        Phase::Scaling => "RingScaling",
+        Phase::Suspended => "Suspended",
+        Phase::Succeeded => "RingCompleted",
+        Phase::Failed => "Failed",
+    }
+}
+
+/// The condition types, in the order they are written.
+pub const CONDITION_TYPES: [&str; 5] = ["Ready", "Progressing", "Suspended", "Complete", "Failed"];
+
+/// (status, reason, message) of condition `type_` in `phase`, whose own reason and message are
+/// `reason` and `message`. Each condition's reason says why that condition has its status:
+/// `Ready` and `Progressing` follow the phase; `Suspended`, `Complete` and `Failed` carry the
+/// phase's reason only when they are True, and say what they are not otherwise.
+fn condition_of(type_: &str, phase: Phase, reason: &str, message: &str) -> (bool, String, String) {
+    let (truth, own) = match type_ {
+        "Ready" => (phase == Phase::Running, None),
+        "Progressing" => (
+            matches!(
+                phase,
+                Phase::Starting | Phase::Running | Phase::Repairing | Phase::Scaling
+            ),
+            None,
+        ),
+        "Suspended" => (
+            phase == Phase::Suspended,
+            Some(("NotSuspended", "the job is not suspended")),
+        ),
+        "Complete" if phase == Phase::Failed => (
+            false,
+            Some(("JobFailed", "the job failed before its ring completed")),
+        ),
+        "Complete" => (
+            phase == Phase::Succeeded,
+            Some(("NotCompleted", "the ring has not completed")),
+        ),
+        "Failed" => (
+            phase == Phase::Failed,
+            Some(("NotFailed", "no fatal failure")),
+        ),
+        _ => (false, None),
+    };
+    match own {
+        Some((r, m)) if !truth => (truth, r.to_owned(), m.to_owned()),
+        _ => (truth, reason.to_owned(), message.to_owned()),
+    }
+}
+
+/// The job's conditions ([`CONDITION_TYPES`]) for `phase`, whose reason and message are `reason`
+/// and `message`; a condition keeps its `lastTransitionTime` unless its status flips.
+pub fn conditions(
+    prev: &[Condition],
+    phase: Phase,
+    reason: &str,
+    message: &str,
+    now: Timestamp,
+    generation: Option<i64>,
+) -> Vec<Condition> {
+    CONDITION_TYPES
+        .iter()
+        .map(|t| {
+            let (truth, reason, message) = condition_of(t, phase, reason, message);
+            let status = if truth { "True" } else { "False" }.to_owned();
+            let old = prev.iter().find(|c| c.type_ == *t);
+            let last_transition_time = match old {
+                Some(o) if o.status == status => o.last_transition_time.clone(),
+                _ => Time(now),
+            };
+            Condition {
+                type_: (*t).into(),
+                status,
+                reason,
+                message,
+                last_transition_time,
+                observed_generation: generation,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).unwrap()
+    }
+
+    fn find<'a>(c: &'a [Condition], t: &str) -> (&'a str, &'a str) {
+        let c = c.iter().find(|c| c.type_ == t).unwrap();
+        (c.status.as_str(), c.reason.as_str())
+    }
+
+    #[test]
+    fn each_condition_gives_its_own_reason() {
+        let running = conditions(
+            &[],
+            Phase::Running,
+            "RingFormed",
+            "4 workers",
+            t(1),
+            Some(1),
+        );
+        assert_eq!(find(&running, "Ready"), ("True", "RingFormed"));
+        assert_eq!(find(&running, "Progressing"), ("True", "RingFormed"));
+        assert_eq!(find(&running, "Complete"), ("False", "NotCompleted"));
+        assert_eq!(find(&running, "Suspended"), ("False", "NotSuspended"));
+        assert_eq!(find(&running, "Failed"), ("False", "NotFailed"));
+        let failed = conditions(
+            &[],
+            Phase::Failed,
+            "DeadlineExceeded",
+            "late",
+            t(1),
+            Some(1),
+        );
+        assert_eq!(find(&failed, "Failed"), ("True", "DeadlineExceeded"));
+        assert_eq!(find(&failed, "Complete"), ("False", "JobFailed"));
+        assert_eq!(find(&failed, "Ready"), ("False", "DeadlineExceeded"));
+        let suspended = conditions(&[], Phase::Suspended, "Suspended", "s", t(1), None);
+        assert_eq!(find(&suspended, "Suspended"), ("True", "Suspended"));
+        let done = conditions(&[], Phase::Succeeded, "RingCompleted", "all", t(1), None);
+        assert_eq!(find(&done, "Complete"), ("True", "RingCompleted"));
+        assert_eq!(find(&done, "Failed"), ("False", "NotFailed"));
+    }
+}

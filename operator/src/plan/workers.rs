@@ -1,0 +1,139 @@
+//! Step 3 of the plan: the workers — one live pod per index below `replicas` (a missing one is
+//! created, avoiding dead nodes), the indices above it scaled away. Pure; it does not decide
+//! which workers are ring members (that is [`super::ring`]).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+
+use super::failures::Found;
+use super::{Deletion, EventNote, Observed, Plan, condition, pod_phase};
+use crate::api::DiphomaJob;
+use crate::build::{self, BuildError};
+
+/// The workers after this plan's creations and deletions.
+#[derive(Debug, Clone, Default)]
+pub struct Workers<'a> {
+    /// The live pod of each index below `replicas` (not lost, not being deleted, not finished).
+    pub live: BTreeMap<i32, &'a Pod>,
+    /// Workers on their way to the ring: live ones not yet ready and not waiting for the
+    /// scheduler, plus the ones this plan creates.
+    pub starting: usize,
+}
+
+/// Step 3: creates the missing workers and deletes those above `replicas`.
+///
+/// Errors: [`BuildError`] when a missing worker cannot be built from the template.
+pub fn workers<'a>(
+    job: &DiphomaJob,
+    obs: &'a Observed,
+    found: &Found,
+    plan: &mut Plan,
+) -> Result<Workers<'a>, BuildError> {
+    let name = job.name_any();
+    let desired = job.spec.replicas;
+    let deleting: std::collections::BTreeSet<String> =
+        plan.delete.iter().map(|d| d.pod.clone()).collect();
+    let mut live: BTreeMap<i32, &Pod> = BTreeMap::new();
+    let mut attempts: BTreeMap<i32, i32> = BTreeMap::new();
+    for p in &obs.pods {
+        let Some(i) = build::replica_index(p) else {
+            continue;
+        };
+        let a = attempts.entry(i).or_insert(-1);
+        *a = (*a).max(build::attempt_of(&name, &p.name_any()));
+        let gone = p.metadata.deletion_timestamp.is_some()
+            || found.failed_pods.contains(&p.name_any())
+            || deleting.contains(&p.name_any());
+        if !gone && pod_phase(p) != "Succeeded" {
+            if i >= desired {
+                plan.delete.push(Deletion {
+                    pod: p.name_any(),
+                    force: false,
+                    reason: "ScaledDown",
+                });
+            } else {
+                live.insert(i, p);
+            }
+        }
+    }
+    for i in 0..desired {
+        if !live.contains_key(&i) {
+            let attempt = attempts.get(&i).map_or(0, |a| a + 1);
+            let mut pod = build::worker_pod(job, i, attempt)?;
+            build::avoid_nodes(&mut pod, &found.dead_nodes);
+            plan.events.push(EventNote::normal(
+                "WorkerCreated",
+                format!("created worker {}", pod.name_any()),
+            ));
+            plan.create.push(pod);
+        }
+    }
+    let starting = live
+        .values()
+        .filter(|p| !ready_member(p) && unschedulable(p).is_none())
+        .count()
+        + plan.create.len();
+    Ok(Workers { live, starting })
+}
+
+/// Whether a pod is a healthy worker that can be a ring member now.
+pub fn ready_member(p: &Pod) -> bool {
+    pod_phase(p) == "Running"
+        && p.metadata.deletion_timestamp.is_none()
+        && p.status.as_ref().and_then(|s| s.pod_ip.as_ref()).is_some()
+        && condition(p, "Ready").is_some_and(|c| c.status == "True")
+}
+
+/// Whether a live pod is waiting for the scheduler (PodScheduled False), with its message.
+pub fn unschedulable(p: &Pod) -> Option<String> {
+    condition(p, "PodScheduled")
+        .filter(|c| c.status == "False")
+        .map(|c| c.message.clone().unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::build::tests::basic;
+    use serde_json::json;
+
+    #[test]
+    fn missing_indices_are_created_and_high_ones_scaled_down() {
+        let mut j = basic();
+        j.spec.replicas = 2;
+        let running = |i: i32| {
+            let mut p = build::worker_pod(&j, i, 0).unwrap();
+            p.status = Some(serde_json::from_value(json!({"phase": "Running"})).unwrap());
+            p
+        };
+        let obs = Observed {
+            pods: vec![running(0), running(2)],
+            ring: None,
+            nodes: Default::default(),
+            progress: None,
+            reports: vec![],
+            now: jiff::Timestamp::UNIX_EPOCH,
+        };
+        let dead = Found {
+            dead_nodes: ["n1".to_owned()].into(),
+            ..Found::default()
+        };
+        let mut plan = Plan::default();
+        let w = workers(&j, &obs, &dead, &mut plan).unwrap();
+        assert_eq!(w.live.keys().copied().collect::<Vec<_>>(), [0]);
+        assert_eq!(plan.create.len(), 1);
+        assert_eq!(plan.create[0].name_any(), "train-worker-1");
+        assert!(
+            plan.create[0].spec.as_ref().unwrap().affinity.is_some(),
+            "avoids n1"
+        );
+        assert_eq!(
+            (plan.delete[0].pod.as_str(), plan.delete[0].reason),
+            ("train-worker-2", "ScaledDown")
+        );
+        // Worker 0 runs but is not Ready: starting, as is the new worker 1.
+        assert_eq!(w.starting, 2);
+    }
+}
