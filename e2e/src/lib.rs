@@ -8,14 +8,20 @@
 //!   path resolution, IP and GPU allocation, the image table) are plain functions with unit tests;
 //!   [`kubelet::Kubelet`] is the I/O shell that watches pods and runs processes.
 //! - [`prometheus`]: a real Prometheus server (Debian's package) for the dashboard tests.
+//! - [`kit`]: the test kit shared by `tests/` and the benchmark: the one `DiphomaJob` manifest
+//!   builder, JSON deep merge, process lookup for pods (pid, state, start time, signals), free
+//!   loopback ports. No API calls and no waits.
 //! - `src/bin/diphoma-kubelet.rs`: the kubelet as a daemon with a control socket (`fail-node`).
 //! - `src/bin/diphoma-probe.rs`: a tiny program used as a pod image by the tests.
 //! - `tests/`: acceptance tests against the real control plane (custom harness: one control plane
-//!   per test binary, a temp namespace per test, torn down even when a test panics).
+//!   per test binary, a temp namespace per test, torn down even when a test panics);
+//!   `tests/common` holds their harness and the waits (polls with a deadline, or
+//!   `await_condition`) on the API server.
 
 #![warn(missing_docs)]
 
 pub mod cluster;
+pub mod kit;
 pub mod kubelet;
 pub mod prometheus;
 
@@ -86,6 +92,12 @@ pub enum Error {
         pod: String,
         /// What it asked for.
         what: String,
+    },
+    /// A pod whose first container has no process (yet): no `process://<pid>` containerID.
+    #[error("pod {pod}: no process (no process:// containerID yet)")]
+    NoProcess {
+        /// `namespace/name` of the pod.
+        pod: String,
     },
     /// A wait on the API server ended without the condition.
     #[error("wait: {0}")]

@@ -57,10 +57,7 @@ impl Prometheus {
         });
         let file = dir.join("prometheus.yml");
         std::fs::write(&file, config.to_string()).map_err(io(&file))?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map_err(io(dir))?
-            .port();
+        let port = crate::kit::free_addr().map_err(io(dir))?.port();
         let child = spawn(&Launch {
             program: bin.to_owned(),
             args: vec![

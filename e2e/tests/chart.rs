@@ -14,11 +14,12 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail, ensure};
 use common::*;
 use diphoma_contract::LABEL_JOB_NAME;
+use diphoma_e2e::kit::{JobManifest, alive, pid_of, signal};
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::prometheus::{Prometheus, prometheus_bin, write_targets};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, ResourceExt};
 
 const SELECT_RELEASE: &str = "app.kubernetes.io/instance=diphoma-operator";
 
@@ -133,17 +134,6 @@ async fn every_manifest_passes_a_server_side_dry_run(ctx: Arc<Ctx>, ns: String) 
     }
     ensure!(n >= 3, "expected at least 3 examples in {examples:?}");
     Ok(())
-}
-
-/// The operator pods of the release (non-terminating).
-async fn operator_pods(client: &Client) -> Result<Vec<Pod>> {
-    Ok(Api::<Pod>::namespaced(client.clone(), OPERATOR_NS)
-        .list(&ListParams::default().labels(SELECT_RELEASE))
-        .await?
-        .items
-        .into_iter()
-        .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .collect())
 }
 
 async fn the_operator_runs_as_a_pod_under_exactly_its_chart_rbac(
@@ -315,6 +305,16 @@ fn substitute(expr: &str, namespace: &str, job: &str) -> String {
         .replace("$__range", "10m")
 }
 
+/// When (Unix seconds) Prometheus last scraped `scrape_job`; `None` before its first scrape.
+fn last_scrape(prom: &Prometheus, scrape_job: &str) -> Result<Option<f64>> {
+    let now = jiff::Timestamp::now().as_second() as f64;
+    let expr = format!("max(timestamp(up{{job=\"{scrape_job}\"}}))");
+    let result = prom.query_range(&expr, now, now, 1.0)?;
+    Ok(result
+        .first()
+        .and_then(|s| s["values"][0][1].as_str()?.parse().ok()))
+}
+
 /// Whether a query_range answer has at least one finite sample.
 fn has_data(result: &[serde_json::Value]) -> bool {
     result.iter().any(|s| {
@@ -352,6 +352,8 @@ async fn a_job_run_by_the_chart_operator_feeds_every_dashboard_query(
                         let _ = write_targets(&prom_dir, scrape_job, &pods.items, LABEL_JOB_NAME);
                     }
                 }
+                // Deliberate: re-discover every second (as the scrape interval), for as long as
+                // the test runs.
                 tokio::time::sleep(std::time::Duration::from_secs(1)).await;
             }
         })
@@ -364,11 +366,13 @@ async fn a_job_run_by_the_chart_operator_feeds_every_dashboard_query(
 async fn train_and_query(ctx: &Ctx, ns: &str, prom: &Prometheus) -> Result<()> {
     let start = jiff::Timestamp::now().as_second() as f64;
     let job = "digits";
-    let yaml = format!(
-        "apiVersion: diphoma.io/v1alpha1\nkind: DiphomaJob\nmetadata: {{name: {job}, namespace: {ns}}}\nspec:\n  replicas: 3\n  gpusPerWorker: 1\n  faultTolerance: {{detectionSeconds: 5}}\n  template:\n    spec:\n      terminationGracePeriodSeconds: 5\n      containers:\n      - name: worker\n        image: diphoma-worker:dev\n        args: [train, --steps, \"2500\", --log-every, \"500\"]\n"
-    );
+    let yaml = JobManifest {
+        detection_seconds: Some(5),
+        extra: serde_json::json!({"metadata": {"namespace": ns}}),
+        ..JobManifest::training(job, 3, 2500, 500)
+    };
     let manifest = ctx.cp.dir.join(format!("{ns}-{job}.yaml"));
-    std::fs::write(&manifest, yaml)?;
+    std::fs::write(&manifest, yaml.to_string())?;
     run_ok(ctx.cp.kubectl().args(["apply", "-f"]).arg(&manifest))?;
     let field = |path: &str| -> Result<String> {
         run_ok(ctx.cp.kubectl().args([
@@ -409,8 +413,12 @@ async fn train_and_query(ctx: &Ctx, ns: &str, prom: &Prometheus) -> Result<()> {
         .parse()
         .context("status.progress.testAccuracy")?;
     ensure!(accuracy >= 0.9, "test accuracy {accuracy} in the status");
-    // A few more scrapes of the operator after the end.
-    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    // A few more scrapes of the operator after the end (one a second): 2 s of them.
+    let succeeded = jiff::Timestamp::now().as_second() as f64;
+    eventually(30, "the operator scraped after the job's end", async || {
+        Ok(last_scrape(prom, "diphoma-operator")?.is_some_and(|t| t >= succeeded + 2.0))
+    })
+    .await?;
     let end = jiff::Timestamp::now().as_second() as f64;
 
     let mut missing = vec![];

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
 use common::*;
+use diphoma_e2e::kit::{alive, pid_of, proc_state};
 use diphoma_e2e::kubelet::FailMode;
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::kubelet::status::is_ready;
@@ -174,7 +175,7 @@ async fn deployment_gets_pods_from_the_controller_manager_and_replicaset_deletio
         .iter()
         .filter_map(|p| p.metadata.uid.clone())
         .collect();
-    let pids: Vec<u32> = first.iter().map(pid_of).collect::<Result<_>>()?;
+    let pids: Vec<u32> = first.iter().map(pid_of).collect::<Result<_, _>>()?;
     ensure!(
         pids.iter().all(|&p| alive(p)),
         "pod processes are not running"
@@ -251,16 +252,7 @@ async fn pod_sees_env_downward_api_volumes_and_only_its_serviceaccount_permissio
         .iter()
         .map(|o| format!("{o}\n---\n"))
         .collect();
-    let mut child = ctx
-        .cp
-        .kubectl()
-        .args(["-n", &ns, "apply", "-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    std::io::Write::write_all(child.stdin.as_mut().unwrap(), yaml.as_bytes())?;
-    let out = child.wait_with_output()?;
+    let out = kubectl_apply(&ctx, &ns, &yaml)?;
     ensure!(
         out.status.success(),
         "kubectl apply: {}",
@@ -468,8 +460,11 @@ async fn readiness_and_liveness_probes_gate_ready_and_restart_the_container(
     })
     .await?;
     let pid = pid_of(&p)?;
-    // Serving, but /ready answers 503: a few probe periods later it is still not Ready.
-    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    // Serving, but /ready answers 503: after three such probes it is still not Ready.
+    eventually(30, "three readiness probes answered 503", async || {
+        Ok(log(&ctx, &p)?.matches("answered /ready 503").count() >= 3)
+    })
+    .await?;
     let p = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
         .get("probed")
         .await?;

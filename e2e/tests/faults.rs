@@ -9,10 +9,10 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use common::*;
+use diphoma_e2e::kit::{JobManifest, alive, pid_of, signal};
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_operator::api::{DiphomaJob, DiphomaJobStatus, Phase};
 use diphoma_worker::checkpoint::Checkpoint;
@@ -55,26 +55,14 @@ fn main() -> Result<()> {
 const DETECTION_SECONDS: u64 = 4;
 
 /// A digits training job `name` of `replicas` real workers (one GPU each) for `steps` steps,
-/// with `extra` deep-merged into the manifest.
-fn training_job(name: &str, replicas: i32, steps: u64, extra: Value) -> Value {
-    let mut job = json!({
-        "apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob",
-        "metadata": {"name": name},
-        "spec": {
-            "replicas": replicas,
-            "gpusPerWorker": 1,
-            "faultTolerance": {"detectionSeconds": DETECTION_SECONDS},
-            "template": {"spec": {
-                "terminationGracePeriodSeconds": 5,
-                "containers": [{
-                    "name": "worker",
-                    "image": "diphoma-worker:dev",
-                    "args": ["train", "--steps", steps.to_string(), "--log-every", "1", "--op-timeout-s", "1"],
-                }],
-            }},
-        },
-    });
-    merge(&mut job, extra);
+/// logging every step, with `extra` deep-merged into the manifest.
+fn training_job(name: &str, replicas: i32, steps: u64, extra: Value) -> JobManifest {
+    let mut job = JobManifest {
+        detection_seconds: Some(DETECTION_SECONDS),
+        extra,
+        ..JobManifest::training(name, replicas, steps, 1)
+    };
+    job.args.extend(["--op-timeout-s".into(), "1".into()]);
     job
 }
 
@@ -111,11 +99,8 @@ fn checkpoint_at(dir: &Path, step: u64) -> Result<Checkpoint> {
     Ok(Checkpoint::decode(&bytes)?)
 }
 
-async fn submit(ctx: &Ctx, ns: &str, job: &Value, replicas: usize) -> Result<u64> {
-    let name = job["metadata"]["name"].as_str().context("job name")?;
-    Ok(start_job(ctx, ns, &job.to_string(), name, replicas)
-        .await?
-        .generation)
+async fn submit(ctx: &Ctx, ns: &str, job: &JobManifest, replicas: usize) -> Result<u64> {
+    Ok(start_job(ctx, ns, job, replicas).await?.generation)
 }
 
 fn jobs(ctx: &Ctx, ns: &str) -> Api<DiphomaJob> {
@@ -200,21 +185,6 @@ fn condition_reason<'a>(st: &'a DiphomaJobStatus, type_: &str) -> Option<&'a str
 fn log_of(ctx: &Ctx, pod: &Pod) -> Result<String> {
     let path = ctx.kubelet.log_file(pod, "worker");
     std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
-}
-
-/// The test accuracy a worker printed at the end, and how many times it printed one.
-fn accuracy(log: &str) -> (Option<f64>, usize) {
-    let lines: Vec<f64> = log
-        .lines()
-        .filter_map(|l| {
-            l.strip_prefix("test accuracy ")?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
-        })
-        .collect();
-    (lines.last().copied(), lines.len())
 }
 
 /// The last step rank 0 logged (`step N generation G loss L`, one line per step).
@@ -438,23 +408,14 @@ async fn deleted_and_evicted_pods_are_counted_with_their_cause(
 ) -> Result<()> {
     let g1 = submit(&ctx, &ns, &training_job("digits", 4, 2000, json!({})), 4).await?;
     progress_until(&ctx, &ns, "digits", "training", |p| p.step > 0).await?;
-    let out = ctx
-        .cp
-        .kubectl()
-        .args([
-            "-n",
-            &ns,
-            "delete",
-            "pod",
-            "digits-worker-1",
-            "--wait=false",
-        ])
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "kubectl delete: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run_ok(ctx.cp.kubectl().args([
+        "-n",
+        &ns,
+        "delete",
+        "pod",
+        "digits-worker-1",
+        "--wait=false",
+    ]))?;
     let g2 = running_ring(&ctx, &ns, "digits", 4, g1).await?;
     ensure!(
         g2.members.iter().any(|m| m.pod == "digits-worker-1-1"),
@@ -557,16 +518,11 @@ async fn an_unschedulable_scale_up_keeps_training_and_names_the_short_resource(
     }});
     let g1 = submit(&ctx, &ns, &training_job("digits", 2, 1500, extra), 2).await?;
     progress_until(&ctx, &ns, "digits", "training", |p| p.step > 0).await?;
-    let out = ctx
-        .cp
-        .kubectl()
-        .args(["-n", &ns, "scale", "dpj", "digits", "--replicas=4"])
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "kubectl scale: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run_ok(
+        ctx.cp
+            .kubectl()
+            .args(["-n", &ns, "scale", "dpj", "digits", "--replicas=4"]),
+    )?;
     let mut st = None;
     eventually(
         60,
@@ -607,11 +563,13 @@ async fn an_unschedulable_scale_up_keeps_training_and_names_the_short_resource(
 }
 
 /// Workers that fail before training: the data file does not exist (exit code 1).
-fn failing_job(extra: Value) -> Value {
-    let mut job = training_job("digits", 1, 100, extra);
-    job["spec"]["template"]["spec"]["containers"][0]["args"] =
-        json!(["train", "--data", "/nonexistent/digits.csv.gz"]);
-    job
+fn failing_job(extra: Value) -> JobManifest {
+    JobManifest {
+        args: ["train", "--data", "/nonexistent/digits.csv.gz"]
+            .map(String::from)
+            .to_vec(),
+        ..training_job("digits", 1, 100, extra)
+    }
 }
 
 async fn a_non_retryable_exit_fails_the_job(ctx: Arc<Ctx>, ns: String) -> Result<()> {
@@ -671,26 +629,8 @@ async fn a_crash_loop_spends_the_backoff_limit_and_stays_failed(
     let attempts = |list: Vec<Pod>| -> Vec<String> { list.iter().map(|p| p.name_any()).collect() };
     let before = attempts(worker_pods(&ctx, &ns, "digits").await?);
     ensure!(before == ["digits-worker-0-2"], "{before:?}");
-    // Stays Failed: a later reconcile (any change to the job triggers one) changes nothing.
-    patch_spec(
-        &ctx,
-        &ns,
-        "digits",
-        json!({"runPolicy": {"backoffLimit": 2}}),
-    )
-    .await?;
-    jobs(&ctx, &ns)
-        .patch(
-            "digits",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"annotations": {"touched": "1"}}})),
-        )
-        .await?;
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let again = job_status(&ctx.client, &ns, "digits")
-        .await?
-        .status
-        .unwrap();
+    // Stays Failed: a later reconcile changes nothing.
+    let again = reconciled(&ctx.client, &ns, "digits").await?;
     ensure!(
         again.phase == Some(Phase::Failed)
             && again.failures == st.failures
@@ -821,7 +761,7 @@ async fn a_job_that_loses_every_worker_resumes_from_its_newest_checkpoint(
     .await?;
     let ring1 = ring(&ctx.client, &ns, "digits").await?.context("no ring")?;
     let old = worker_pods(&ctx, &ns, "digits").await?;
-    let pids = old.iter().map(pid_of).collect::<Result<Vec<_>>>()?;
+    let pids = old.iter().map(pid_of).collect::<Result<Vec<_>, _>>()?;
     for pid in &pids {
         signal(*pid, libc::SIGKILL);
     }
@@ -925,10 +865,7 @@ async fn the_operator_pod_killed_mid_job_restarts_without_duplicates(
 
 /// The chart-installed operator's one pod.
 async fn operator_pod(ctx: &Ctx) -> Result<Pod> {
-    let list = Api::<Pod>::namespaced(ctx.client.clone(), OPERATOR_NS)
-        .list(&ListParams::default().labels(&format!("app.kubernetes.io/instance={RELEASE}")))
-        .await?
-        .items;
+    let list = operator_pods(&ctx.client).await?;
     ensure!(list.len() == 1, "{} operator pods", list.len());
     Ok(list.into_iter().next().unwrap())
 }

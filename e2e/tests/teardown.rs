@@ -9,6 +9,7 @@ use std::sync::Mutex;
 use anyhow::{Context, Result, ensure};
 use common::*;
 use diphoma_e2e::cluster::{ControlPlane, TempNamespace};
+use diphoma_e2e::kit::{alive, pid_of};
 use diphoma_e2e::kubelet::node::NodeConfig;
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::json;

@@ -3,7 +3,8 @@
 //! `--env` prints `env NAME=VALUE` for every variable; `--read FILE` prints `read FILE <content>`;
 //! `--get PATH` calls the API server (with `$KUBECONFIG`) and prints `get PATH <http status>`;
 //! `--serve ADDR` answers HTTP probes while it sleeps (`GET /ready`: 200 while the
-//! `--ready-file` exists, else 503; `GET /healthz`: 500 while the `--sick-file` exists, else 200);
+//! `--ready-file` exists, else 503; `GET /healthz`: 500 while the `--sick-file` exists, else 200;
+//! each answer printed as `answered PATH <status>`);
 //! `--sleep SECS` sleeps (SIGTERM ends it with exit 0); `--exit CODE` exits with CODE.
 
 use std::path::PathBuf;
@@ -75,23 +76,28 @@ async fn main() {
     std::process::exit(cli.exit);
 }
 
-/// `/ready` and `/healthz`, each decided by whether its file exists now.
+/// `/ready` and `/healthz`, each decided by whether its file exists now; each answer is printed
+/// as `answered PATH <status>` (so a test can wait for probes that happened).
 fn probes(ready: Option<PathBuf>, sick: Option<PathBuf>) -> axum::Router {
     use axum::http::StatusCode;
     let exists = |f: &Option<PathBuf>| f.as_ref().is_some_and(|f| f.exists());
+    let answered = |path: &str, status: StatusCode| {
+        println!("answered {path} {}", status.as_u16());
+        status
+    };
     axum::Router::new()
         .route(
             "/ready",
             axum::routing::get(async move || match exists(&ready) {
-                true => StatusCode::OK,
-                false => StatusCode::SERVICE_UNAVAILABLE,
+                true => answered("/ready", StatusCode::OK),
+                false => answered("/ready", StatusCode::SERVICE_UNAVAILABLE),
             }),
         )
         .route(
             "/healthz",
             axum::routing::get(async move || match exists(&sick) {
-                true => StatusCode::INTERNAL_SERVER_ERROR,
-                false => StatusCode::OK,
+                true => answered("/healthz", StatusCode::INTERNAL_SERVER_ERROR),
+                false => answered("/healthz", StatusCode::OK),
             }),
         )
 }

@@ -21,13 +21,14 @@ use std::time::{Duration, Instant, SystemTime};
 use clap::Parser;
 use diphoma_contract::{self as contract, Membership};
 use diphoma_e2e::cluster::{ControlPlane, TempNamespace, http_get};
+use diphoma_e2e::kit::{JobManifest, free_addr, pid_of, process_start, signal};
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::kubelet::{FailMode, Kubelet, KubeletConfig};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{DynamicObject, Patch, PatchParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Api, Client};
-use serde_json::{Value, json};
+use serde_json::json;
 
 type AnyErr = Box<dyn std::error::Error + Send + Sync>;
 
@@ -107,10 +108,6 @@ fn main() -> Result<(), AnyErr> {
     Ok(())
 }
 
-fn free_addr() -> std::io::Result<SocketAddr> {
-    std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()
-}
-
 /// Samples of each measured quantity.
 #[derive(Default)]
 struct Rows {
@@ -122,34 +119,28 @@ struct Rows {
     repeated_node: Vec<f64>,
 }
 
-fn job_manifest(detection: u64) -> Value {
-    json!({
-        "apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob",
-        "metadata": {"name": JOB},
-        "spec": {
-            "replicas": WORKERS,
+fn job_manifest(detection: u64) -> JobManifest {
+    let mut job = JobManifest {
+        detection_seconds: Some(detection),
+        grace_seconds: 2,
+        extra: json!({"spec": {
             "elastic": {"minReplicas": 2, "maxReplicas": WORKERS},
-            "gpusPerWorker": 1,
             "runPolicy": {"backoffLimit": 1000},
-            "faultTolerance": {"detectionSeconds": detection},
-            "template": {"spec": {
-                "terminationGracePeriodSeconds": 2,
-                "containers": [{
-                    "name": "worker",
-                    "image": "diphoma-worker:dev",
-                    "args": ["train", "--steps", "100000000", "--log-every", "1",
-                             "--op-timeout-s", format!("{}", (detection as f64 / 4.0).max(0.5))],
-                }],
-            }},
-        },
-    })
+        }}),
+        ..JobManifest::training(JOB, WORKERS as i32, 100_000_000, 1)
+    };
+    let op_timeout = (detection as f64 / 4.0).max(0.5);
+    job.args
+        .extend(["--op-timeout-s".into(), format!("{op_timeout}")]);
+    job
 }
 
 async fn bench(client: &Client, kubelet: &Kubelet, ns: &str, args: &Args) -> Result<Rows, AnyErr> {
     let gvk = GroupVersionKind::gvk("diphoma.io", "v1alpha1", "DiphomaJob");
     let jobs: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk(&gvk));
-    let manifest: DynamicObject = serde_json::from_value(job_manifest(args.detection_seconds))?;
+    let manifest: DynamicObject =
+        serde_json::from_value(job_manifest(args.detection_seconds).build())?;
     jobs.patch(
         JOB,
         &PatchParams::apply("diphoma-repair-bench"),
@@ -170,9 +161,7 @@ async fn bench(client: &Client, kubelet: &Kubelet, ns: &str, args: &Args) -> Res
             let t0 = Instant::now();
             match fault {
                 "kill" => {
-                    let pid = pid_of(&victim_pod).ok_or("victim has no pid")?;
-                    // SAFETY: kill(2) on a process this benchmark's kubelet started.
-                    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                    signal(pid_of(&victim_pod)?, libc::SIGKILL);
                 }
                 _ => {
                     let node = victim_pod
@@ -287,6 +276,7 @@ async fn steady_ring(
         if ring.members.len() == WORKERS && phase == "Running" {
             let m = member_metrics(pods, &ring.members[0]).await?;
             let first = scrape(m).await.unwrap_or((0, 0));
+            // Deliberate: let rank 0 train a little, to see its step move.
             tokio::time::sleep(Duration::from_millis(300)).await;
             let second = scrape(m).await.unwrap_or((0, 0));
             if first.0 == ring.generation && second.1 > first.1 {
@@ -328,18 +318,6 @@ async fn scrape(addr: SocketAddr) -> Result<(u64, u64), AnyErr> {
     ))
 }
 
-fn pid_of(p: &Pod) -> Option<u32> {
-    let id = p
-        .status
-        .as_ref()?
-        .container_statuses
-        .as_ref()?
-        .first()?
-        .container_id
-        .clone()?;
-    id.trim_start_matches("process://").parse().ok()
-}
-
 /// Steps rank 0 committed (logged) at generation `old` or before and committed again at a newer
 /// generation: `last old step - first new step + 1`, at least 0.
 fn repeated_steps(log: &Path, old: u64) -> Result<u64, AnyErr> {
@@ -368,26 +346,6 @@ fn repeated_steps(log: &Path, old: u64) -> Result<u64, AnyErr> {
     }
 }
 
-/// Start time of a process as wall-clock time (from `/proc/<pid>/stat`, clock ticks since boot).
-fn process_start(pid: u32) -> Result<SystemTime, AnyErr> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let ticks: u64 = stat
-        .rsplit(')')
-        .next()
-        .and_then(|r| r.split_whitespace().nth(19))
-        .ok_or("bad /proc stat")?
-        .parse()?;
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let uptime: f64 = std::fs::read_to_string("/proc/uptime")?
-        .split_whitespace()
-        .next()
-        .ok_or("bad /proc/uptime")?
-        .parse()?;
-    let boot = SystemTime::now() - Duration::from_secs_f64(uptime);
-    Ok(boot + Duration::from_secs_f64(ticks as f64 / hz))
-}
-
 /// Waits for the replacement of the lost member (a pod not in `old`) to commit a step; returns
 /// the seconds from its process start.
 async fn join_time(pods: &Api<Pod>, old: &[String]) -> Result<f64, AnyErr> {
@@ -402,9 +360,9 @@ async fn join_time(pods: &Api<Pod>, old: &[String]) -> Result<f64, AnyErr> {
                     if old.contains(&name) || p.metadata.deletion_timestamp.is_some() {
                         continue;
                     }
-                    if let (Some(pid), Some(ip)) =
+                    if let (Ok(pid), Some(ip)) =
                         (pid_of(&p), p.status.as_ref().and_then(|s| s.pod_ip.clone()))
-                        && let Ok(start) = process_start(pid)
+                        && let Some(start) = process_start(pid)
                     {
                         joiner = Some((SocketAddr::new(ip.parse()?, METRICS_PORT), start));
                     }

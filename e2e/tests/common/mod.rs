@@ -1,5 +1,6 @@
-//! Shared by the e2e test binaries: one control plane and one process kubelet per binary,
-//! pod builders and waits.
+//! Shared by the e2e test binaries: one control plane and one process kubelet per binary, pod
+//! builders, and the waits on the API server (polls with a deadline, or `await_condition`). The
+//! job manifests, process lookup and free ports are in `diphoma_e2e::kit`.
 #![allow(dead_code, missing_docs)]
 
 use std::future::Future;
@@ -11,9 +12,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail, ensure};
 use diphoma_contract::{MEMBERSHIP_KEY, Membership};
 use diphoma_e2e::cluster::{ControlPlane, TempNamespace};
+use diphoma_e2e::kit::{JobManifest, merge};
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::kubelet::{Kubelet, KubeletConfig};
-use diphoma_operator::api::{DiphomaJob, Phase};
+use diphoma_operator::api::{DiphomaJob, DiphomaJobStatus, Phase};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{ListParams, PostParams};
 use kube::runtime::wait::await_condition;
@@ -56,25 +58,6 @@ pub fn probe_pod(name: &str, args: &[&str], extra: serde_json::Value) -> Pod {
     });
     merge(&mut pod, extra);
     serde_json::from_value(pod).expect("valid pod")
-}
-
-/// JSON deep merge; arrays of objects merge element-wise (so `containers[0]` can be extended).
-pub fn merge(a: &mut serde_json::Value, b: serde_json::Value) {
-    use serde_json::Value::{Array, Object};
-    match (a, b) {
-        (Object(a), Object(b)) => b
-            .into_iter()
-            .for_each(|(k, v)| merge(a.entry(k).or_insert(serde_json::Value::Null), v)),
-        (Array(a), Array(b)) => {
-            for (i, v) in b.into_iter().enumerate() {
-                match a.get_mut(i) {
-                    Some(x) => merge(x, v),
-                    None => a.push(v),
-                }
-            }
-        }
-        (a, b) => *a = b,
-    }
 }
 
 pub async fn create(client: &Client, ns: &str, pod: &Pod) -> Result<Pod> {
@@ -129,31 +112,6 @@ pub fn first_container(p: &Pod) -> Option<&k8s_openapi::api::core::v1::Container
 pub fn terminated(p: &Pod) -> Option<(i32, String)> {
     let t = first_container(p)?.state.as_ref()?.terminated.as_ref()?;
     Some((t.exit_code, t.reason.clone().unwrap_or_default()))
-}
-
-/// The pid of the first container from `containerID: process://<pid>`.
-pub fn pid_of(p: &Pod) -> Result<u32> {
-    let id = first_container(p)
-        .and_then(|c| c.container_id.clone())
-        .context("no containerID")?;
-    Ok(id.trim_start_matches("process://").parse()?)
-}
-
-/// The state letter of a process (`R`, `S`, `T`, `Z`, …) or `None` when it no longer exists.
-pub fn proc_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit(')').next()?.trim_start().chars().next()
-}
-
-/// Sends `sig` to a pod process (one this test's kubelet started, by its recorded pid).
-pub fn signal(pid: u32, sig: libc::c_int) {
-    // SAFETY: kill(2) has no memory-safety preconditions.
-    unsafe { libc::kill(pid as i32, sig) };
-}
-
-/// Whether a process exists and is not a zombie.
-pub fn alive(pid: u32) -> bool {
-    proc_state(pid).is_some_and(|s| s != 'Z')
 }
 
 /// Polls `f` every 200 ms for up to `secs` seconds.
@@ -397,21 +355,92 @@ pub fn kubectl_apply(ctx: &Ctx, ns: &str, yaml: &str) -> Result<std::process::Ou
     Ok(child.wait_with_output()?)
 }
 
-/// Applies a job manifest and waits for its first ring of `size` workers.
-pub async fn start_job(
-    ctx: &Ctx,
-    ns: &str,
-    yaml: &str,
-    name: &str,
-    size: usize,
-) -> Result<Membership> {
-    let out = kubectl_apply(ctx, ns, yaml)?;
+/// Applies `job` and waits for its first ring of `size` workers.
+pub async fn start_job(ctx: &Ctx, ns: &str, job: &JobManifest, size: usize) -> Result<Membership> {
+    let out = kubectl_apply(ctx, ns, &job.to_string())?;
     ensure!(
         out.status.success(),
         "apply: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    running_ring(ctx, ns, name, size, 0).await
+    running_ring(ctx, ns, &job.name, size, 0).await
+}
+
+/// Changes the job's spec without changing what it does (an annotation of the pod template,
+/// which only pods created later carry), so that its `metadata.generation` moves; returns the
+/// new generation. Only a reconcile can then make `status.observedGeneration` follow.
+pub async fn touch_spec(client: &Client, ns: &str, job: &str) -> Result<i64> {
+    let nonce = jiff::Timestamp::now().as_nanosecond().to_string();
+    let patch = serde_json::json!({"spec": {"template": {"metadata": {"annotations": {
+        "e2e.diphoma.io/touched": nonce
+    }}}}});
+    let j = Api::<DiphomaJob>::namespaced(client.clone(), ns)
+        .patch(
+            job,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await?;
+    j.metadata.generation.context("no metadata.generation")
+}
+
+/// Waits until a reconcile has written the status of spec generation `generation` or a later
+/// one; returns that status.
+pub async fn observed(
+    client: &Client,
+    ns: &str,
+    job: &str,
+    generation: i64,
+) -> Result<DiphomaJobStatus> {
+    let mut st = None;
+    eventually(
+        60,
+        &format!("{job}: status.observedGeneration {generation} (a reconcile)"),
+        async || {
+            st = job_status(client, ns, job).await?.status;
+            Ok(st
+                .as_ref()
+                .and_then(|s| s.observed_generation)
+                .is_some_and(|g| g >= generation))
+        },
+    )
+    .await
+    .with_context(|| format!("last status: {st:?}"))?;
+    Ok(st.unwrap())
+}
+
+/// Makes the operator reconcile `job` once more and waits until it has ([`touch_spec`], then
+/// [`observed`]); returns the status that reconcile wrote.
+pub async fn reconciled(client: &Client, ns: &str, job: &str) -> Result<DiphomaJobStatus> {
+    let generation = touch_spec(client, ns, job).await?;
+    observed(client, ns, job, generation).await
+}
+
+/// The operator pods of the chart's release (not terminating).
+pub async fn operator_pods(client: &Client) -> Result<Vec<Pod>> {
+    Ok(Api::<Pod>::namespaced(client.clone(), OPERATOR_NS)
+        .list(&ListParams::default().labels(&format!("app.kubernetes.io/instance={RELEASE}")))
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect())
+}
+
+/// The test accuracy a worker printed at the end (`test accuracy A …`), and how many times it
+/// printed one.
+pub fn accuracy(log: &str) -> (Option<f64>, usize) {
+    let lines: Vec<f64> = log
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("test accuracy ")?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    (lines.last().copied(), lines.len())
 }
 
 /// The published ring of `job`, if any.
