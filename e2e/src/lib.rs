@@ -2,6 +2,8 @@
 //! kubelet* that plays GPU nodes by running each pod's containers as local processes.
 //!
 //! # Layout
+//! The library imports the contract (`diphoma-contract`) and nothing else of ours; the tests
+//! also use the operator (in-process mode) and the worker (its `Checkpoint` format).
 //! - [`cluster`]: start/stop the control plane through the scripts in `e2e/cluster/` (also used by
 //!   `make cluster-up`), temp namespaces for tests.
 //! - [`kubelet`]: the process kubelet. Its pure parts (node and lease objects, pod status, env and

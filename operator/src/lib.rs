@@ -17,7 +17,8 @@
 //!   imports `controller`.
 //!
 //! The operator/worker contract (env names, labels, membership format, key file) is imported
-//! from `diphoma_contract`, never restated here.
+//! from `diphoma_contract`, never restated here. The operator must not import `diphoma-ring` or
+//! `diphoma-worker` (nor, through them, candle): the contract is all it shares with the workers.
 
 pub mod api;
 pub mod build;

@@ -34,7 +34,7 @@ pub const NONCE_LEN: usize = 32;
 /// HMAC-SHA256 tag length in bytes.
 pub const MAC_LEN: usize = 32;
 
-/// What was wrong with a frame or a handshake message .
+/// What was wrong with a frame or a handshake message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProtocolError {
     /// The first bytes are not the frame magic: not a Diphoma peer, or garbage.

@@ -123,11 +123,15 @@ impl WorkerEnv {
     /// Reads and validates the key file.
     ///
     /// # Errors
-    /// A message naming the file and [`ENV_KEY_FILE`].
-    pub fn read_key(&self) -> Result<Vec<u8>, String> {
-        let what = format!("key file {} ({ENV_KEY_FILE})", self.key_file.display());
-        let bytes = std::fs::read(&self.key_file).map_err(|e| format!("{what}: {e}"))?;
-        contract::parse_key(bytes).map_err(|e| format!("{what}: {e}"))
+    /// [`KubeError::KeyRead`] or [`KubeError::KeyInvalid`], naming the file.
+    pub fn read_key(&self) -> Result<Vec<u8>, KubeError> {
+        let path = self.key_file.clone();
+        match std::fs::read(&path) {
+            Err(source) => Err(KubeError::KeyRead { path, source }),
+            Ok(bytes) => {
+                contract::parse_key(bytes).map_err(|source| KubeError::KeyInvalid { path, source })
+            }
+        }
     }
 }
 
@@ -186,9 +190,30 @@ impl std::fmt::Debug for KubeRing {
 /// Why the Kubernetes side could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum KubeError {
-    /// No client configuration (kubeconfig / in-cluster) or runtime.
-    #[error("kubernetes client: {0}")]
-    Client(String),
+    /// The private tokio runtime or its SIGTERM handler could not be set up.
+    #[error("the follower's runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// No client configuration (kubeconfig / in-cluster).
+    #[error("kubernetes client (in-cluster or $KUBECONFIG): {0}")]
+    Client(#[source] kube::Error),
+    /// The key file ([`ENV_KEY_FILE`]) could not be read.
+    #[error("key file {} ({ENV_KEY_FILE}): {source}", path.display())]
+    KeyRead {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The key file ([`ENV_KEY_FILE`]) does not hold a valid key.
+    #[error("key file {} ({ENV_KEY_FILE}): {source}", path.display())]
+    KeyInvalid {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        #[source]
+        source: contract::ContractError,
+    },
     /// A port (the ring's, or the worker's metrics port) could not be bound.
     #[error("binding {addr}: {source}")]
     Bind {
@@ -205,19 +230,19 @@ impl KubeRing {
     /// ring ConfigMap, on a private tokio runtime (see [`KubeRing::handle`]).
     ///
     /// # Errors
-    /// [`KubeError::Client`] when no client or runtime can be built.
+    /// [`KubeError::Runtime`] or [`KubeError::Client`] when no runtime or client can be built.
     pub fn start(env: WorkerEnv, key: Vec<u8>) -> Result<KubeRing, KubeError> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
             .build()
-            .map_err(|e| KubeError::Client(e.to_string()))?;
+            .map_err(KubeError::Runtime)?;
         // SIGTERM first: from here on it means "leave the ring and exit 0".
         let terminating = Arc::new(AtomicBool::new(false));
         let term = terminating.clone();
         rt.block_on(async {
             let mut sig = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                .map_err(|e| KubeError::Client(format!("SIGTERM handler: {e}")))?;
+                .map_err(KubeError::Runtime)?;
             tokio::spawn(async move {
                 sig.recv().await;
                 tracing::info!("SIGTERM: leaving the ring after the current step");
@@ -227,7 +252,7 @@ impl KubeRing {
         })?;
         let client = rt
             .block_on(kube::Client::try_default())
-            .map_err(|e| KubeError::Client(e.to_string()))?;
+            .map_err(KubeError::Client)?;
         let ring: Api<ConfigMap> = Api::namespaced(client.clone(), &env.namespace);
         let heartbeat = Api::namespaced(client, &env.namespace);
         let (tx, rx) = mpsc::channel();

@@ -21,7 +21,7 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "diphoma-worker",
     version,
-    about = "Diphoma's worker: ring allreduce runtime and tools"
+    about = "Diphoma's worker: the trainer on the ring-allreduce runtime, and its benchmark"
 )]
 struct Cli {
     #[command(subcommand)]

@@ -86,6 +86,15 @@ pub enum TrainError {
     /// The configuration is unusable.
     #[error("invalid training configuration: {0}")]
     Config(String),
+    /// The checkpoint directory could not be read.
+    #[error("checkpoint dir {}: {source}", dir.display())]
+    CheckpointDir {
+        /// The directory.
+        dir: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: crate::checkpoint::CheckpointError,
+    },
 }
 
 /// What one rank ends with.
@@ -386,7 +395,10 @@ pub fn train_rank(
             }
             Ok(())
         })
-        .map_err(|e| TrainError::Config(format!("checkpoint dir {}: {e}", dir.display())))?;
+        .map_err(|source| TrainError::CheckpointDir {
+            dir: dir.to_path_buf(),
+            source,
+        })?;
         if let Some((path, c)) = resumed {
             tracing::info!("resuming from {} at step {}", path.display(), c.step);
             let s = State {
