@@ -59,16 +59,39 @@ pub enum DataError {
 /// [`DataError::Io`] when the file is missing, unreadable or not gzip; [`DataError::Malformed`]
 /// naming the line when a row is wrong or the file holds no sample.
 pub fn load_digits(path: &Path) -> Result<Dataset, DataError> {
-    use std::io::Read;
     let io = |source| DataError::Io {
         path: path.to_path_buf(),
         source,
     };
     let f = std::fs::File::open(path).map_err(io)?;
+    decode_digits(f, path)
+}
+
+/// The digits set shipped in the repository (`data/digits.csv.gz`, 57 KB), compiled into the
+/// binary so that a worker image needs no data file and no path refers to the build machine.
+pub const EMBEDDED_DIGITS: &[u8] = include_bytes!("../../data/digits.csv.gz");
+
+/// Name of [`EMBEDDED_DIGITS`] in errors and logs.
+pub const EMBEDDED_DIGITS_NAME: &str = "<embedded data/digits.csv.gz>";
+
+/// [`load_digits`] of [`EMBEDDED_DIGITS`]: the 1,797 samples of the scikit-learn digits set.
+///
+/// # Errors
+/// As [`load_digits`] (only if the embedded file were corrupt).
+pub fn embedded_digits() -> Result<Dataset, DataError> {
+    decode_digits(EMBEDDED_DIGITS, Path::new(EMBEDDED_DIGITS_NAME))
+}
+
+/// Gunzips `gz` and parses it; `path` only names the source in errors.
+fn decode_digits(gz: impl std::io::Read, path: &Path) -> Result<Dataset, DataError> {
+    use std::io::Read;
     let mut text = String::new();
-    flate2::read::GzDecoder::new(f)
+    flate2::read::GzDecoder::new(gz)
         .read_to_string(&mut text)
-        .map_err(io)?;
+        .map_err(|source| DataError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
     parse_digits_csv(&text, path)
 }
 
@@ -266,6 +289,17 @@ pub fn shard(len: usize, world: usize, rank: usize) -> Range<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_embedded_digits_are_the_shipped_file() {
+        let file =
+            load_digits(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/digits.csv.gz"))
+                .unwrap();
+        let embedded = embedded_digits().unwrap();
+        assert_eq!(embedded.len(), 1797);
+        assert_eq!(embedded.x, file.x);
+        assert_eq!(embedded.y, file.y);
+    }
 
     #[test]
     fn shards_tile_the_batch() {

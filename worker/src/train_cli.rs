@@ -68,9 +68,10 @@ pub(crate) struct TrainArgs {
     /// Hidden units of the digits MLP.
     #[arg(long, default_value_t = 64)]
     hidden: usize,
-    /// The digits CSV (gzip).
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/digits.csv.gz"))]
-    data: std::path::PathBuf,
+    /// A digits CSV (gzip: 64 pixel columns in 0..=16, then the label); default: the digits set
+    /// compiled into the binary.
+    #[arg(long)]
+    data: Option<std::path::PathBuf>,
     /// Print the loss every this many steps (0: never).
     #[arg(long, default_value_t = 50)]
     log_every: u64,
@@ -105,7 +106,11 @@ pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
     let (widths, (train_set, test_set)) = match a.model {
         ModelArg::Digits => (
             model::digits_widths(a.hidden),
-            data::load_digits(&a.data)?.split(),
+            match &a.data {
+                Some(path) => data::load_digits(path)?,
+                None => data::embedded_digits()?,
+            }
+            .split(),
         ),
         ModelArg::Synthetic => {
             if a.layers == 0 || a.params == 0 {
