@@ -23,7 +23,7 @@
 //! | [`auth`] | the HMAC-SHA256 challenge-response on one stream, refusal counters | open sockets, see data |
 //! | [`comm`] | the [`Communicator`] and its collectives (`comm/mod.rs`), the non-blocking transport (`comm/transport.rs`), joining a generation (`comm/join.rs`) | choose schedules by itself beyond size thresholds |
 //! | [`error`] | [`CommError`], the error of every communicator call | do I/O |
-//! | [`source`] | the [`source::RingSource`] a training loop follows, the standalone [`source::FixedRing`] | train |
+//! | [`source`] | the [`source::RingSource`] a training loop follows, the standalone [`source::FixedRing`] and [`source::standalone_config`] (a launcher's env) | train |
 //! | [`k8s`] | the membership follower: contract env, the ring ConfigMap as a [`source::RingSource`], heartbeat writes | train, record metrics |
 //!
 //! This crate must not import candle, safetensors or anything of training, nor the operator:
