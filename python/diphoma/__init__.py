@@ -12,4 +12,7 @@ failed; the ring is unusable afterwards).
 
 from diphoma._native import ConfigError, Ring, RingError
 
+for _e in (ConfigError, RingError):
+    _e.__module__ = __name__  # shown as diphoma.ConfigError in tracebacks
+
 __all__ = ["ConfigError", "Ring", "RingError"]

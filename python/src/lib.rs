@@ -160,14 +160,22 @@ impl Ring {
 impl Ring {
     /// Joins generation 1 of a standalone ring described by the launcher's environment
     /// (`DIPHOMA_RANK`, `DIPHOMA_WORLD_SIZE`, `DIPHOMA_RING_ADDRESSES`, `DIPHOMA_JOB_UID`,
-    /// `DIPHOMA_KEY_FILE`): binds this rank's address and connects to every peer (30 s bound).
+    /// `DIPHOMA_KEY_FILE`): binds this rank's address and connects to every peer.
+    /// `timeout` (seconds, > 0) bounds the join and every later collective; default 30.
     ///
     /// Raises `ConfigError` naming a missing or malformed variable, `RingError` when the ring
     /// does not form.
     #[staticmethod]
-    fn from_env(py: Python<'_>) -> PyResult<Ring> {
-        let cfg = standalone_config(|n| std::env::var(n).ok())
+    #[pyo3(signature = (timeout = None))]
+    fn from_env(py: Python<'_>, timeout: Option<f64>) -> PyResult<Ring> {
+        let mut cfg = standalone_config(|n| std::env::var(n).ok())
             .map_err(|e| ConfigError::new_err(e.to_string()))?;
+        if let Some(t) = timeout {
+            cfg.timeout = std::time::Duration::try_from_secs_f64(t)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| ConfigError::new_err(format!("timeout {t} s is not positive")))?;
+        }
         let comm = py
             .detach(|| Communicator::bind_and_connect(cfg))
             .map_err(ring_err)?;

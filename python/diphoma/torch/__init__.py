@@ -172,7 +172,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
 
         return self._submit(job, output_tensors)
 
-    def _allgather_base(self, output, input, opts=None):
+    def all_gather_single(self, output, input, opts=None):
         _check(output)
         _check(input)
         if output.numel() != input.numel() * self.size() or output.dtype != input.dtype:
@@ -205,7 +205,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
 
         return self._submit(job, output_tensors)
 
-    def _reduce_scatter_base(self, output, input, opts=None):
+    def reduce_scatter_single(self, output, input, opts=None):
         op = _op_name(_reduce_opts(opts))
         _check(output)
         _check(input)
@@ -229,6 +229,11 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             self.ring.reduce_scatter(flat.data_ptr(), flat.numel(), _DTYPES[flat.dtype], op)
         out.copy_(mine.view(out.shape))
 
+    # Older torch releases call the tensor forms of all_gather_into_tensor and
+    # reduce_scatter_tensor by these names.
+    _allgather_base = all_gather_single
+    _reduce_scatter_base = reduce_scatter_single
+
     def barrier(self, opts=None):
         return self._submit(self.ring.barrier, [])
 
@@ -241,8 +246,9 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
 
 def _create(store, rank, size, timeout):
     """The backend's constructor (``Backend.register_backend``): joins the ring described by the
-    environment; torch's store is used only by torch's own rendezvous."""
-    ring = Ring.from_env()
+    environment, bounding the join and each collective by ``init_process_group``'s
+    ``timeout``; torch's store is used only by torch's own rendezvous."""
+    ring = Ring.from_env(timeout=timeout.total_seconds())
     if (ring.rank, ring.world) != (rank, size):
         raise ConfigError(
             f"diphoma: torch rank {rank}/world {size} differ from the ring's "
