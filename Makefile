@@ -38,7 +38,7 @@ test: tools build fmt-check clippy ## run every test: unit, loopback TCP, end-to
 	$(MAKE) --no-print-directory test-python
 
 wheel: ## build the `diphoma` Python wheel (abi3, CPython >= 3.9) into target/wheels (maturin in a venv cached in ~/.cache/diphoma/python)
-	"$$(bash python/venv.sh build)/bin/maturin" build --release --locked -m python/Cargo.toml -o target/wheels
+	"$$(bash python/venv.sh build)/bin/maturin" build --release --strip --locked -m python/Cargo.toml -o target/wheels
 
 test-python: ## build the wheel, install it into a cached torch venv (created once: torch from PyPI, ~5.4 GB) and run python/tests with pytest
 	bash python/test.sh
