@@ -108,3 +108,18 @@ def test_launcher_forwards_exit_code_and_stops_the_others(tmp_path):
 def test_free_ports_are_distinct():
     ports = free_ports(16)
     assert len(set(ports)) == 16
+
+
+def test_shut_down_group_refuses_and_exit_is_clean(monkeypatch, tmp_path):
+    """shutdown() finishes submitted work, is idempotent, and later collectives raise."""
+    key = tmp_path / "ring.key"
+    key.write_bytes(secrets.token_bytes(32))
+    for k, v in rank_envs(1, str(key))[0].items():
+        monkeypatch.setenv(k, v)
+    pg = diphoma.torch.ProcessGroupDiphoma(diphoma.Ring.from_env(), 0, 1)
+    work = pg.allreduce([torch.ones(2)])
+    pg.shutdown()
+    assert work.wait()
+    pg.shutdown()
+    with pytest.raises(diphoma.ConfigError, match="shut down"):
+        pg.allreduce([torch.ones(2)])

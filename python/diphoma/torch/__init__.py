@@ -14,8 +14,10 @@ The Kubernetes mode (the contract's variables and the ring ConfigMap through the
 follower) is a second way to build the ``Ring``; everything below it stays the same.
 """
 
+import atexit
 import queue
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,18 @@ _OPS = (
     (dist.ReduceOp.MAX, "max"),
     (dist.ReduceOp.MIN, "min"),
 )
+
+
+# The process groups whose thread runs: stopped at exit, before the interpreter finalizes, so no
+# thread is inside torch's C++ (completing a future) when daemon threads are torn down.
+_LIVE = weakref.WeakSet()
+_STOP = object()
+
+
+@atexit.register
+def _shutdown_all():
+    for pg in list(_LIVE):
+        pg.shutdown()
 
 
 def _op_name(op):
@@ -94,13 +108,28 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         super().__init__(rank, size)
         self.ring = ring
         self._queue = queue.SimpleQueue()
+        self._stopped = False
         self._thread = threading.Thread(target=self._serve, name="diphoma-pg", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
+
+    def shutdown(self):
+        """Finishes the collectives already submitted, stops the group's thread and closes the
+        ring (``dist.destroy_process_group`` and interpreter exit call it; idempotent)."""
+        if not self._stopped:
+            self._stopped = True
+            self._queue.put(_STOP)
+            self._thread.join()
+            self.ring = None
+        _LIVE.discard(self)
 
     # -- machinery ---------------------------------------------------------------------
     def _serve(self):
         while True:
-            job, fut, result = self._queue.get()
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            job, fut, result = item
             try:
                 job()
             except BaseException as e:  # noqa: BLE001 - handed to the waiter
@@ -109,6 +138,8 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                 fut.set_result(result)
 
     def _submit(self, job, result):
+        if self._stopped:
+            raise ConfigError("diphoma: the process group is shut down")
         fut = Future()
         self._queue.put((job, fut, result))
         return _create_work_from_future(fut)
@@ -235,7 +266,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def barrier(self, opts=None):
-        return self._submit(self.ring.barrier, [])
+        return self._submit(lambda: self.ring.barrier(), [])
 
     def getBackendName(self):
         return BACKEND
