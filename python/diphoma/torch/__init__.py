@@ -62,7 +62,8 @@ def _op_name(op):
     for known, name in _OPS:
         if op == known:
             return name
-    raise ConfigError(f"diphoma: unsupported reduce op {op} (SUM, AVG, MAX, MIN)")
+    name = getattr(op, "op", op)  # a ReduceOp object prints as its address; its .op by name
+    raise ConfigError(f"diphoma: unsupported reduce op {name} (SUM, AVG, MAX, MIN)")
 
 
 def _check(t):
