@@ -6,7 +6,7 @@ NODES ?= 4
 GPUS ?= 8
 CARGO ?= cargo
 
-.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair cluster-up cluster-down demo
+.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair cluster-up cluster-down demo wheel test-python
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -33,8 +33,15 @@ fmt-check:
 clippy: ## lint every crate and target; warnings are errors
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
-test: tools build fmt-check clippy ## run every test: unit, loopback TCP, and end-to-end on a real control plane
+test: tools build fmt-check clippy ## run every test: unit, loopback TCP, end-to-end on a real control plane, and the Python package's
 	DIPHOMA_K8S_BIN=$$(bash e2e/cluster/build-bins.sh 2>/dev/null) $(CARGO) test --workspace --locked
+	$(MAKE) --no-print-directory test-python
+
+wheel: ## build the `diphoma` Python wheel (abi3, CPython >= 3.9) into target/wheels (maturin in a venv cached in ~/.cache/diphoma/python)
+	"$$(bash python/venv.sh build)/bin/maturin" build --release --strip --locked -m python/Cargo.toml -o target/wheels
+
+test-python: ## build the wheel, install it into a cached torch venv (created once: torch from PyPI, ~5.4 GB) and run python/tests with pytest
+	bash python/test.sh
 
 bench: deps ## allreduce benchmark side by side with gloo and Open MPI (prints the merged table)
 	bash worker/bench/run.sh

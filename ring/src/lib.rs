@@ -1,6 +1,6 @@
-//! Diphoma's ring runtime: allreduce, broadcast and barrier over authenticated TCP, for one
-//! ring generation at a time, and the membership follower that tells a worker pod which
-//! generation to join.
+//! Diphoma's ring runtime: allreduce, reduce-scatter, all-gather, broadcast and barrier over
+//! authenticated TCP, for one ring generation at a time, and the membership follower that tells
+//! a worker pod which generation to join.
 //!
 //! ```no_run
 //! use diphoma_ring::{Communicator, Config, ReduceOp};
@@ -17,13 +17,13 @@
 //!
 //! | module | owns | must not |
 //! |---|---|---|
-//! | [`schedule`] | the collective schedules as pure step lists (ring, recursive doubling, trees, chains) | touch sockets |
-//! | [`reduce`] | element types and the f32-accumulating reduction kernels | touch sockets |
+//! | [`schedule`] | the collective schedules as pure step lists (ring, recursive doubling, trees, chains, ring reduce-scatter and all-gather) | touch sockets |
+//! | [`reduce`] | element types (f32, f16, bf16, f64, i32, i64) and the reduction kernels (sum, max, min) | touch sockets |
 //! | [`frame`] | the wire format: 16-byte headers, handshake messages, validating decoders, [`ProtocolError`] | touch sockets, allocate while decoding, import `error` |
 //! | [`auth`] | the HMAC-SHA256 challenge-response on one stream, refusal counters | open sockets, see data |
 //! | [`comm`] | the [`Communicator`] and its collectives (`comm/mod.rs`), the non-blocking transport (`comm/transport.rs`), joining a generation (`comm/join.rs`) | choose schedules by itself beyond size thresholds |
 //! | [`error`] | [`CommError`], the error of every communicator call | do I/O |
-//! | [`source`] | the [`source::RingSource`] a training loop follows, the standalone [`source::FixedRing`] | train |
+//! | [`source`] | the [`source::RingSource`] a training loop follows, the standalone [`source::FixedRing`] and [`source::standalone_config`] (a launcher's env) | train |
 //! | [`k8s`] | the membership follower: contract env, the ring ConfigMap as a [`source::RingSource`], heartbeat writes | train, record metrics |
 //!
 //! This crate must not import candle, safetensors or anything of training, nor the operator:

@@ -1,6 +1,8 @@
 //! Element types and reduction kernels.
 //!
-//! Owns the arithmetic only (no I/O): `dst = (dst + src)·scale` over slices of one element type.
+//! Owns the arithmetic only (no I/O): `dst = (dst + src)·scale`, `max(dst, src)` and
+//! `min(dst, src)` over slices of one element type. `f64` adds in `f64`, `i32`/`i64` add with
+//! wrap-around (as two's-complement hardware and torch's gloo do).
 //! `f32` adds in `f32`; `f16` and `bf16` travel on the wire in their own 2-byte formats (half the
 //! bytes of `f32`) and are widened to `f32`, added, and rounded back to nearest-even once per
 //! reduction. The loops work on fixed blocks so the compiler vectorises them; `f16` uses the
@@ -15,8 +17,13 @@ pub enum ReduceOp {
     /// Element-wise sum.
     Sum,
     /// Element-wise sum divided by the world size (the division is applied once, in `f32`,
-    /// at the last reduction of each element).
+    /// at the last reduction of each element). Only for `f32`, `f16` and `bf16`
+    /// ([`DType::averages`]).
     Avg,
+    /// Element-wise maximum (a NaN anywhere gives NaN).
+    Max,
+    /// Element-wise minimum (a NaN anywhere gives NaN).
+    Min,
 }
 
 /// Data types on the wire.
@@ -28,6 +35,20 @@ pub enum DType {
     F16,
     /// bfloat16.
     BF16,
+    /// IEEE binary64.
+    F64,
+    /// Two's-complement 32-bit integer.
+    I32,
+    /// Two's-complement 64-bit integer.
+    I64,
+}
+
+impl DType {
+    /// Whether [`ReduceOp::Avg`] is defined for this type (the scale is an `f32`, so only for
+    /// `f32` and the half types).
+    pub fn averages(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
 }
 
 mod sealed {
@@ -35,17 +56,22 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
     impl Sealed for half::bf16 {}
+    impl Sealed for f64 {}
+    impl Sealed for i32 {}
+    impl Sealed for i64 {}
 }
 
-/// An element type `allreduce` accepts: `f32`, `half::f16`, `half::bf16` (sealed).
+/// An element type `allreduce` accepts: `f32`, `half::f16`, `half::bf16`, `f64`, `i32`, `i64`
+/// (sealed).
 ///
 /// Every bit pattern is a valid value and the types have no padding, so buffers can be moved
 /// over the wire as raw little-endian bytes.
-pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
+pub trait Element: sealed::Sealed + Copy + PartialOrd + Send + Sync + 'static {
     /// Wire type.
     const DTYPE: DType;
-    /// `dst[i] = dst[i] + src[i]`, and then `·scale` when `scale` is given, accumulating in f32.
-    /// `dst` and `src` have the same length.
+    /// `dst[i] = dst[i] + src[i]`, and then `·scale` when `scale` is given, accumulating in f32
+    /// (in `f64` for `f64`; integers wrap and are never scaled: the communicator refuses
+    /// [`ReduceOp::Avg`] for them). `dst` and `src` have the same length.
     fn reduce(dst: &mut [Self], src: &[Self], scale: Option<f32>);
     /// Converts from f32 (round to nearest even).
     fn from_f32(x: f32) -> Self;
@@ -204,9 +230,64 @@ impl Element for bf16 {
     }
 }
 
+/// `f64` and the integers: plain loops the compiler vectorises (no half conversions).
+impl Element for f64 {
+    const DTYPE: DType = DType::F64;
+    fn reduce(dst: &mut [f64], src: &[f64], scale: Option<f32>) {
+        assert_eq!(dst.len(), src.len());
+        let k = scale.map_or(1.0, f64::from);
+        dst.iter_mut()
+            .zip(src)
+            .for_each(|(d, s)| *d = (*d + *s) * k);
+    }
+    fn from_f32(x: f32) -> f64 {
+        f64::from(x)
+    }
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+}
+
+macro_rules! int_element {
+    ($t:ty, $d:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            fn reduce(dst: &mut [$t], src: &[$t], _scale: Option<f32>) {
+                assert_eq!(dst.len(), src.len());
+                dst.iter_mut()
+                    .zip(src)
+                    .for_each(|(d, s)| *d = d.wrapping_add(*s));
+            }
+            /// Truncates toward zero, saturating at the type's bounds.
+            fn from_f32(x: f32) -> $t {
+                x as $t
+            }
+            /// Nearest f32 (exact up to 2^24).
+            fn to_f32(self) -> f32 {
+                self as f32
+            }
+        }
+    };
+}
+int_element!(i32, DType::I32);
+int_element!(i64, DType::I64);
+
+/// `dst[i] = max(dst[i], src[i])` (`max`) or the minimum (otherwise); a NaN in either gives
+/// NaN, so the result does not depend on the order of the operands.
+pub fn extreme<T: Element>(dst: &mut [T], src: &[T], max: bool) {
+    assert_eq!(dst.len(), src.len());
+    #[allow(clippy::eq_op)] // `s != s` is the NaN test of a generic PartialOrd type
+    for (d, &s) in dst.iter_mut().zip(src) {
+        let nan = s != s;
+        if nan || (max && s > *d) || (!max && s < *d) {
+            *d = s;
+        }
+    }
+}
+
 /// Views a slice of elements as its bytes.
 pub fn as_bytes<T: Element>(v: &[T]) -> &[u8] {
-    // SAFETY: T is f32/f16/bf16 (sealed): no padding, alignment ≥ 1, size_of_val bytes valid.
+    // SAFETY: T is a sealed plain number type: no padding, alignment ≥ 1, size_of_val bytes valid.
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
 }
 
@@ -254,6 +335,30 @@ mod tests {
                 "{i}: {g:?} != {w:?}"
             );
         }
+    }
+
+    #[test]
+    fn extremes_propagate_nan_and_pick_by_order() {
+        let mut d = [1.0f64, 5.0, f64::NAN, -0.5];
+        extreme(&mut d, &[2.0, 4.0, 1.0, f64::NAN], true);
+        assert_eq!(&d[..2], &[2.0, 5.0]);
+        assert!(d[2].is_nan() && d[3].is_nan());
+        let mut i = [3i64, -7, i64::MAX];
+        extreme(&mut i, &[4, -9, 0], false);
+        assert_eq!(i, [3, -9, 0]);
+        let mut h = [bf16::from_f32(1.5), bf16::from_f32(-2.0)];
+        extreme(&mut h, &[bf16::from_f32(0.5), bf16::from_f32(-1.0)], true);
+        assert_eq!(h, [bf16::from_f32(1.5), bf16::from_f32(-1.0)]);
+    }
+
+    #[test]
+    fn integers_wrap_and_f64_adds_in_f64() {
+        let mut i = [i32::MAX, 5];
+        i32::reduce(&mut i, &[1, -7], None);
+        assert_eq!(i, [i32::MIN, -2]);
+        let mut d = [1e-17f64, 0.25];
+        f64::reduce(&mut d, &[1.0, 0.25], Some(0.5));
+        assert_eq!(d, [(1.0 + 1e-17) * 0.5, 0.25]);
     }
 
     proptest! {

@@ -79,20 +79,26 @@ pub fn allreduce(alg: Algorithm, n: usize, rank: usize, len: usize, out: &mut Ve
 }
 
 fn ring(n: usize, r: usize, len: usize, out: &mut Vec<Step>) {
+    // Rank r ends the reduce-scatter owning chunk r+1 and starts the all-gather from it.
+    ring_reduce_scatter(n, r, len, 1, out);
+    ring_allgather(n, r, len, 1, out);
+}
+
+/// Ring reduce-scatter: after step k, chunk (r+shift−k−1) holds k+2 contributions; rank r ends
+/// owning chunk (r+shift) fully reduced. `n − 1` steps.
+fn ring_reduce_scatter(n: usize, r: usize, len: usize, shift: usize, out: &mut Vec<Step>) {
     let right = (r + 1) % n;
     let left = (r + n - 1) % n;
-    // Reduce-scatter: after step k, chunk (r−k−1) holds k+2 contributions; rank r ends owning
-    // chunk (r+1) fully reduced.
     for k in 0..n - 1 {
         out.push(Step {
             send: Some(Transfer {
                 peer: right,
-                range: chunk(len, n, (r + n - k) % n),
+                range: chunk(len, n, (r + shift + 2 * n - k - 1) % n),
             }),
             recv: Some((
                 Transfer {
                     peer: left,
-                    range: chunk(len, n, (r + 2 * n - k - 1) % n),
+                    range: chunk(len, n, (r + shift + 2 * n - k - 2) % n),
                 },
                 Action::Reduce {
                     finalize: k == n - 2,
@@ -100,21 +106,45 @@ fn ring(n: usize, r: usize, len: usize, out: &mut Vec<Step>) {
             )),
         });
     }
-    // All-gather: pass the reduced chunks around the ring.
+}
+
+/// Ring all-gather: rank r starts owning chunk (r+shift) and passes the chunks around the ring,
+/// so that every rank ends with all of them. `n − 1` steps.
+fn ring_allgather(n: usize, r: usize, len: usize, shift: usize, out: &mut Vec<Step>) {
+    let right = (r + 1) % n;
+    let left = (r + n - 1) % n;
     for k in 0..n - 1 {
         out.push(Step {
             send: Some(Transfer {
                 peer: right,
-                range: chunk(len, n, (r + 1 + n - k) % n),
+                range: chunk(len, n, (r + shift + n - k) % n),
             }),
             recv: Some((
                 Transfer {
                     peer: left,
-                    range: chunk(len, n, (r + n - k) % n),
+                    range: chunk(len, n, (r + shift + 2 * n - k - 1) % n),
                 },
                 Action::Copy,
             )),
         });
+    }
+}
+
+/// Appends rank `rank`'s reduce-scatter plan (world `n`, buffer of `len` units) to `out`: the
+/// ring's first half, after which `buf[chunk(len, n, rank)]` holds the reduction of that chunk
+/// over every rank (the other chunks hold partial sums). World size 1 gives no steps.
+pub fn reduce_scatter(n: usize, rank: usize, len: usize, out: &mut Vec<Step>) {
+    if n > 1 {
+        ring_reduce_scatter(n, rank, len, 0, out);
+    }
+}
+
+/// Appends rank `rank`'s all-gather plan (world `n`, buffer of `len` units) to `out`: each rank
+/// starts with its own `buf[chunk(len, n, rank)]` and ends with every rank's chunk in place
+/// (the ring's second half). World size 1 gives no steps.
+pub fn allgather(n: usize, rank: usize, len: usize, out: &mut Vec<Step>) {
+    if n > 1 {
+        ring_allgather(n, rank, len, 0, out);
     }
 }
 
@@ -545,6 +575,65 @@ mod tests {
         }
     }
 
+    /// Reduce-scatter over bit sets (as `check_allreduce`): rank r's own chunk holds every
+    /// contribution exactly once, finalized once.
+    fn check_reduce_scatter(n: usize, len: usize) {
+        let plans: Vec<Vec<Step>> = (0..n)
+            .map(|r| {
+                let mut v = Vec::new();
+                reduce_scatter(n, r, len, &mut v);
+                v
+            })
+            .collect();
+        let mut bufs: Vec<Vec<u64>> = (0..n).map(|r| vec![1u64 << r; len]).collect();
+        sim::run(&plans, &mut bufs, &|d, s, fin| {
+            for (d, s) in d.iter_mut().zip(s) {
+                assert_eq!(
+                    *d & *s,
+                    0,
+                    "contribution counted twice or reduced after finalize"
+                );
+                *d |= *s | if fin { 1 << 63 } else { 0 };
+            }
+        });
+        let full = if n == 1 {
+            1
+        } else {
+            ((1u64 << n) - 1) | (1 << 63)
+        };
+        for (r, b) in bufs.iter().enumerate() {
+            assert!(
+                b[chunk(len, n, r)].iter().all(|&x| x == full),
+                "n {n} len {len} rank {r}"
+            );
+        }
+    }
+
+    /// All-gather: every rank ends with rank c's chunk c, for every c.
+    fn check_allgather(n: usize, len: usize) {
+        let plans: Vec<Vec<Step>> = (0..n)
+            .map(|r| {
+                let mut v = Vec::new();
+                allgather(n, r, len, &mut v);
+                v
+            })
+            .collect();
+        let mut bufs: Vec<Vec<usize>> = (0..n)
+            .map(|r| {
+                let mut b = vec![usize::MAX; len];
+                b[chunk(len, n, r)].fill(r);
+                b
+            })
+            .collect();
+        sim::run(&plans, &mut bufs, &|_, _, _| {
+            panic!("all-gather never reduces")
+        });
+        let want: Vec<usize> = (0..n)
+            .flat_map(|c| vec![c; chunk(len, n, c).len()])
+            .collect();
+        assert!(bufs.iter().all(|b| *b == want), "n {n} len {len}");
+    }
+
     #[test]
     fn exhaustive_small_worlds() {
         for n in 1..=9 {
@@ -552,6 +641,8 @@ mod tests {
                 check_allreduce(Algorithm::Ring, n, len);
                 check_allreduce(Algorithm::RecursiveDoubling, n, len);
                 check_allreduce(Algorithm::Halving, n, len);
+                check_reduce_scatter(n, len);
+                check_allgather(n, len);
                 for root in 0..n {
                     check_broadcast(false, n, root, len, 4);
                     check_broadcast(true, n, root, len, 4);
@@ -588,6 +679,8 @@ mod tests {
                 allreduce(Algorithm::Ring, n, r, 10, &mut v);
                 allreduce(Algorithm::RecursiveDoubling, n, r, 10, &mut v);
                 allreduce(Algorithm::Halving, n, r, 10, &mut v);
+                reduce_scatter(n, r, 10, &mut v);
+                allgather(n, r, 10, &mut v);
                 for root in 0..n {
                     broadcast_tree(n, r, root, 10, &mut v);
                     broadcast_chain(n, r, root, 10, 3, &mut v);

@@ -2,14 +2,75 @@
 //! each committed step and after each failure, what it answers ([`Control`], [`Generation`]),
 //! and what the loop tells it ([`Progress`]). [`FixedRing`] and [`local_generation`] are the
 //! standalone source (one generation on 127.0.0.1); [`crate::k8s::KubeRing`] follows the ring
-//! ConfigMap.
+//! ConfigMap. [`standalone_config`] reads a standalone rank's generation from the variables a
+//! launcher sets (`python -m diphoma.run`).
 //!
 //! Owns the trait and its plain data; it must not train (no model, no optimizer) and does no
-//! I/O beyond binding the listeners of [`local_generation`].
+//! I/O beyond binding the listeners of [`local_generation`] and reading the key file of
+//! [`standalone_config`].
 
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener};
 
+use diphoma_contract::{ENV_JOB_UID, ENV_KEY_FILE};
+
+use crate::k8s::EnvError;
 use crate::{AbortHandle, CommError, Config};
+
+/// Standalone env: this process's rank, `0..DIPHOMA_WORLD_SIZE`.
+pub const ENV_RANK: &str = "DIPHOMA_RANK";
+/// Standalone env: the number of ranks.
+pub const ENV_WORLD_SIZE: &str = "DIPHOMA_WORLD_SIZE";
+/// Standalone env: every rank's ring address, comma-separated, indexed by rank
+/// (`127.0.0.1:40001,127.0.0.1:40002`).
+pub const ENV_RING_ADDRESSES: &str = "DIPHOMA_RING_ADDRESSES";
+
+/// Generation 1 of a standalone ring, from the launcher's variables read through `get`:
+/// [`ENV_RANK`], [`ENV_WORLD_SIZE`], [`ENV_RING_ADDRESSES`], and the contract's
+/// `DIPHOMA_JOB_UID` and `DIPHOMA_KEY_FILE` (the per-job key, at least
+/// [`diphoma_contract::MIN_KEY_LEN`] bytes). The other fields keep [`Config::new`]'s defaults.
+///
+/// # Errors
+/// [`EnvError`] naming the first missing or malformed variable (an unreadable or short key
+/// file is reported against `DIPHOMA_KEY_FILE`).
+pub fn standalone_config(get: impl Fn(&str) -> Option<String>) -> Result<Config, EnvError> {
+    let req = |v: &'static str| {
+        get(v)
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty())
+            .ok_or(EnvError::Missing(v))
+    };
+    let invalid = |var: &'static str, problem: String| EnvError::Invalid { var, problem };
+    let number = |v: &'static str| {
+        let s = req(v)?;
+        s.parse::<usize>()
+            .map_err(|_| invalid(v, format!("{s:?} is not a non-negative integer")))
+    };
+    let (rank, world) = (number(ENV_RANK)?, number(ENV_WORLD_SIZE)?);
+    if rank >= world {
+        return Err(invalid(ENV_RANK, format!("{rank} not in 0..{world}")));
+    }
+    let addresses = req(ENV_RING_ADDRESSES)?
+        .split(',')
+        .map(|a| {
+            a.trim()
+                .parse::<SocketAddr>()
+                .map_err(|_| invalid(ENV_RING_ADDRESSES, format!("{a:?} is not an address")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if addresses.len() != world {
+        return Err(invalid(
+            ENV_RING_ADDRESSES,
+            format!("{} addresses for world {world}", addresses.len()),
+        ));
+    }
+    let job_uid = req(ENV_JOB_UID)?;
+    let key_file = req(ENV_KEY_FILE)?;
+    let key = std::fs::read(&key_file)
+        .map_err(|e| e.to_string())
+        .and_then(|b| diphoma_contract::parse_key(b).map_err(|e| e.to_string()))
+        .map_err(|e| invalid(ENV_KEY_FILE, format!("{key_file}: {e}")))?;
+    Ok(Config::new(rank, world, addresses, 1, job_uid, key))
+}
 
 /// One ring generation to join: the communicator config and the listener bound at this
 /// member's address.
@@ -113,4 +174,61 @@ pub fn local_generation(
             listener,
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lookup<'a>(vars: &'a [(&str, &str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        |n| {
+            vars.iter()
+                .find(|(k, _)| *k == n)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn standalone_config_reads_every_variable_and_names_the_bad_one() {
+        let dir = std::env::temp_dir().join(format!("diphoma-source-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("ring.key");
+        std::fs::write(&key, [7u8; 32]).unwrap();
+        let short = dir.join("short.key");
+        std::fs::write(&short, [7u8; 8]).unwrap();
+        let (key, short) = (key.to_str().unwrap(), short.to_str().unwrap());
+        let good = [
+            (ENV_RANK, "1"),
+            (ENV_WORLD_SIZE, "2"),
+            (ENV_RING_ADDRESSES, "127.0.0.1:4000, 127.0.0.1:4001"),
+            (ENV_JOB_UID, "job"),
+            (ENV_KEY_FILE, key),
+        ];
+        let c = standalone_config(lookup(&good)).unwrap();
+        assert_eq!((c.rank, c.world, c.generation), (1, 2, 1));
+        assert_eq!(c.addresses[1], "127.0.0.1:4001".parse().unwrap());
+        assert_eq!(c.key, vec![7u8; 32]);
+        let with = |var: &str, val: Option<&str>| {
+            let mut v: Vec<(&str, &str)> =
+                good.iter().copied().filter(|(k, _)| *k != var).collect();
+            v.extend(val.map(|x| (var, x)));
+            standalone_config(lookup(&v)).unwrap_err().to_string()
+        };
+        for var in [
+            ENV_RANK,
+            ENV_WORLD_SIZE,
+            ENV_RING_ADDRESSES,
+            ENV_JOB_UID,
+            ENV_KEY_FILE,
+        ] {
+            assert!(with(var, None).contains(var), "{var}");
+        }
+        assert!(with(ENV_RANK, Some("2")).contains("DIPHOMA_RANK: 2 not in 0..2"));
+        assert!(with(ENV_WORLD_SIZE, Some("x")).contains(ENV_WORLD_SIZE));
+        assert!(with(ENV_RING_ADDRESSES, Some("127.0.0.1:1")).contains("1 addresses for world 2"));
+        assert!(with(ENV_RING_ADDRESSES, Some("a,b")).contains(ENV_RING_ADDRESSES));
+        assert!(with(ENV_KEY_FILE, Some(short)).contains(ENV_KEY_FILE));
+        assert!(with(ENV_KEY_FILE, Some("/nonexistent/k")).contains(ENV_KEY_FILE));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

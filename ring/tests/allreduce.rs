@@ -114,3 +114,94 @@ fn broadcast_and_barrier() {
         drop(comms);
     }
 }
+
+/// Max, min and the wide types over real TCP: every rank equals the serial reduction, and an
+/// average of an integer is refused before anything is sent.
+#[test]
+fn allreduce_extremes_and_wide_types() {
+    fn run<T: Element + PartialEq + std::fmt::Debug>(
+        comms: Vec<diphoma_ring::Communicator>,
+        len: usize,
+        op: ReduceOp,
+        fold: fn(f32, f32) -> f32,
+    ) -> Vec<diphoma_ring::Communicator> {
+        let n = comms.len();
+        let (comms, bufs) = common::on_all(comms, move |r, c| {
+            let mut buf: Vec<T> = (0..len).map(|i| T::from_f32(value(r, i))).collect();
+            c.allreduce(&mut buf, op).unwrap();
+            buf
+        });
+        let want: Vec<T> = (0..len)
+            .map(|i| T::from_f32((1..n).fold(value(0, i), |a, q| fold(a, value(q, i)))))
+            .collect();
+        for b in &bufs {
+            assert!(*b == want, "n {n} len {len} {op:?} {:?}", T::DTYPE);
+        }
+        comms
+    }
+    for n in [1, 2, 3, 4, 5] {
+        let mut comms = common::ring(n);
+        for len in [1usize, 13, 4099, 70_001] {
+            comms = run::<f32>(comms, len, ReduceOp::Max, f32::max);
+            comms = run::<bf16>(comms, len, ReduceOp::Min, f32::min);
+            comms = run::<f16>(comms, len, ReduceOp::Max, f32::max);
+            comms = run::<f64>(comms, len, ReduceOp::Sum, |a, b| a + b);
+            comms = run::<f64>(comms, len, ReduceOp::Min, f32::min);
+            comms = run::<i32>(comms, len, ReduceOp::Sum, |a, b| a + b);
+            comms = run::<i64>(comms, len, ReduceOp::Max, f32::max);
+        }
+        let (_, errs) = common::on_all(comms, |_, c| c.allreduce(&mut [1i64, 2], ReduceOp::Avg));
+        for e in errs {
+            assert!(
+                matches!(&e, Err(diphoma_ring::CommError::Config(m)) if m.contains("I64")),
+                "{e:?}"
+            );
+        }
+    }
+}
+
+/// Reduce-scatter and all-gather over real TCP, for 1..=6 ranks and lengths that do and do not
+/// divide by the world.
+#[test]
+fn reduce_scatter_and_allgather() {
+    use diphoma_ring::schedule::chunk;
+    for n in 1..=6 {
+        let mut comms = common::ring(n);
+        for len in [0usize, 1, 7, 4099, 300_007] {
+            let (c, bufs) = common::on_all(comms, move |r, c| {
+                let mut buf: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
+                c.reduce_scatter(&mut buf, ReduceOp::Sum).unwrap();
+                buf[chunk(len, n, r)].to_vec()
+            });
+            for (r, b) in bufs.iter().enumerate() {
+                let want: Vec<f32> = chunk(len, n, r)
+                    .map(|i| (0..n).map(|q| value(q, i)).sum())
+                    .collect();
+                assert_eq!(*b, want, "reduce_scatter n {n} len {len} rank {r}");
+            }
+            let per = len.div_ceil(n);
+            let (c, bufs) = common::on_all(c, move |r, c| {
+                let mut buf = vec![0u8; per * n];
+                buf[r * per..(r + 1) * per]
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x = (r * 31 + i) as u8);
+                c.allgather_bytes(&mut buf).unwrap();
+                buf
+            });
+            let want: Vec<u8> = (0..n)
+                .flat_map(|r| (0..per).map(move |i| (r * 31 + i) as u8))
+                .collect();
+            assert!(bufs.iter().all(|b| *b == want), "allgather n {n} len {len}");
+            comms = c;
+        }
+        if n > 1 {
+            let (_, errs) =
+                common::on_all(comms, move |_, c| c.allgather_bytes(&mut vec![0u8; n + 1]));
+            assert!(
+                errs.iter()
+                    .all(|e| matches!(e, Err(diphoma_ring::CommError::Config(_))))
+            );
+        }
+    }
+}

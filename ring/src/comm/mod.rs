@@ -309,17 +309,20 @@ impl Communicator {
     }
 
     /// In-place allreduce of `buf` (the same length on every rank): afterwards every rank holds
-    /// the element-wise sum (or average) of all ranks' buffers, bit-identical on all ranks.
-    /// Half types travel as half and accumulate each reduction in f32. Buffers up to
+    /// the element-wise sum (average, maximum, minimum) of all ranks' buffers, bit-identical on
+    /// all ranks. Half types travel as half and accumulate each reduction in f32. Buffers up to
     /// [`Config::small_bytes`] use recursive doubling, larger ones the pipelined ring. World
     /// size 1 and empty buffers return at once.
     ///
     /// # Errors
+    /// [`CommError::Config`] for [`ReduceOp::Avg`] on a type that does not average
+    /// ([`DType::averages`](crate::DType::averages)), before anything is sent;
     /// [`CommError::PeerLost`], [`CommError::Timeout`] (after [`Config::timeout`]),
     /// [`CommError::Protocol`], [`CommError::Aborted`], [`CommError::Poisoned`]. On error `buf`
     /// holds unspecified values and the communicator is poisoned.
     pub fn allreduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         self.check()?;
+        check_op::<T>(op)?;
         if self.world == 1 || buf.is_empty() {
             return Ok(());
         }
@@ -335,8 +338,64 @@ impl Communicator {
         self.steps.clear();
         schedule::allreduce(alg, self.world, self.rank, buf.len(), &mut self.steps);
         let scale = (op == ReduceOp::Avg).then(|| 1.0 / self.world as f32);
-        let kern = Kernel::of::<T>();
-        self.run("allreduce", reduce::as_bytes_mut(buf), kern, scale)
+        self.run(
+            "allreduce",
+            reduce::as_bytes_mut(buf),
+            Kernel::of::<T>(op),
+            scale,
+        )
+    }
+
+    /// In-place ring reduce-scatter of `buf` (the same length on every rank, split into
+    /// `world` balanced chunks by [`schedule::chunk`]): afterwards
+    /// `buf[chunk(buf.len(), world, rank)]` holds the reduction of that chunk over every rank,
+    /// bit-identical to what every other rank would compute; the rest of `buf` holds partial
+    /// results. World size 1 and empty buffers return at once.
+    ///
+    /// # Errors
+    /// As [`Communicator::allreduce`].
+    pub fn reduce_scatter<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.check()?;
+        check_op::<T>(op)?;
+        if self.world == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        self.steps.clear();
+        schedule::reduce_scatter(self.world, self.rank, buf.len(), &mut self.steps);
+        let scale = (op == ReduceOp::Avg).then(|| 1.0 / self.world as f32);
+        self.run(
+            "reduce_scatter",
+            reduce::as_bytes_mut(buf),
+            Kernel::of::<T>(op),
+            scale,
+        )
+    }
+
+    /// In-place ring all-gather of raw bytes: `buf` is `world` chunks of `buf.len() / world`
+    /// bytes; each rank fills chunk `rank` and afterwards holds every rank's chunk.
+    ///
+    /// # Errors
+    /// [`CommError::Config`] when `buf.len()` is not a multiple of the world size; otherwise as
+    /// [`Communicator::allreduce`].
+    pub fn allgather_bytes(&mut self, buf: &mut [u8]) -> Result<(), CommError> {
+        self.check()?;
+        if !buf.len().is_multiple_of(self.world) {
+            return Err(CommError::Config(format!(
+                "all-gather of {} bytes does not split into {} equal chunks",
+                buf.len(),
+                self.world
+            )));
+        }
+        if self.world == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        self.steps.clear();
+        schedule::allgather(self.world, self.rank, buf.len(), &mut self.steps);
+        self.run("allgather", buf, Kernel::bytes(), None)
     }
 
     /// Broadcast of `buf` from rank `root` to every rank (same length everywhere).
@@ -464,6 +523,17 @@ impl Drop for Communicator {
             let _ = s.shutdown(Shutdown::Both);
         }
     }
+}
+
+/// Refuses an average of a type that does not average.
+fn check_op<T: Element>(op: ReduceOp) -> Result<(), CommError> {
+    if op == ReduceOp::Avg && !T::DTYPE.averages() {
+        return Err(CommError::Config(format!(
+            "{op:?} is not defined for {:?} (sum, max or min are)",
+            T::DTYPE
+        )));
+    }
+    Ok(())
 }
 
 /// True when a step sends from and receives into overlapping ranges (exchange steps): the

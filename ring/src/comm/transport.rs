@@ -18,7 +18,7 @@ use rustix::io::Errno;
 use super::{overlaps, timeout_err};
 use crate::error::CommError;
 use crate::frame::{HEADER_LEN, Header, Kind, MAX_DATA_PAYLOAD, ProtocolError};
-use crate::reduce::Element;
+use crate::reduce::{self, Element, ReduceOp};
 use crate::schedule::{Action, Step};
 
 /// Requests `bytes` of send and receive buffer on `s` (`SO_SNDBUF`/`SO_RCVBUF`). Best effort: a
@@ -72,24 +72,42 @@ pub(super) struct Kernel {
 }
 
 impl Kernel {
-    pub(super) fn of<T: Element>() -> Kernel {
-        fn red<T: Element>(d: &mut [u8], s: &[u8], k: Option<f32>) {
+    /// The kernel of `op` on `T`: the sum kernel (scaled at the last reduction for an average),
+    /// or the maximum or minimum.
+    pub(super) fn of<T: Element>(op: ReduceOp) -> Kernel {
+        /// Views the byte slices as `T`s.
+        fn typed<'a, T: Element>(d: &'a mut [u8], s: &'a [u8]) -> (&'a mut [T], &'a [T]) {
             let n = d.len() / std::mem::size_of::<T>();
             debug_assert_eq!(d.as_ptr() as usize % std::mem::align_of::<T>(), 0);
             debug_assert_eq!(s.as_ptr() as usize % std::mem::align_of::<T>(), 0);
             // SAFETY: both slices are element-aligned (see `Kernel`), hold n whole elements,
             // do not overlap (scratch vs user buffer), and every bit pattern is a valid T.
-            let (d, s) = unsafe {
+            unsafe {
                 (
                     std::slice::from_raw_parts_mut(d.as_mut_ptr().cast::<T>(), n),
                     std::slice::from_raw_parts(s.as_ptr().cast::<T>(), n),
                 )
-            };
+            }
+        }
+        fn sum<T: Element>(d: &mut [u8], s: &[u8], k: Option<f32>) {
+            let (d, s) = typed::<T>(d, s);
             T::reduce(d, s, k);
+        }
+        fn max<T: Element>(d: &mut [u8], s: &[u8], _: Option<f32>) {
+            let (d, s) = typed::<T>(d, s);
+            reduce::extreme(d, s, true);
+        }
+        fn min<T: Element>(d: &mut [u8], s: &[u8], _: Option<f32>) {
+            let (d, s) = typed::<T>(d, s);
+            reduce::extreme(d, s, false);
         }
         Kernel {
             esize: std::mem::size_of::<T>(),
-            reduce: red::<T>,
+            reduce: match op {
+                ReduceOp::Sum | ReduceOp::Avg => sum::<T>,
+                ReduceOp::Max => max::<T>,
+                ReduceOp::Min => min::<T>,
+            },
         }
     }
     pub(super) fn bytes() -> Kernel {

@@ -1,0 +1,295 @@
+"""The ``torch.distributed`` backend ``"diphoma"``: importing this module registers it.
+
+An unchanged DDP script changes only ``dist.init_process_group(backend="diphoma")`` and is
+started by ``python -m diphoma.run`` (which also sets torch's ``RANK``/``WORLD_SIZE``/
+``MASTER_ADDR``/``MASTER_PORT`` for the rendezvous). The process group is a Python subclass of
+``torch.distributed.ProcessGroup``; each collective is checked at once (CPU tensors of a
+supported dtype, a supported op: otherwise ``diphoma.ConfigError`` naming what is wrong) and
+then runs on the group's background thread, in call order, returning an asynchronous ``Work``
+whose future completes when the ring is done. Contiguous tensors are reduced in place from
+their ``data_ptr()`` (no copy); non-contiguous ones go through a contiguous copy.
+
+Rendezvous: ``diphoma.Ring.from_env()`` (standalone: the launcher's ``DIPHOMA_*`` variables).
+The Kubernetes mode (the contract's variables and the ring ConfigMap through the ring's k8s
+follower) is a second way to build the ``Ring``; everything below it stays the same.
+"""
+
+import atexit
+import queue
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
+
+from diphoma import ConfigError, Ring
+
+BACKEND = "diphoma"
+
+_DTYPES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+# Average natively (an f32 scale in the ring); the others sum and divide here.
+_RING_AVERAGES = (torch.float32, torch.float16, torch.bfloat16)
+_OPS = (
+    (dist.ReduceOp.SUM, "sum"),
+    (dist.ReduceOp.AVG, "avg"),
+    (dist.ReduceOp.MAX, "max"),
+    (dist.ReduceOp.MIN, "min"),
+)
+
+
+# The process groups whose thread runs: stopped at exit, before the interpreter finalizes, so no
+# thread is inside torch's C++ (completing a future) when daemon threads are torn down.
+_LIVE = weakref.WeakSet()
+_STOP = object()
+
+
+@atexit.register
+def _shutdown_all():
+    for pg in list(_LIVE):
+        pg.shutdown()
+
+
+def _op_name(op):
+    for known, name in _OPS:
+        if op == known:
+            return name
+    name = getattr(op, "op", op)  # a ReduceOp object prints as its address; its .op by name
+    raise ConfigError(f"diphoma: unsupported reduce op {name} (SUM, AVG, MAX, MIN)")
+
+
+def _check(t):
+    """Raises ConfigError unless ``t`` is a CPU tensor of a supported dtype."""
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError(f"diphoma: expected a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ConfigError(
+            f"diphoma: tensor on device {t.device} is not supported (CPU tensors only; no GPU path yet)"
+        )
+    if t.dtype not in _DTYPES:
+        raise ConfigError(
+            f"diphoma: unsupported dtype {t.dtype} "
+            "(float32, float64, float16, bfloat16, int32, int64)"
+        )
+
+
+def _reduce_opts(opts):
+    return dist.ReduceOp.SUM if opts is None else opts.reduceOp
+
+
+class _InPlace:
+    """A contiguous view of ``t`` for the ring: ``t`` itself when it is contiguous (no copy),
+    else a contiguous copy written back by ``done()``."""
+
+    def __init__(self, t):
+        self.t = t
+        self.buf = t if t.is_contiguous() else t.contiguous()
+
+    def done(self):
+        if self.buf is not self.t:
+            self.t.copy_(self.buf)
+
+
+class ProcessGroupDiphoma(dist.ProcessGroup):
+    """A ``torch.distributed`` process group over one ``diphoma.Ring``.
+
+    Collectives are validated on the caller's thread and run on one background thread in call
+    order (the ring needs every rank to issue the same collectives in the same order).
+    """
+
+    def __init__(self, ring, rank, size):
+        super().__init__(rank, size)
+        self.ring = ring
+        self._queue = queue.SimpleQueue()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._serve, name="diphoma-pg", daemon=True)
+        self._thread.start()
+        _LIVE.add(self)
+
+    def shutdown(self):
+        """Finishes the collectives already submitted, stops the group's thread and closes the
+        ring (``dist.destroy_process_group`` and interpreter exit call it; idempotent)."""
+        if not self._stopped:
+            self._stopped = True
+            self._queue.put(_STOP)
+            self._thread.join()
+            self.ring = None
+        _LIVE.discard(self)
+
+    # -- machinery ---------------------------------------------------------------------
+    def _serve(self):
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            job, fut, result = item
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+
+    def _submit(self, job, result):
+        if self._stopped:
+            raise ConfigError("diphoma: the process group is shut down")
+        fut = Future()
+        self._queue.put((job, fut, result))
+        return _create_work_from_future(fut)
+
+    def _reduce(self, native, t, op):
+        """``native`` (the ring's allreduce or reduce_scatter) on the contiguous ``t`` with op
+        ``op``: averages of types the ring does not average are sums divided here."""
+        if op == "avg" and t.dtype not in _RING_AVERAGES:
+            native(t.data_ptr(), t.numel(), _DTYPES[t.dtype], "sum")
+            if t.is_floating_point():
+                t.div_(self.size())
+            else:
+                t.div_(self.size(), rounding_mode="trunc")
+        else:
+            native(t.data_ptr(), t.numel(), _DTYPES[t.dtype], op)
+
+    # -- collectives -------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        op = _op_name(_reduce_opts(opts))
+        for t in tensors:
+            _check(t)
+        views = [_InPlace(t) for t in tensors]
+
+        def job():
+            for v in views:
+                self._reduce(self.ring.allreduce, v.buf, op)
+                v.done()
+
+        return self._submit(job, tensors)
+
+    def broadcast(self, tensors, opts=None):
+        root = 0 if opts is None else opts.rootRank
+        for t in tensors:
+            _check(t)
+        views = [_InPlace(t) for t in tensors]
+
+        def job():
+            for v in views:
+                self.ring.broadcast(v.buf.data_ptr(), v.buf.numel() * v.buf.element_size(), root)
+                v.done()
+
+        return self._submit(job, tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        for outs, t in zip(output_tensors, input_tensors):
+            _check(t)
+            if len(outs) != self.size():
+                raise ConfigError(f"diphoma: allgather needs {self.size()} outputs, got {len(outs)}")
+            for o in outs:
+                _check(o)
+                if o.numel() != t.numel() or o.dtype != t.dtype:
+                    raise ConfigError("diphoma: allgather outputs must match the input's numel and dtype")
+        work = [(outs, torch.empty((self.size(), t.numel()), dtype=t.dtype), t) for outs, t in zip(output_tensors, input_tensors)]
+
+        def job():
+            for outs, flat, t in work:
+                flat[self.rank()].copy_(t.reshape(-1))
+                self.ring.allgather(flat.data_ptr(), flat.numel() * flat.element_size())
+                for r, o in enumerate(outs):
+                    o.copy_(flat[r].view(o.shape))
+
+        return self._submit(job, output_tensors)
+
+    def all_gather_single(self, output, input, opts=None):
+        _check(output)
+        _check(input)
+        if output.numel() != input.numel() * self.size() or output.dtype != input.dtype:
+            raise ConfigError("diphoma: all_gather_into_tensor needs an output of world × the input's numel and dtype")
+        out = _InPlace(output)
+
+        def job():
+            flat = out.buf.view(self.size(), -1)
+            flat[self.rank()].copy_(input.reshape(-1))
+            self.ring.allgather(flat.data_ptr(), flat.numel() * flat.element_size())
+            out.done()
+
+        return self._submit(job, output)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op = _op_name(_reduce_opts(opts))
+        for out, ins in zip(output_tensors, input_tensors):
+            _check(out)
+            if len(ins) != self.size():
+                raise ConfigError(f"diphoma: reduce_scatter needs {self.size()} inputs, got {len(ins)}")
+            for t in ins:
+                _check(t)
+                if t.numel() != out.numel() or t.dtype != out.dtype:
+                    raise ConfigError("diphoma: reduce_scatter inputs must match the output's numel and dtype")
+
+        def job():
+            for out, ins in zip(output_tensors, input_tensors):
+                flat = torch.cat([t.reshape(-1) for t in ins])
+                self._scatter_into(flat, out, op)
+
+        return self._submit(job, output_tensors)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        op = _op_name(_reduce_opts(opts))
+        _check(output)
+        _check(input)
+        if input.numel() != output.numel() * self.size() or output.dtype != input.dtype:
+            raise ConfigError("diphoma: reduce_scatter_tensor needs an input of world × the output's numel and dtype")
+
+        def job():
+            # The ring leaves partial sums in the other chunks: work on a copy of the input.
+            self._scatter_into(input.reshape(-1).clone(), output, op)
+
+        return self._submit(job, output)
+
+    def _scatter_into(self, flat, out, op):
+        """Reduce-scatters the contiguous ``flat`` (world equal chunks) and copies this rank's
+        reduced chunk into ``out``."""
+        mine = flat.view(self.size(), -1)[self.rank()]
+        if op == "avg" and flat.dtype not in _RING_AVERAGES:
+            self.ring.reduce_scatter(flat.data_ptr(), flat.numel(), _DTYPES[flat.dtype], "sum")
+            mine = mine / self.size() if flat.is_floating_point() else mine.div(self.size(), rounding_mode="trunc")
+        else:
+            self.ring.reduce_scatter(flat.data_ptr(), flat.numel(), _DTYPES[flat.dtype], op)
+        out.copy_(mine.view(out.shape))
+
+    # Older torch releases call the tensor forms of all_gather_into_tensor and
+    # reduce_scatter_tensor by these names.
+    _allgather_base = all_gather_single
+    _reduce_scatter_base = reduce_scatter_single
+
+    def barrier(self, opts=None):
+        return self._submit(lambda: self.ring.barrier(), [])
+
+    def getBackendName(self):
+        return BACKEND
+
+    def __repr__(self):
+        return f"ProcessGroupDiphoma({self.ring!r})"
+
+
+def _create(store, rank, size, timeout):
+    """The backend's constructor (``Backend.register_backend``): joins the ring described by the
+    environment, bounding the join and each collective by ``init_process_group``'s
+    ``timeout``; torch's store is used only by torch's own rendezvous."""
+    ring = Ring.from_env(timeout=timeout.total_seconds())
+    if (ring.rank, ring.world) != (rank, size):
+        raise ConfigError(
+            f"diphoma: torch rank {rank}/world {size} differ from the ring's "
+            f"DIPHOMA_RANK {ring.rank}/DIPHOMA_WORLD_SIZE {ring.world}"
+        )
+    return ProcessGroupDiphoma(ring, rank, size)
+
+
+if BACKEND not in dist.Backend.backend_list:
+    dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+
+__all__ = ["BACKEND", "ProcessGroupDiphoma"]

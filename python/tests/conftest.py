@@ -1,0 +1,28 @@
+"""Helpers of the diphoma Python tests: run a script under the standalone launcher."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+
+
+def launch(nproc, script, *args, timeout=120, env=None):
+    """Runs ``python -m diphoma.run --nproc N scripts/SCRIPT ARGS`` and returns the completed
+    process (stdout and stderr captured as text)."""
+    return subprocess.run(
+        [sys.executable, "-m", "diphoma.run", "--nproc", str(nproc), os.path.join(SCRIPTS, script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def check(proc):
+    """Fails the test with the ranks' output unless the launcher exited 0."""
+    if proc.returncode != 0:
+        pytest.fail(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc

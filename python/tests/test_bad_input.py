@@ -1,0 +1,125 @@
+"""Bad input gives a clear Python exception naming what is wrong: no hang, no crash, and the
+process group stays usable afterwards. Also: the launcher forwards a failed rank's exit code and
+stops the other ranks."""
+
+import os
+import secrets
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import diphoma
+import diphoma.torch  # noqa: F401
+from diphoma.run import free_ports, rank_envs
+from conftest import launch
+
+
+@pytest.fixture(scope="module")
+def world_one(tmp_path_factory):
+    """The "diphoma" backend in this process, as a ring of one rank (the launcher's env)."""
+    key = tmp_path_factory.mktemp("key") / "ring.key"
+    key.write_bytes(secrets.token_bytes(32))
+    saved = dict(os.environ)
+    os.environ.update(rank_envs(1, str(key))[0])
+    dist.init_process_group(backend="diphoma")
+    yield
+    dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_device_tensor_is_refused_by_name(world_one):
+    # No GPU here: a 'meta' tensor takes the same path as a CUDA one (a non-CPU device).
+    with pytest.raises(diphoma.ConfigError, match="device meta.*CPU tensors only"):
+        dist.all_reduce(torch.ones(4, device="meta"))
+    with pytest.raises(diphoma.ConfigError, match="device meta"):
+        dist.broadcast(torch.ones(4, device="meta"), src=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.bool, torch.int16])
+def test_unsupported_dtype_is_refused_by_name(world_one, dtype):
+    with pytest.raises(diphoma.ConfigError, match=f"unsupported dtype {dtype}"):
+        dist.all_reduce(torch.zeros(4, dtype=dtype))
+
+
+@pytest.mark.parametrize("op", [dist.ReduceOp.PRODUCT, dist.ReduceOp.BAND, dist.ReduceOp.BXOR])
+def test_unsupported_op_is_refused_by_name(world_one, op):
+    with pytest.raises(diphoma.ConfigError, match=f"unsupported reduce op {op}"):
+        dist.all_reduce(torch.ones(4), op=op)
+
+
+def test_group_still_works_after_refusals(world_one):
+    t = torch.arange(5.0)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    assert torch.equal(t, torch.arange(5.0))
+    dist.barrier()
+
+
+def test_native_ring_refuses_bad_arguments(world_one):
+    ring = dist.distributed_c10d._get_default_group().ring
+    with pytest.raises(diphoma.ConfigError, match='unsupported dtype "uint8"'):
+        ring.allreduce(torch.ones(2).data_ptr(), 2, "uint8", "sum")
+    with pytest.raises(diphoma.ConfigError, match="unsupported reduce op"):
+        ring.allreduce(torch.ones(2).data_ptr(), 2, "float32", "product")
+    with pytest.raises(diphoma.ConfigError, match="not aligned"):
+        ring.allreduce(torch.ones(2).data_ptr() + 1, 1, "float32", "sum")
+    with pytest.raises(diphoma.ConfigError, match="Avg is not defined for I64"):
+        ring.allreduce(torch.ones(2, dtype=torch.int64).data_ptr(), 2, "int64", "avg")
+
+
+@pytest.mark.parametrize(
+    "missing", ["DIPHOMA_RANK", "DIPHOMA_WORLD_SIZE", "DIPHOMA_RING_ADDRESSES", "DIPHOMA_JOB_UID", "DIPHOMA_KEY_FILE"]
+)
+def test_missing_env_variable_is_named(missing, tmp_path):
+    key = tmp_path / "ring.key"
+    key.write_bytes(secrets.token_bytes(32))
+    env = rank_envs(1, str(key))[0]
+    del env[missing]
+    code = "import diphoma.torch, torch.distributed as dist\ndist.init_process_group(backend='diphoma')\n"
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1, p.stderr  # a Python exception, not a signal
+    assert f"diphoma.ConfigError: environment variable {missing} is not set" in p.stderr, p.stderr
+
+
+def test_peer_that_never_comes_is_a_ring_error(tmp_path):
+    """Rank 0 of a world of 2 whose peer never starts: RingError after the join's bound (and a
+    ConfigError for a bound that is not positive)."""
+    key = tmp_path / "ring.key"
+    key.write_bytes(secrets.token_bytes(32))
+    env = rank_envs(2, str(key))[0]
+    code = "import diphoma\ntry:\n    diphoma.Ring.from_env(timeout=0)\nexcept diphoma.ConfigError as e:\n    print(e)\ntry:\n    diphoma.Ring.from_env(timeout=1.5)\nexcept diphoma.RingError as e:\n    print('RingError', e)\n"
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=90)
+    assert p.returncode == 0, p.stderr
+    assert "timeout 0 s is not positive" in p.stdout and "RingError" in p.stdout, p.stdout
+
+
+def test_launcher_forwards_exit_code_and_stops_the_others(tmp_path):
+    pidfile = str(tmp_path / "rank0.pid")
+    p = launch(2, "fail.py", pidfile, timeout=60)
+    assert p.returncode == 3, p.stderr
+    pid = int(open(pidfile).read())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_free_ports_are_distinct():
+    ports = free_ports(16)
+    assert len(set(ports)) == 16
+
+
+def test_shut_down_group_refuses_and_exit_is_clean(monkeypatch, tmp_path):
+    """shutdown() finishes submitted work, is idempotent, and later collectives raise."""
+    key = tmp_path / "ring.key"
+    key.write_bytes(secrets.token_bytes(32))
+    for k, v in rank_envs(1, str(key))[0].items():
+        monkeypatch.setenv(k, v)
+    pg = diphoma.torch.ProcessGroupDiphoma(diphoma.Ring.from_env(), 0, 1)
+    work = pg.allreduce([torch.ones(2)])
+    pg.shutdown()
+    assert work.wait()
+    pg.shutdown()
+    with pytest.raises(diphoma.ConfigError, match="shut down"):
+        pg.allreduce([torch.ones(2)])

@@ -1,0 +1,12 @@
+"""Each collective, dtype and op of the "diphoma" backend against a reference computed in the
+script (scripts/collectives.py), at a power-of-two world and an odd one."""
+
+import pytest
+
+from conftest import check, launch
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_collectives_match_reference(world):
+    p = check(launch(world, "collectives.py"))
+    assert "collectives ok" in p.stdout
