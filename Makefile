@@ -21,11 +21,12 @@ tools: deps ## build the pinned control plane, etcd and helm from Go modules; fe
 build: deps ## build every binary of the workspace
 	$(CARGO) build --workspace --bins --locked
 
-generate: tools ## regenerate the derived files: the CRD (crds/, the chart's copy, docs/crd-reference.md), manifests/install.yaml
+generate: tools ## regenerate the derived files: the CRD (crds/, the chart's copy, docs/crd-reference.md), manifests/install.yaml, docs/prometheus-rules.yaml
 	$(CARGO) run -q -p diphoma-operator -- crd > crds/diphomajob.yaml
 	$(CARGO) run -q -p diphoma-operator -- crd --markdown > docs/crd-reference.md
 	cp crds/diphomajob.yaml charts/diphoma-operator/crds/diphomajob.yaml
 	bash scripts/render-install.sh "$$(bash e2e/cluster/build-bins.sh 2>/dev/null)/helm" > manifests/install.yaml
+	bash scripts/render-rules.sh "$$(bash e2e/cluster/build-bins.sh 2>/dev/null)/helm" > docs/prometheus-rules.yaml
 
 fmt-check:
 	$(CARGO) fmt --all -- --check

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # render-install.sh HELM — prints manifests/install.yaml: the operator's namespace and the chart
-# rendered with its defaults and CRDs (so `kubectl apply -f manifests/install.yaml` installs the
-# operator without helm). `make generate` writes it; e2e/tests/chart.rs diff-checks it.
+# rendered with its defaults and CRDs, without the `helm test` Pod (so `kubectl apply -f
+# manifests/install.yaml` installs the operator without helm). `make generate` writes it;
+# e2e/tests/chart.rs diff-checks it.
 set -euo pipefail
 helm=${1:?usage: $0 HELM}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -17,4 +18,4 @@ metadata:
   labels:
     pod-security.kubernetes.io/enforce: restricted
 YAML
-"$helm" template diphoma-operator "$root/charts/diphoma-operator" --namespace "$ns" --include-crds
+"$helm" template diphoma-operator "$root/charts/diphoma-operator" --namespace "$ns" --include-crds --skip-tests

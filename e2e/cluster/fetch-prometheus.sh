@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# fetch-prometheus.sh — unpacks Debian's `prometheus` package (its binary only: no service is
-# installed or started) into the tools cache and prints the path of the prometheus binary.
-# The e2e dashboard test starts it on 127.0.0.1 itself. Reuses what is there.
+# fetch-prometheus.sh — unpacks Debian's `prometheus` package (its binaries only: no service is
+# installed or started) into the tools cache and prints the path of the prometheus binary;
+# promtool lies beside it. The e2e dashboard test starts prometheus on 127.0.0.1 itself; the chart
+# test runs `promtool test rules`. Reuses what is there.
 set -euo pipefail
 ROOT=${DIPHOMA_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/diphoma/k8s-tools}
 OUT="$ROOT/prometheus"
-if [[ ! -x "$OUT/usr/bin/prometheus" ]]; then
+if [[ ! -x "$OUT/usr/bin/prometheus" || ! -x "$OUT/usr/bin/promtool" ]]; then
   command -v apt-get >/dev/null && command -v dpkg >/dev/null ||
     { echo "fetch-prometheus: needs apt-get and dpkg (Debian) to fetch the prometheus package" >&2; exit 1; }
   tmp=$(mktemp -d)

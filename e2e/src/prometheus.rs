@@ -21,6 +21,14 @@ pub fn prometheus_bin() -> Result<PathBuf, Error> {
     env_or_script("DIPHOMA_PROMETHEUS", "fetch-prometheus.sh")
 }
 
+/// The promtool binary of the same package: the file `promtool` beside [`prometheus_bin`] (so
+/// `$DIPHOMA_PROMETHEUS` must name a prometheus with its promtool beside it).
+///
+/// Errors: [`Error::Script`] when the package cannot be fetched.
+pub fn promtool_bin() -> Result<PathBuf, Error> {
+    Ok(prometheus_bin()?.with_file_name("promtool"))
+}
+
 /// A running Prometheus server (its process group is killed on drop).
 #[derive(Debug)]
 pub struct Prometheus {

@@ -1,10 +1,13 @@
 //! The Helm chart on the local control plane. The binary installs the chart into a namespace that
 //! enforces the Pod Security "restricted" profile, so the operator runs as a pod (the process
 //! kubelet maps its image to the built binary) under exactly the chart's RBAC. Then: lint,
-//! schema and `manifests/install.yaml` freshness, server-side dry runs of every manifest, the RBAC
-//! checked with `kubectl auth can-i`, a training job run by that operator while a real Prometheus
-//! (Debian's package) scrapes it and every dashboard query returns data, and finally `helm
-//! upgrade` to two replicas and `helm uninstall`, which leaves only the CRD behind.
+//! schema and `manifests/install.yaml` freshness, the packaged chart rendering as the source, the
+//! alert rules under `promtool test rules` (and their plain copy fresh), server-side dry runs of
+//! every manifest, the RBAC checked with `kubectl auth can-i` (the operator's, and users' through
+//! the aggregated `edit` and `view` roles), `helm test`, a training job run by that operator while
+//! a real Prometheus (Debian's package) scrapes it and every dashboard query returns data, and
+//! finally `helm upgrade` to two replicas (with a PodDisruptionBudget) and `helm uninstall`, which
+//! leaves only the CRD behind.
 
 mod common;
 
@@ -16,12 +19,20 @@ use common::*;
 use diphoma_contract::LABEL_JOB_NAME;
 use diphoma_e2e::kit::{JobManifest, alive, pid_of, signal};
 use diphoma_e2e::kubelet::node::NodeConfig;
-use diphoma_e2e::prometheus::{Prometheus, prometheus_bin, write_targets};
+use diphoma_e2e::prometheus::{Prometheus, prometheus_bin, promtool_bin, write_targets};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use kube::{Api, ResourceExt};
 
 const SELECT_RELEASE: &str = "app.kubernetes.io/instance=diphoma-operator";
+/// Every optional part of the chart switched on.
+const ALL_ON: [&str; 5] = [
+    "--set=replicaCount=2",
+    "--set=serviceMonitor.enabled=true",
+    "--set=podMonitor.enabled=true",
+    "--set=networkPolicy.enabled=true",
+    "--set=prometheusRule.enabled=true",
+];
 
 fn main() -> Result<()> {
     let nodes = (0..3)
@@ -32,8 +43,12 @@ fn main() -> Result<()> {
         OperatorMode::Chart,
         tests![
             chart_lints_validates_values_and_install_yaml_is_fresh,
+            the_packaged_chart_renders_as_the_source,
+            alert_rules_pass_promtool_and_their_plain_copy_is_fresh,
             every_manifest_passes_a_server_side_dry_run,
             the_operator_runs_as_a_pod_under_exactly_its_chart_rbac,
+            users_bound_to_edit_and_view_get_diphomajobs_through_aggregation,
+            helm_test_finds_the_operator_answering,
             a_job_run_by_the_chart_operator_feeds_every_dashboard_query,
             helm_upgrade_to_two_replicas_then_uninstall_leaves_only_the_crd,
         ],
@@ -47,14 +62,8 @@ async fn chart_lints_validates_values_and_install_yaml_is_fresh(
     let helm = || ctx.cp.helm();
     run_ok(helm().args(["lint", "--strict"]).arg(chart()))?;
     // Every optional part renders and lints too.
-    let all_on = [
-        "--set=replicaCount=2",
-        "--set=serviceMonitor.enabled=true",
-        "--set=podMonitor.enabled=true",
-        "--set=networkPolicy.enabled=true",
-    ];
-    run_ok(helm().args(["lint", "--strict"]).arg(chart()).args(all_on))?;
-    let rendered = run_ok(helm().args(["template", RELEASE]).arg(chart()).args(all_on))?;
+    run_ok(helm().args(["lint", "--strict"]).arg(chart()).args(ALL_ON))?;
+    let rendered = run_ok(helm().args(["template", RELEASE]).arg(chart()).args(ALL_ON))?;
     ensure!(
         !rendered.contains("type: Recreate"),
         "leader-elected replicas roll over"
@@ -64,10 +73,16 @@ async fn chart_lints_validates_values_and_install_yaml_is_fresh(
         single.contains("type: Recreate"),
         "without leader election the old operator must stop before the new one starts"
     );
+    ensure!(
+        !single.contains("kind: PodDisruptionBudget"),
+        "one replica has no PodDisruptionBudget (it would block every drain)"
+    );
     for kind in [
         "kind: ServiceMonitor",
         "kind: PodMonitor",
         "kind: Lease",
+        "kind: PrometheusRule",
+        "kind: PodDisruptionBudget",
         "DIPHOMA_LEADER_ELECT",
         "DIPHOMA_NETWORK_POLICY",
         "resources: [networkpolicies]",
@@ -85,6 +100,7 @@ async fn chart_lints_validates_values_and_install_yaml_is_fresh(
         ("metrics.port=70000", "metrics/port"),
         ("image.pullPolicy=Sometimes", "pullPolicy"),
         ("replicas=2", "replicas"),
+        ("prometheusRule.ringWaitingFor=soon", "ringWaitingFor"),
     ] {
         let out = helm()
             .args(["template", RELEASE])
@@ -109,6 +125,68 @@ async fn chart_lints_validates_values_and_install_yaml_is_fresh(
         fresh == committed,
         "manifests/install.yaml is stale: run `make generate`"
     );
+    Ok(())
+}
+
+async fn the_packaged_chart_renders_as_the_source(ctx: Arc<Ctx>, _ns: String) -> Result<()> {
+    let helm = || ctx.cp.helm();
+    let dir = ctx.cp.dir.join("helm-package");
+    let out = run_ok(helm().arg("package").arg(chart()).arg("-d").arg(&dir))?;
+    let package = std::fs::read_dir(&dir)?
+        .next()
+        .context("helm package wrote nothing")??
+        .path();
+    ensure!(
+        package.extension().is_some_and(|e| e == "tgz"),
+        "helm package: {out}"
+    );
+    let render = |from: &std::path::Path, set: &[&str]| {
+        run_ok(
+            helm()
+                .args(["template", RELEASE, "--include-crds", "-n", OPERATOR_NS])
+                .arg(from)
+                .args(set),
+        )
+    };
+    for set in [&[][..], &ALL_ON[..]] {
+        ensure!(
+            render(&package, set)? == render(&chart(), set)?,
+            "the packaged chart {package:?} renders differently from the source with {set:?}"
+        );
+    }
+    Ok(())
+}
+
+async fn alert_rules_pass_promtool_and_their_plain_copy_is_fresh(
+    ctx: Arc<Ctx>,
+    _ns: String,
+) -> Result<()> {
+    // docs/prometheus-rules.yaml is the chart's PrometheusRule spec rendered by
+    // scripts/render-rules.sh: what is tested below is what the chart installs.
+    let fresh = run_ok(
+        Command::new("bash")
+            .arg(repo_root().join("scripts/render-rules.sh"))
+            .arg(ctx.cp.bin_dir.join("helm")),
+    )?;
+    let docs = repo_root().join("docs");
+    let committed = std::fs::read_to_string(docs.join("prometheus-rules.yaml"))?;
+    ensure!(
+        fresh == committed,
+        "docs/prometheus-rules.yaml is stale: run `make generate`"
+    );
+    let promtool = promtool_bin()?;
+    let check = run_ok(
+        Command::new(&promtool)
+            .args(["check", "rules"])
+            .arg(docs.join("prometheus-rules.yaml")),
+    )?;
+    ensure!(check.contains("5 rules found"), "promtool check: {check}");
+    run_ok(
+        Command::new(&promtool)
+            .args(["test", "rules"])
+            .arg(docs.join("prometheus-rules.test.yaml")),
+    )
+    .context("promtool test rules docs/prometheus-rules.test.yaml")?;
     Ok(())
 }
 
@@ -154,20 +232,8 @@ async fn the_operator_runs_as_a_pod_under_exactly_its_chart_rbac(
         "the pod runs {exe:?}, not the operator binary"
     );
 
-    let sa = format!("--as=system:serviceaccount:{OPERATOR_NS}:{RELEASE}");
-    let can = |args: &[&str]| -> Result<bool> {
-        let out = ctx
-            .cp
-            .kubectl()
-            .args(["auth", "can-i", &sa])
-            .args(args)
-            .output()?;
-        match out.status.code() {
-            Some(0) => Ok(true),
-            Some(1) => Ok(false),
-            _ => bail!("can-i {args:?}: {}", String::from_utf8_lossy(&out.stderr)),
-        }
-    };
+    let sa = format!("system:serviceaccount:{OPERATOR_NS}:{RELEASE}");
+    let can = |args: &[&str]| can_i(&ctx, &sa, args);
     let n = ["-n", ns.as_str()];
     let in_ns = |v: &[&'static str]| [v, &n[..]].concat();
     // What operator/src/controller.rs calls.
@@ -232,6 +298,110 @@ async fn the_operator_runs_as_a_pod_under_exactly_its_chart_rbac(
         }
     }
     ensure!(wrong.is_empty(), "RBAC: {wrong:#?}");
+    Ok(())
+}
+
+/// `kubectl auth can-i ARGS --as=USER`.
+fn can_i(ctx: &Ctx, user: &str, args: &[&str]) -> Result<bool> {
+    let out = ctx
+        .cp
+        .kubectl()
+        .args(["auth", "can-i", &format!("--as={user}")])
+        .args(args)
+        .output()?;
+    match out.status.code() {
+        Some(0) => Ok(true),
+        Some(1) => Ok(false),
+        _ => bail!("can-i {args:?}: {}", String::from_utf8_lossy(&out.stderr)),
+    }
+}
+
+async fn users_bound_to_edit_and_view_get_diphomajobs_through_aggregation(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    // Users bound to the built-in roles only: what they may do with DiphomaJobs comes from the
+    // chart's diphoma-edit and diphoma-view, aggregated by the controller-manager.
+    for (user, role) in [("alice", "edit"), ("bob", "view"), ("carol", "admin")] {
+        run_ok(ctx.cp.kubectl().args([
+            "-n",
+            &ns,
+            "create",
+            "rolebinding",
+            &format!("{user}-{role}"),
+            &format!("--clusterrole={role}"),
+            &format!("--user={user}"),
+        ]))?;
+    }
+    let n = ["-n", ns.as_str()];
+    let (scale, status) = ("--subresource=scale", "--subresource=status");
+    let verb = |v: &'static str, sub: &[&'static str]| {
+        [&[v, "diphomajobs.diphoma.io"][..], sub, &n[..]].concat()
+    };
+    let reads = [
+        verb("get", &[]),
+        verb("list", &[]),
+        verb("watch", &[]),
+        verb("get", &[scale]),
+        verb("get", &[status]),
+    ];
+    let writes = [
+        verb("create", &[]),
+        verb("patch", &[]),
+        verb("delete", &[]),
+        verb("update", &[scale]),
+        verb("patch", &[scale]),
+    ];
+    let status_write = verb("patch", &[status]);
+    let mut expected: Vec<(&str, &Vec<&str>, bool)> = vec![];
+    for user in ["alice", "carol"] {
+        expected.extend(reads.iter().chain(&writes).map(|a| (user, a, true)));
+        expected.push((user, &status_write, false));
+    }
+    expected.extend(reads.iter().map(|a| ("bob", a, true)));
+    expected.extend(writes.iter().map(|a| ("bob", a, false)));
+    expected.push(("bob", &status_write, false));
+    // The aggregation controller fills the built-in roles asynchronously.
+    let mut wrong = vec![];
+    eventually(60, "the aggregated roles grant what they say", async || {
+        wrong = vec![];
+        for (user, args, want) in &expected {
+            if can_i(&ctx, user, args)? != *want {
+                wrong.push(format!("{user} {}: expected {want}", args.join(" ")));
+            }
+        }
+        Ok(wrong.is_empty())
+    })
+    .await
+    .with_context(|| format!("{wrong:#?}"))?;
+    Ok(())
+}
+
+async fn helm_test_finds_the_operator_answering(ctx: Arc<Ctx>, _ns: String) -> Result<()> {
+    // The probe exits 0 only when some operator pod answered and both /healthz and /readyz
+    // answered 200 on every one (diphoma-probe --pods). No `--logs`: the passed Pod is deleted.
+    let out =
+        run_ok(
+            ctx.cp
+                .helm()
+                .args(["test", RELEASE, "-n", OPERATOR_NS, "--timeout", "120s"]),
+        )?;
+    ensure!(
+        out.contains("diphoma-operator-test") && out.contains("Succeeded"),
+        "helm test: {out}"
+    );
+    // The passed test leaves nothing behind (hook-succeeded).
+    let left = run_ok(ctx.cp.kubectl().args([
+        "-n",
+        OPERATOR_NS,
+        "get",
+        "pods,serviceaccounts,roles,rolebindings",
+        "-l",
+        "app.kubernetes.io/name=diphoma-operator-test",
+        "-o",
+        "name",
+    ]))?;
+    ensure!(left.trim().is_empty(), "left by helm test: {left}");
     Ok(())
 }
 
@@ -484,13 +654,26 @@ async fn helm_upgrade_to_two_replicas_then_uninstall_leaves_only_the_crd(
         Ok(names.len() == 2 && names.contains(&holder))
     })
     .await?;
+    let min_available = run_ok(ctx.cp.kubectl().args([
+        "-n",
+        OPERATOR_NS,
+        "get",
+        "poddisruptionbudget",
+        RELEASE,
+        "-o",
+        "jsonpath={.spec.minAvailable}",
+    ]))?;
+    ensure!(
+        min_available == "1",
+        "two replicas: PodDisruptionBudget minAvailable {min_available:?}"
+    );
 
     run_ok(
         ctx.cp
             .helm()
             .args(["uninstall", RELEASE, "-n", OPERATOR_NS, "--wait"]),
     )?;
-    let kinds = "deployments,replicasets,pods,services,serviceaccounts,configmaps,secrets,leases,roles,rolebindings,clusterroles,clusterrolebindings";
+    let kinds = "deployments,replicasets,pods,services,serviceaccounts,configmaps,secrets,leases,roles,rolebindings,clusterroles,clusterrolebindings,poddisruptionbudgets";
     eventually(60, "nothing of the release left", async || {
         let left = run_ok(ctx.cp.kubectl().args([
             "get",

@@ -51,3 +51,16 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "diphoma-operator.leaderElection" -}}
 {{- if or .Values.leaderElection.enabled (gt (int .Values.replicaCount) 1) }}true{{ end }}
 {{- end }}
+
+{{/* The labels of the `helm test` resources: the common ones, but a name of their own, so that the
+   operator's ReplicaSet never adopts the test Pod and the test never calls itself. */}}
+{{- define "diphoma-operator.testLabels" -}}
+{{ include "diphoma-operator.labels" . | replace (printf "app.kubernetes.io/name: %s" (include "diphoma-operator.name" .)) (printf "app.kubernetes.io/name: %s-test" (include "diphoma-operator.name" .)) }}
+{{- end }}
+
+{{/* The `helm test` hook annotations: created for `helm test`, deleted once it passes (kept after a
+   failure, for `kubectl logs`; replaced by the next run). */}}
+{{- define "diphoma-operator.testHook" -}}
+helm.sh/hook: test
+helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
+{{- end }}

@@ -5,6 +5,9 @@
 //! `--serve ADDR` answers HTTP probes while it sleeps (`GET /ready`: 200 while the
 //! `--ready-file` exists, else 503; `GET /healthz`: 500 while the `--sick-file` exists, else 200;
 //! each answer printed as `answered PATH <status>`);
+//! `--pods SELECTOR` (in `--namespace`, listed through the API server) calls `GET <pod IP>:<--port>
+//! <PATH>` on each pod for every `--http PATH`, prints `http POD PATH <status line>`, and exits 1
+//! unless some pod answered and every answer was 200 (the chart's `helm test`);
 //! `--sleep SECS` sleeps (SIGTERM ends it with exit 0); `--exit CODE` exits with CODE.
 
 use std::path::PathBuf;
@@ -32,6 +35,18 @@ struct Cli {
     /// `/healthz` answers 500 while this file exists.
     #[arg(long)]
     sick_file: Option<PathBuf>,
+    /// Label selector of the pods to call over HTTP (`--http`).
+    #[arg(long)]
+    pods: Option<String>,
+    /// Namespace of `--pods`.
+    #[arg(long, default_value = "default")]
+    namespace: String,
+    /// Port of `--pods` to call.
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Paths to GET on each of `--pods`.
+    #[arg(long)]
+    http: Vec<String>,
     /// Seconds to sleep before exiting.
     #[arg(long, default_value_t = 0)]
     sleep: u64,
@@ -56,6 +71,11 @@ async fn main() {
     }
     for path in &cli.get {
         println!("get {path} {}", get(path).await);
+    }
+    if let Some(selector) = &cli.pods
+        && !pods_answer(&cli.namespace, selector, cli.port, &cli.http).await
+    {
+        std::process::exit(1);
     }
     if let Some(addr) = cli.serve {
         let listener = tokio::net::TcpListener::bind(addr)
@@ -116,4 +136,50 @@ async fn get(path: &str) -> String {
         Err(kube::Error::Api(s)) => s.code.to_string(),
         Err(e) => format!("error: {e}"),
     }
+}
+
+/// Calls every path on every pod matching `selector` in `namespace` (at its pod IP and `port`),
+/// printing one line per answer; true when some pod answered and every answer was 200.
+async fn pods_answer(namespace: &str, selector: &str, port: u16, paths: &[String]) -> bool {
+    use k8s_openapi::api::core::v1::Pod;
+    let pods = match kube::Client::try_default().await {
+        Ok(c) => kube::Api::<Pod>::namespaced(c, namespace)
+            .list(&kube::api::ListParams::default().labels(selector))
+            .await
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    let pods = match pods {
+        Ok(list) => list.items,
+        Err(e) => {
+            println!("pods {selector} error: {e}");
+            return false;
+        }
+    };
+    let mut ok = 0;
+    let mut failed = 0;
+    for pod in &pods {
+        let name = pod.metadata.name.as_deref().unwrap_or_default();
+        let Some(ip) = pod.status.as_ref().and_then(|s| s.pod_ip.as_deref()) else {
+            println!("http {name} no pod IP");
+            failed += 1;
+            continue;
+        };
+        let Ok(ip) = ip.parse::<std::net::IpAddr>() else {
+            println!("http {name} bad pod IP {ip}");
+            failed += 1;
+            continue;
+        };
+        for path in paths {
+            let status = diphoma_e2e::cluster::http_get((ip, port).into(), path)
+                .await
+                .map_or_else(|e| format!("error: {e}"), |(status, _)| status);
+            println!("http {name} {path} {status}");
+            match status.split(' ').nth(1) {
+                Some("200") => ok += 1,
+                _ => failed += 1,
+            }
+        }
+    }
+    ok > 0 && failed == 0
 }
