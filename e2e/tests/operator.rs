@@ -1,6 +1,8 @@
 //! The operator against the local control plane: the CRD refuses bad manifests, a job gets its
 //! GPU pods and its ring, a lost worker is replaced at a new generation and counted once, and a
-//! restarted operator creates no duplicates. Workers run `diphoma-probe` (they only need to live).
+//! restarted operator creates no duplicates; a job the operator cannot read is reported on itself
+//! while the others go on; names and ring ports that cannot work are refused. Workers run
+//! `diphoma-probe` (they only need to live).
 
 mod common;
 
@@ -36,6 +38,9 @@ fn main() -> Result<()> {
             a_training_job_survives_a_killed_worker_and_succeeds,
             two_replicas_elect_one_leader_that_serves_metrics,
             node_loss_is_detected_from_its_lease_and_workers_move,
+            a_job_the_operator_cannot_read_is_reported_on_itself_and_others_go_on,
+            names_that_cannot_work_are_refused_and_the_longest_survives_repairs,
+            ring_port_cannot_change_under_a_running_ring,
         ],
     )
 }
@@ -525,6 +530,192 @@ async fn kubectl_scale_resizes_the_ring_without_counting_failures(
     ensure!(
         refused.is_some_and(|e| e.contains("spec.replicas")),
         "scaling past maxReplicas was accepted"
+    );
+    Ok(())
+}
+
+/// `kubectl apply` of `yaml` must fail with an error that contains each of `needles`.
+fn refused(ctx: &Ctx, ns: &str, what: &str, yaml: &str, needles: &[&str]) -> Result<()> {
+    let out = kubectl_apply(ctx, ns, yaml)?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success(), "{what} was accepted");
+    for n in needles {
+        ensure!(
+            err.contains(n),
+            "{what}: the error does not say {n:?}: {err}"
+        );
+    }
+    Ok(())
+}
+
+async fn a_job_the_operator_cannot_read_is_reported_on_itself_and_others_go_on(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    // The fields the operator reads are typed in the CRD: refused at apply, the field named.
+    let args =
+        json!({"spec": {"template": {"spec": {"containers": [{"args": "train --steps 100"}]}}}});
+    let yaml = JobManifest {
+        extra: args,
+        ..probe_job("string-args", 1)
+    }
+    .to_string();
+    refused(
+        &ctx,
+        &ns,
+        "string args",
+        &yaml,
+        &["spec.template.spec.containers[0].args"],
+    )?;
+    let mut empty = probe_job("no-containers", 1).build();
+    empty["spec"]["template"]["spec"]["containers"] = json!([]);
+    refused(
+        &ctx,
+        &ns,
+        "no containers",
+        &empty.to_string(),
+        &["spec.template.spec.containers"],
+    )?;
+    // A field the schema keeps as is, wrongly typed: accepted, and reported on the job itself
+    // after an operator restart, while the other job is reconciled.
+    let good = start_job(&ctx, &ns, &probe_job("good", 1), 1).await?;
+    ctx.stop_operator().await;
+    let bad = json!({"spec": {"template": {"spec": {"hostNetwork": "yes"}}}});
+    let out = kubectl_apply(
+        &ctx,
+        &ns,
+        &JobManifest {
+            extra: bad,
+            ..probe_job("bad", 1)
+        }
+        .to_string(),
+    )?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let unseen = touch_spec(&ctx.client, &ns, "good").await?;
+    ctx.start_operator();
+    observed(&ctx.client, &ns, "good", unseen)
+        .await
+        .context("the other job was not reconciled after the restart")?;
+    ensure!(
+        ring(&ctx.client, &ns, "good").await? == Some(good),
+        "the good ring changed"
+    );
+    let field = "spec.template.spec.hostNetwork";
+    let raw = Api::<kube::api::DynamicObject>::namespaced_with(
+        ctx.client.clone(),
+        &ns,
+        &kube::api::ApiResource::erase::<DiphomaJob>(&()),
+    );
+    let mut last = None;
+    eventually(
+        60,
+        "bad: Ready=False InvalidSpec naming the field",
+        async || {
+            last = raw.get("bad").await?.data.get("status").cloned();
+            Ok(last
+                .as_ref()
+                .and_then(|s| s["conditions"].as_array())
+                .is_some_and(|cs| {
+                    cs.iter().any(|c| {
+                        c["type"] == "Ready"
+                            && c["status"] == "False"
+                            && c["reason"] == "InvalidSpec"
+                            && c["message"].as_str().is_some_and(|m| m.contains(field))
+                    })
+                }))
+        },
+    )
+    .await
+    .with_context(|| format!("last status: {last:?}"))?;
+    eventually(
+        30,
+        "a Warning event InvalidSpec naming the field",
+        async || {
+            let events =
+                Api::<k8s_openapi::api::events::v1::Event>::namespaced(ctx.client.clone(), &ns)
+                    .list(&ListParams::default())
+                    .await?;
+            Ok(events.items.iter().any(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("bad")
+                    && e.type_.as_deref() == Some("Warning")
+                    && e.reason.as_deref() == Some("InvalidSpec")
+                    && e.note.as_deref().is_some_and(|n| n.contains(field))
+            }))
+        },
+    )
+    .await?;
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default().labels("diphoma.io/job-name=bad"))
+        .await?;
+    ensure!(pods.items.is_empty(), "pods of the bad job were created");
+    Ok(())
+}
+
+async fn names_that_cannot_work_are_refused_and_the_longest_survives_repairs(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let limit = diphoma_operator::api::MAX_NAME_LEN;
+    for (what, name) in [
+        ("too long", "a".repeat(limit + 1)),
+        ("64 characters", "b".repeat(64)),
+        ("a leading digit", "1abc".to_owned()),
+        ("a dot", "a.b".to_owned()),
+    ] {
+        refused(
+            &ctx,
+            &ns,
+            what,
+            &probe_job(&name, 1).to_string(),
+            &["metadata.name", "at most 51"],
+        )?;
+    }
+    // The longest name works through repairs: each replacement gets a new pod name.
+    let name = "l".repeat(limit);
+    let mut ring = start_job(&ctx, &ns, &probe_job(&name, 2), 2).await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    for _ in 0..2 {
+        let worker1 = format!("{name}-worker-1");
+        let victim = ring
+            .members
+            .iter()
+            .find(|m| m.pod.starts_with(&worker1))
+            .map(|m| m.pod.clone())
+            .context("no worker 1 in the ring")?;
+        pods.delete(&victim, &DeleteParams::default()).await?;
+        ring = running_ring(&ctx, &ns, &name, 2, ring.generation).await?;
+        ensure!(
+            !ring.members.iter().any(|m| m.pod == victim),
+            "{victim} still a member"
+        );
+    }
+    ensure!(
+        ring.members.iter().any(|m| m.pod.ends_with("-worker-1-2")),
+        "no second replacement: {ring:?}"
+    );
+    Ok(())
+}
+
+async fn ring_port_cannot_change_under_a_running_ring(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    start_job(&ctx, &ns, &probe_job("port", 2), 2).await?;
+    let patched = ctx
+        .cp
+        .kubectl()
+        .args(["-n", &ns, "patch", "dpj", "port", "--type", "merge", "-p"])
+        .arg(r#"{"spec":{"ringPort":29600}}"#)
+        .output()?;
+    let err = String::from_utf8_lossy(&patched.stderr);
+    ensure!(!patched.status.success(), "the ringPort patch was accepted");
+    ensure!(err.contains("spec.ringPort is immutable"), "error: {err}");
+    let j = job_status(&ctx.client, &ns, "port").await?;
+    ensure!(
+        j.spec.ring_port == 29500,
+        "ringPort is {}",
+        j.spec.ring_port
     );
     Ok(())
 }

@@ -144,7 +144,9 @@ pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Result<Pod, Bui
     });
     pod_spec.restart_policy = Some("Never".into());
     pod_spec.service_account_name = Some(worker_account_name(&name));
-    pod_spec.hostname = Some(pod_name(&name, index, attempt));
+    // The hostname stays per index (a DNS label, ≤ 63 for every name the CRD accepts), while
+    // the pod name counts attempts up.
+    pod_spec.hostname = Some(pod_name(&name, index, 0));
     pod_spec.subdomain = Some(name.clone());
     place(spec, &mut pod_spec);
     let mut meta = meta(job, pod_name(&name, index, attempt));
@@ -479,6 +481,36 @@ pub(crate) mod tests {
             json!({"replicas": 4, "gpusPerWorker": 2, "template": {"metadata": {"labels": {"team": "a"}},
             "spec": {"containers": [{"name": "w", "image": "diphoma-worker", "env": [{"name": "X", "value": "1"}]}]}}}),
         )
+    }
+
+    #[test]
+    fn the_longest_accepted_name_fits_every_child_through_repairs() {
+        let long = "a".repeat(crate::api::MAX_NAME_LEN);
+        let mut j = basic();
+        j.metadata.name = Some(long.clone());
+        j.spec.replicas = 4096;
+        let dns_label = |s: &str| {
+            s.len() <= 63
+                && s.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        };
+        let p = worker_pod(&j, 4095, 10_000).unwrap();
+        let spec = p.spec.as_ref().unwrap();
+        assert!(dns_label(spec.hostname.as_deref().unwrap()), "hostname");
+        assert!(dns_label(spec.subdomain.as_deref().unwrap()), "subdomain");
+        assert!(p.labels().values().all(|v| v.len() <= 63), "label values");
+        assert!(p.name_any().len() <= 253);
+        assert!(dns_label(&service(&j).name_any()), "Service");
+        for name in [
+            role(&j).name_any(),
+            key_secret_name(&long),
+            contract::membership_configmap_name(&long),
+            contract::heartbeat_configmap_name(&long),
+        ] {
+            assert!(name.len() <= 253, "{name}");
+        }
+        // The CEL rule states the same limit.
+        assert!(crate::api::NAME_RULE.contains(&crate::api::MAX_NAME_LEN.to_string()));
     }
 
     #[test]

@@ -25,7 +25,10 @@ use diphoma_contract::{
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
+};
+use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
@@ -33,7 +36,7 @@ use kube::{Api, Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::api::{DiphomaJob, FIELD_MANAGER};
+use crate::api::{DiphomaJob, DiphomaJobStatus, FIELD_MANAGER};
 use crate::build::{self, ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED, MANAGED_BY};
 use crate::error::Error;
 use crate::metrics::Metrics;
@@ -118,7 +121,8 @@ pub async fn run(
     metrics_listener: Option<tokio::net::TcpListener>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
-    let jobs: Api<DiphomaJob> = Api::all(client.clone());
+    // Guarded: a job that does not decode is reported on itself, and never stops the others.
+    let jobs: Api<DeserializeGuard<DiphomaJob>> = Api::all(client.clone());
     let pods: Api<Pod> = Api::all(client.clone());
     let managed = format!("app.kubernetes.io/managed-by={MANAGED_BY}");
     let metrics = Metrics::default();
@@ -206,7 +210,7 @@ pub async fn run(
     }
 }
 
-fn error_policy(job: Arc<DiphomaJob>, err: &Error, ctx: Arc<Context>) -> Action {
+fn error_policy(job: Arc<DeserializeGuard<DiphomaJob>>, err: &Error, ctx: Arc<Context>) -> Action {
     ctx.metrics
         .errors
         .with_label_values(&[err.metric_label()])
@@ -215,16 +219,62 @@ fn error_policy(job: Arc<DiphomaJob>, err: &Error, ctx: Arc<Context>) -> Action 
     Action::requeue(Duration::from_secs(2))
 }
 
-/// One reconcile of one job.
-pub async fn reconcile(job: Arc<DiphomaJob>, ctx: Arc<Context>) -> Result<Action, Error> {
+/// One reconcile of one job; a job that does not decode is reported on itself
+/// ([`plan::invalid`]).
+pub async fn reconcile(
+    job: Arc<DeserializeGuard<DiphomaJob>>,
+    ctx: Arc<Context>,
+) -> Result<Action, Error> {
+    match &job.0 {
+        Ok(decoded) => reconcile_job(decoded, &ctx).await,
+        Err(_) => report_invalid(&job, &ctx).await,
+    }
+}
+
+/// Reads the job as stored (one GET), and writes the status and event [`plan::invalid`] plans.
+async fn report_invalid(
+    job: &DeserializeGuard<DiphomaJob>,
+    ctx: &Context,
+) -> Result<Action, Error> {
+    let (ns, name) = (job.namespace().unwrap_or_default(), job.name_any());
+    let raw = Api::<DynamicObject>::namespaced_with(
+        ctx.client.clone(),
+        &ns,
+        &ApiResource::erase::<DiphomaJob>(&()),
+    )
+    .get_opt(&name)
+    .await
+    .map_err(|source| Error::Observe {
+        what: "invalid job",
+        source,
+    })?;
+    let Some(raw) = raw else {
+        return Ok(Action::await_change()); // deleted meanwhile
+    };
+    let object = serde_json::to_value(&raw).unwrap_or_default();
+    let Some(plan) = plan::invalid(&object, jiff::Timestamp::now()) else {
+        return Ok(Action::requeue(Duration::from_secs(1))); // it decodes now: look again
+    };
+    let prev: Option<DiphomaJobStatus> = object
+        .get("status")
+        .and_then(|s| serde_json::from_value(s.clone()).ok());
+    // Guarded: the API server answers with the job, which does not decode.
+    let jobs: Api<DeserializeGuard<DiphomaJob>> = Api::namespaced(ctx.client.clone(), &ns);
+    write_status(&jobs, &name, prev.as_ref(), &plan.status).await?;
+    publish(ctx, &job.object_ref(&()), &plan.events).await;
+    Ok(Action::await_change())
+}
+
+/// One reconcile of a job that decodes.
+async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error> {
     if job.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change()); // owner references clean up the children
     }
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
-    let obs = observe(&ctx.client, &job).await?; // reads
-    let plan = plan::plan(&job, &obs)?; // pure
-    apply(&ctx, &job, &plan).await?; // writes
+    let obs = observe(&ctx.client, job).await?; // reads
+    let plan = plan::plan(job, &obs)?; // pure
+    apply(ctx, job, &plan).await?; // writes
     ctx.metrics.observe_plan(&plan);
     Ok(plan
         .look_again
@@ -356,16 +406,7 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
         apply_children(ctx, job).await?;
     }
     // Status first: a counted failure is never lost, even if what follows fails.
-    if job.status.as_ref() != Some(&plan.status) {
-        let body = serde_json::json!({"apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "status": plan.status});
-        jobs.patch_status(
-            &name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&body),
-        )
-        .await
-        .map_err(|source| Error::PatchStatus { source })?;
-    }
+    write_status(&jobs, &name, job.status.as_ref(), &plan.status).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     for f in plan.failures.iter().filter(|f| f.exists) {
         annotate(&pods, &f.pod, ANNOT_FAILURE_COUNTED, f.cause.as_str()).await?;
@@ -406,8 +447,42 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
             source,
         })?;
     }
-    let reference = job.object_ref(&());
-    for e in &plan.events {
+    publish(ctx, &job.object_ref(&()), &plan.events).await;
+    Ok(())
+}
+
+/// Writes `status` on job `name` (server-side apply) unless it equals `prev`; `K` is the job
+/// type the reply decodes into.
+async fn write_status<K>(
+    jobs: &Api<K>,
+    name: &str,
+    prev: Option<&DiphomaJobStatus>,
+    status: &DiphomaJobStatus,
+) -> Result<(), Error>
+where
+    K: Clone + DeserializeOwned + std::fmt::Debug,
+{
+    if prev == Some(status) {
+        return Ok(());
+    }
+    let body = serde_json::json!({"apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "status": status});
+    jobs.patch_status(
+        name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&body),
+    )
+    .await
+    .map_err(|source| Error::PatchStatus { source })?;
+    Ok(())
+}
+
+/// Publishes `events` on the object `reference` (a failed publish is logged, not an error).
+async fn publish(
+    ctx: &Context,
+    reference: &k8s_openapi::api::core::v1::ObjectReference,
+    events: &[plan::EventNote],
+) {
+    for e in events {
         let ev = Event {
             type_: if e.warning {
                 EventType::Warning
@@ -419,11 +494,10 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
             action: "Reconcile".into(),
             secondary: None,
         };
-        if let Err(e) = ctx.recorder.publish(&ev, &reference).await {
+        if let Err(e) = ctx.recorder.publish(&ev, reference).await {
             tracing::debug!(error = %e, "event");
         }
     }
-    Ok(())
 }
 
 /// Sets annotation `key` to `value` on `pod` (a pod already gone is fine).

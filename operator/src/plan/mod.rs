@@ -10,6 +10,9 @@
 //! 3. [`workers`]: create missing workers, scale away the surplus;
 //! 4. [`ring`]: publish the next ring generation when its membership changes;
 //! 5. [`status`]: readiness, waiting, phase and conditions.
+//!
+//! A job whose spec does not decode gets [`invalid`] instead: a status and an event that name
+//! the field, and nothing else.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -214,6 +217,28 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Result<Plan, BuildError> {
     decide(job, obs, &mut plan)?;
     plan.look_again = look_again(job, &plan);
     Ok(plan)
+}
+
+/// The plan for a job the operator cannot decode (`object`: the job as the API server stores
+/// it): its status says why, with the field named, and a Warning event `InvalidSpec` says it
+/// once per reconcile; nothing is created, deleted or published, and the job's workers are left
+/// as they are until the spec is fixed. None when `object` decodes after all (it changed since
+/// the watch saw it).
+pub fn invalid(object: &serde_json::Value, now: Timestamp) -> Option<Plan> {
+    let error = crate::api::decode(object.clone()).err()?;
+    let prev = object
+        .get("status")
+        .and_then(|s| serde_json::from_value(s.clone()).ok())
+        .unwrap_or_default();
+    let generation = object
+        .pointer("/metadata/generation")
+        .and_then(|g| g.as_i64());
+    let message = format!("the operator cannot read this job: {error}");
+    Some(Plan {
+        status: status::invalid(prev, generation, &message, now),
+        events: vec![EventNote::warning("InvalidSpec", message)],
+        ..Plan::default()
+    })
 }
 
 /// The steps, in order; each later step sees what the earlier ones planned.

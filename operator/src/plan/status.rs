@@ -118,6 +118,31 @@ pub fn running(
     );
 }
 
+/// The status of a job whose spec cannot be decoded: `prev` kept (counts, ring, phase, or
+/// `Pending` for a new job), `waiting` is `message`, and the conditions say `InvalidSpec` (Ready
+/// and Progressing False).
+pub fn invalid(
+    prev: DiphomaJobStatus,
+    generation: Option<i64>,
+    message: &str,
+    now: Timestamp,
+) -> DiphomaJobStatus {
+    DiphomaJobStatus {
+        phase: Some(prev.phase.unwrap_or(Phase::Pending)),
+        conditions: conditions(
+            &prev.conditions,
+            Phase::Pending,
+            "InvalidSpec",
+            message,
+            now,
+            generation,
+        ),
+        waiting: Some(message.to_owned()),
+        observed_generation: generation,
+        ..prev
+    }
+}
+
 fn phase_reason(p: Phase) -> &'static str {
     match p {
         Phase::Pending => "Pending",

@@ -884,3 +884,31 @@ fn a_template_without_containers_is_an_error_naming_the_job() {
         "job train: spec.template.spec.containers is empty"
     );
 }
+
+#[test]
+fn a_job_that_does_not_decode_is_reported_on_itself_with_the_field_named() {
+    let mut object = serde_json::to_value(with_status(basic(), Phase::Running)).unwrap();
+    object["metadata"]["generation"] = json!(3);
+    object["spec"]["template"]["spec"]["containers"][0]["args"] = json!("train --steps 100");
+    let p = invalid(&object, t(5)).expect("does not decode");
+    let field = "spec.template.spec.containers[0].args";
+    assert_eq!(p.events.len(), 1);
+    assert!(p.events[0].warning && p.events[0].reason == "InvalidSpec");
+    assert!(p.events[0].note.contains(field), "{}", p.events[0].note);
+    let ready = p
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "InvalidSpec")
+    );
+    assert!(ready.message.contains(field));
+    assert_eq!(p.status.observed_generation, Some(3));
+    assert!(p.status.waiting.as_deref().unwrap().contains(field));
+    assert!(p.create.is_empty() && p.delete.is_empty() && p.publish.is_none());
+    // A job that decodes has nothing to report.
+    assert!(invalid(&serde_json::to_value(basic()).unwrap(), t(5)).is_none());
+}
