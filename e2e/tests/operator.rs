@@ -41,6 +41,7 @@ fn main() -> Result<()> {
             a_job_the_operator_cannot_read_is_reported_on_itself_and_others_go_on,
             names_that_cannot_work_are_refused_and_the_longest_survives_repairs,
             ring_port_cannot_change_under_a_running_ring,
+            status_counts_what_its_columns_say_and_events_name_their_pods,
         ],
     )
 }
@@ -716,6 +717,58 @@ async fn ring_port_cannot_change_under_a_running_ring(ctx: Arc<Ctx>, ns: String)
         j.spec.ring_port == 29500,
         "ringPort is {}",
         j.spec.ring_port
+    );
+    Ok(())
+}
+
+async fn status_counts_what_its_columns_say_and_events_name_their_pods(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    // Two workers lost at once: two WorkerFailed events, each naming its pod.
+    let first = start_job(&ctx, &ns, &probe_job("pair", 2), 2).await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    for m in &first.members {
+        pods.delete(&m.pod, &DeleteParams::default()).await?;
+    }
+    running_ring(&ctx, &ns, "pair", 2, first.generation).await?;
+    let mut about = vec![];
+    eventually(30, "a WorkerFailed event per lost pod", async || {
+        about = Api::<k8s_openapi::api::events::v1::Event>::namespaced(ctx.client.clone(), &ns)
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .filter(|e| e.reason.as_deref() == Some("WorkerFailed"))
+            .filter_map(|e| e.related?.name)
+            .collect::<Vec<_>>();
+        about.sort();
+        Ok(first.members.iter().all(|m| about.contains(&m.pod)))
+    })
+    .await
+    .with_context(|| format!("events about {about:?}"))?;
+    let st = reconciled(&ctx.client, &ns, "pair").await?;
+    ensure!(st.replicas == 2, "status.replicas {}", st.replicas);
+    // A member that exits non-retryably fails the job: nothing was repaired.
+    let fatal = JobManifest {
+        args: ["--sleep", "5", "--exit", "1"].map(String::from).to_vec(),
+        ..probe_job("fatal", 1)
+    };
+    start_job(&ctx, &ns, &fatal, 1).await?;
+    let mut st = None;
+    eventually(60, "fatal: Failed", async || {
+        st = job_status(&ctx.client, &ns, "fatal").await?.status;
+        Ok(st.as_ref().and_then(|s| s.phase) == Some(Phase::Failed))
+    })
+    .await
+    .with_context(|| format!("last status: {st:?}"))?;
+    let st = st.unwrap();
+    ensure!(
+        st.repairs.total == 0 && st.failures.total == 1 && st.replicas == 0,
+        "RESTARTS {}, failures {}, replicas {}",
+        st.repairs.total,
+        st.failures.total,
+        st.replicas
     );
     Ok(())
 }

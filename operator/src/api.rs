@@ -263,7 +263,8 @@ pub struct DiphomaJobStatus {
     /// otherwise `NotSuspended`, `NotCompleted` (`JobFailed` once the job failed), `NotFailed`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
-    /// Desired workers (for `/scale`).
+    /// Worker pods that exist and run on (not finished, not being deleted), for `/scale`: an
+    /// HPA compares it with `spec.replicas`.
     #[serde(default)]
     pub replicas: i32,
     /// Workers that are running and members of the ring.

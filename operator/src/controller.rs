@@ -24,7 +24,7 @@ use diphoma_contract::{
 };
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, ObjectReference, Pod};
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
 };
@@ -477,11 +477,7 @@ where
 }
 
 /// Publishes `events` on the object `reference` (a failed publish is logged, not an error).
-async fn publish(
-    ctx: &Context,
-    reference: &k8s_openapi::api::core::v1::ObjectReference,
-    events: &[plan::EventNote],
-) {
+async fn publish(ctx: &Context, reference: &ObjectReference, events: &[plan::EventNote]) {
     for e in events {
         let ev = Event {
             type_: if e.warning {
@@ -491,8 +487,14 @@ async fn publish(
             },
             reason: e.reason.into(),
             note: Some(e.note.clone()),
-            action: "Reconcile".into(),
-            secondary: None,
+            action: e.action.into(),
+            secondary: e.pod.as_ref().map(|pod| ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Pod".into()),
+                name: Some(pod.clone()),
+                namespace: reference.namespace.clone(),
+                ..Default::default()
+            }),
         };
         if let Err(e) = ctx.recorder.publish(&ev, reference).await {
             tracing::debug!(error = %e, "event");

@@ -313,6 +313,14 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
     found
 }
 
+/// Counts a repair for each ring member this plan found lost, once the job is known to run on
+/// (a job that fails or stops with the loss repairs nothing: RESTARTS counts repairs only).
+pub fn count_repairs(plan: &mut Plan) {
+    for f in plan.failures.iter().filter(|f| f.rank.is_some()) {
+        plan.status.repairs.add(f.cause.as_str());
+    }
+}
+
 /// Counts a failure, remembers it as the last one, announces it and, for a pod that still
 /// exists, schedules its deletion (it is replaced under a new name).
 fn record(
@@ -339,15 +347,12 @@ fn record(
         ),
         None => format!("worker {} ({}) lost: {}", f.pod, f.cause.as_str(), f.reason),
     };
-    if f.rank.is_some() {
-        status.repairs.add(f.cause.as_str()); // a ring member lost: the ring must be re-formed
-    }
     let reason = if f.cause == Cause::NodeLost {
         "NodeLost"
     } else {
         "WorkerFailed"
     };
-    events.push(EventNote::warning(reason, note));
+    events.push(EventNote::warning(reason, "Replace", note).about(&f.pod));
     if f.exists && f.cause != Cause::PodDeleted {
         delete.push(Deletion {
             pod: f.pod.clone(),

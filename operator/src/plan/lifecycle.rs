@@ -178,6 +178,7 @@ fn suspend(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
     if prev.phase != Some(Phase::Suspended) {
         plan.events.push(EventNote::normal(
             "JobSuspended",
+            "Suspend",
             "workers deleted; status kept".into(),
         ));
     }
@@ -228,9 +229,9 @@ fn finish(
         job.metadata.generation,
     );
     let event = if phase == Phase::Succeeded {
-        EventNote::normal("JobSucceeded", msg)
+        EventNote::normal("JobSucceeded", "Finish", msg)
     } else {
-        EventNote::warning("JobFailed", msg)
+        EventNote::warning("JobFailed", "Finish", msg)
     };
     plan.events.push(event);
     // Nothing replaces a lost worker any more: only forced deletions (lost node, frozen

@@ -144,33 +144,48 @@ pub struct Deletion {
     pub reason: &'static str,
 }
 
-/// A Kubernetes Event to publish on the job.
+/// A Kubernetes Event to publish on the job. The event recorder merges events with the same
+/// type, reason, action and related object into one series (keeping the first note), so each
+/// fact about a pod names the pod as its related object: two failures are two events.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EventNote {
     /// `Warning` (a loss, a failed job) rather than `Normal`.
     pub warning: bool,
     /// PascalCase reason (`WorkerFailed`, `RingReformed`, ...).
     pub reason: &'static str,
+    /// What the operator did, a short verb (`Create`, `Replace`, `Publish`, …).
+    pub action: &'static str,
     /// Human-readable note.
     pub note: String,
+    /// The pod the event is about (the event's related object), if any.
+    pub pod: Option<String>,
 }
 
 impl EventNote {
     /// A `Normal` event.
-    pub fn normal(reason: &'static str, note: String) -> Self {
+    pub fn normal(reason: &'static str, action: &'static str, note: String) -> Self {
         EventNote {
             warning: false,
             reason,
+            action,
             note,
+            pod: None,
         }
     }
 
     /// A `Warning` event.
-    pub fn warning(reason: &'static str, note: String) -> Self {
+    pub fn warning(reason: &'static str, action: &'static str, note: String) -> Self {
         EventNote {
             warning: true,
-            reason,
-            note,
+            ..EventNote::normal(reason, action, note)
+        }
+    }
+
+    /// The same event about pod `pod`.
+    pub fn about(self, pod: &str) -> Self {
+        EventNote {
+            pod: Some(pod.to_owned()),
+            ..self
         }
     }
 }
@@ -215,6 +230,7 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Result<Plan, BuildError> {
         ..Plan::default()
     };
     decide(job, obs, &mut plan)?;
+    plan.status.replicas = status::observed_replicas(obs, &plan);
     plan.look_again = look_again(job, &plan);
     Ok(plan)
 }
@@ -236,7 +252,7 @@ pub fn invalid(object: &serde_json::Value, now: Timestamp) -> Option<Plan> {
     let message = format!("the operator cannot read this job: {error}");
     Some(Plan {
         status: status::invalid(prev, generation, &message, now),
-        events: vec![EventNote::warning("InvalidSpec", message)],
+        events: vec![EventNote::warning("InvalidSpec", "Decode", message)],
         ..Plan::default()
     })
 }
@@ -257,6 +273,7 @@ fn decide(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) -> Result<(), Build
     if lifecycle::lifecycle(job, obs, &found, plan) == lifecycle::Next::Done {
         return Ok(());
     }
+    failures::count_repairs(plan); // the job runs on: its lost members will be replaced
     // 3. Workers: create the missing ones, scale away the surplus.
     let workers = workers::workers(job, obs, &found, plan)?;
     // 4. Ring: the next generation, when the membership changed.

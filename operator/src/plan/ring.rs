@@ -86,6 +86,7 @@ pub fn next_generation(
         }
         plan.events.push(EventNote::normal(
             "RingReformed",
+            "Publish",
             format!("generation {generation} with {} workers", m.members.len()),
         ));
         status.ring = Some(ring_status(&job.name_any(), &m, vec![]));

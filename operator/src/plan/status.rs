@@ -12,14 +12,26 @@ use super::{Observed, Plan, ts};
 use crate::api::{DiphomaJob, DiphomaJobStatus, Phase, Progress};
 use crate::build;
 
-/// The previous status with this spec's replicas, selector and generation.
+/// The previous status with this job's selector and generation.
 pub fn carried(job: &DiphomaJob) -> DiphomaJobStatus {
     DiphomaJobStatus {
-        replicas: job.spec.replicas,
         selector: Some(build::selector(&job.name_any())),
         observed_generation: job.metadata.generation,
         ..job.status.clone().unwrap_or_default()
     }
+}
+
+/// `status.replicas`: the worker pods that exist and run on (not finished, not being deleted,
+/// not deleted by this plan), as `/scale` reports them next to `spec.replicas`.
+pub fn observed_replicas(obs: &Observed, plan: &Plan) -> i32 {
+    obs.pods
+        .iter()
+        .filter(|p| {
+            p.metadata.deletion_timestamp.is_none()
+                && !matches!(super::pod_phase(p), "Succeeded" | "Failed")
+                && !plan.delete.iter().any(|d| d.pod == p.name_any())
+        })
+        .count() as i32
 }
 
 /// The start time (now, the first time) and rank 0's latest progress.

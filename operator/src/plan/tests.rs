@@ -912,3 +912,62 @@ fn a_job_that_does_not_decode_is_reported_on_itself_with_the_field_named() {
     // A job that decodes has nothing to report.
     assert!(invalid(&serde_json::to_value(basic()).unwrap(), t(5)).is_none());
 }
+
+#[test]
+fn each_lost_worker_is_its_own_event_naming_its_pod() {
+    let j = with_status(basic(), Phase::Running);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[1] = exited(pod(&j, 1, "Running"), 137, "Error");
+    pods[2] = exited(pod(&j, 2, "Running"), 137, "Error");
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    let lost: Vec<&EventNote> = p
+        .events
+        .iter()
+        .filter(|e| e.reason == "WorkerFailed")
+        .collect();
+    let about: Vec<Option<&str>> = lost.iter().map(|e| e.pod.as_deref()).collect();
+    assert_eq!(about, [Some("train-worker-1"), Some("train-worker-2")]);
+    // The recorder keys on (type, reason, action, related object): these never merge, and no
+    // event says only "Reconcile".
+    assert!(
+        p.events
+            .iter()
+            .all(|e| e.action != "Reconcile" && !e.action.is_empty())
+    );
+    let created: Vec<Option<&str>> = p
+        .events
+        .iter()
+        .filter(|e| e.reason == "WorkerCreated")
+        .map(|e| e.pod.as_deref())
+        .collect();
+    assert_eq!(
+        created,
+        [Some("train-worker-1-1"), Some("train-worker-2-1")]
+    );
+}
+
+#[test]
+fn status_replicas_counts_the_workers_that_exist() {
+    let j = with_status(basic(), Phase::Running); // spec.replicas 4
+    let pods = vec![
+        pod(&j, 0, "Running"),
+        pod(&j, 1, "Pending"),
+        exited(pod(&j, 2, "Running"), 137, "Error"),
+    ];
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2]))));
+    assert_eq!(
+        p.status.replicas, 2,
+        "worker 2 failed, worker 3 is not there yet"
+    );
+}
+
+#[test]
+fn a_job_that_fails_without_a_repair_counts_none() {
+    let j = with_status(basic(), Phase::Running);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[3] = exited(pod(&j, 3, "Running"), 1, "Error"); // 1: not retryable
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    assert_eq!(p.status.phase, Some(Phase::Failed));
+    assert_eq!(p.status.failures.total, 1);
+    assert_eq!(p.status.repairs.total, 0, "RESTARTS counts repairs only");
+}

@@ -63,10 +63,14 @@ pub fn workers<'a>(
             let attempt = attempts.get(&i).map_or(0, |a| a + 1);
             let mut pod = build::worker_pod(job, i, attempt)?;
             build::avoid_nodes(&mut pod, &found.dead_nodes);
-            plan.events.push(EventNote::normal(
-                "WorkerCreated",
-                format!("created worker {}", pod.name_any()),
-            ));
+            plan.events.push(
+                EventNote::normal(
+                    "WorkerCreated",
+                    "Create",
+                    format!("created worker {}", pod.name_any()),
+                )
+                .about(&pod.name_any()),
+            );
             plan.create.push(pod);
         }
     }
