@@ -42,6 +42,7 @@ fn main() -> Result<()> {
             names_that_cannot_work_are_refused_and_the_longest_survives_repairs,
             ring_port_cannot_change_under_a_running_ring,
             status_counts_what_its_columns_say_and_events_name_their_pods,
+            workers_that_cannot_start_are_named_and_an_elastic_ring_forms_without_them,
         ],
     )
 }
@@ -769,6 +770,138 @@ async fn status_counts_what_its_columns_say_and_events_name_their_pods(
         st.repairs.total,
         st.failures.total,
         st.replicas
+    );
+    Ok(())
+}
+
+/// Waits until job `job`'s `status.waiting` contains every one of `needles`, and a Warning
+/// event `WorkerBlocked` about pod `pod` exists.
+async fn blocked_on(ctx: &Ctx, ns: &str, job: &str, pod: &str, needles: &[&str]) -> Result<()> {
+    let mut st = None;
+    eventually(
+        60,
+        &format!("{job}: status.waiting names {needles:?}"),
+        async || {
+            st = job_status(&ctx.client, ns, job).await?.status;
+            let waiting = st
+                .as_ref()
+                .and_then(|s| s.waiting.clone())
+                .unwrap_or_default();
+            Ok(needles.iter().all(|n| waiting.contains(n)))
+        },
+    )
+    .await
+    .with_context(|| format!("last status: {st:?}"))?;
+    eventually(
+        30,
+        &format!("a WorkerBlocked event about {pod}"),
+        async || {
+            let events =
+                Api::<k8s_openapi::api::events::v1::Event>::namespaced(ctx.client.clone(), ns)
+                    .list(&ListParams::default())
+                    .await?;
+            Ok(events.items.iter().any(|e| {
+                e.reason.as_deref() == Some("WorkerBlocked")
+                    && e.type_.as_deref() == Some("Warning")
+                    && e.related.as_ref().and_then(|r| r.name.as_deref()) == Some(pod)
+            }))
+        },
+    )
+    .await
+}
+
+async fn workers_that_cannot_start_are_named_and_an_elastic_ring_forms_without_them(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    use k8s_openapi::api::core::v1::ResourceQuota;
+    // A quota that admits 2 of 4 workers of 2 GPUs.
+    let quotas: Api<ResourceQuota> = Api::namespaced(ctx.client.clone(), &ns);
+    let quota = |gpus: &str| {
+        serde_json::from_value::<ResourceQuota>(json!({
+            "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "gpu"},
+            "spec": {"hard": {"requests.nvidia.com/gpu": gpus}}
+        }))
+    };
+    quotas.create(&Default::default(), &quota("4")?).await?;
+    eventually(
+        30,
+        "the quota controller counts the namespace",
+        async || {
+            Ok(quotas
+                .get("gpu")
+                .await?
+                .status
+                .and_then(|s| s.hard)
+                .is_some())
+        },
+    )
+    .await?;
+    let job = JobManifest {
+        extra: json!({"spec": {"elastic": {"minReplicas": 2, "maxReplicas": 4}}}),
+        ..probe_job("quota", 4)
+    };
+    let out = kubectl_apply(&ctx, &ns, &job.to_string())?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The ring forms with the 2 workers the quota admits; the others are named with the API's
+    // refusal.
+    let mut last = None;
+    eventually(60, "a ring of 2 while 2 workers are refused", async || {
+        last = ring(&ctx.client, &ns, "quota").await?;
+        Ok(last.as_ref().is_some_and(|r| r.members.len() == 2))
+    })
+    .await
+    .with_context(|| format!("ring {last:?}"))?;
+    for pod in ["quota-worker-2", "quota-worker-3"] {
+        let named = format!("{pod}: CreateRefused");
+        let needles: &[&str] = if pod.ends_with('2') {
+            &[&named, "exceeded quota"] // the first refused worker is the one in the status
+        } else {
+            &[]
+        };
+        blocked_on(&ctx, &ns, "quota", pod, needles).await?;
+    }
+    // Room appears: the ring grows to 4.
+    quotas
+        .replace("gpu", &Default::default(), &{
+            let mut q = quotas.get("gpu").await?;
+            q.spec = quota("8")?.spec;
+            q
+        })
+        .await?;
+    running_ring(&ctx, &ns, "quota", 4, 0).await?;
+    // An image the node cannot pull: the pod and the container's reason are named.
+    let ghost = JobManifest {
+        image: "diphoma-ghost:1".into(),
+        gpus_per_worker: 0, // the quota is spent
+        ..probe_job("ghost", 1)
+    };
+    let out = kubectl_apply(&ctx, &ns, &ghost.to_string())?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    blocked_on(
+        &ctx,
+        &ns,
+        "ghost",
+        "ghost-worker-0",
+        &["ghost-worker-0: ErrImagePull"],
+    )
+    .await?;
+    let st = job_status(&ctx.client, &ns, "ghost")
+        .await?
+        .status
+        .unwrap_or_default();
+    let ready = st.conditions.iter().find(|c| c.type_ == "Ready");
+    ensure!(
+        ready.is_some_and(|c| c.reason == "ErrImagePull"),
+        "Ready condition: {ready:?}"
     );
     Ok(())
 }

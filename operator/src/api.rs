@@ -259,7 +259,9 @@ pub struct DiphomaJobStatus {
     /// condition's reason says why it has its status: `Ready` and `Progressing` carry the phase's
     /// (`Pending`, `WorkersStarting`, `RingFormed`, `RingRepairing`, `RingScaling`, `Suspended`,
     /// `RingCompleted`, or the failure's: `NonRetryableExit`, `BackoffLimitExceeded`,
-    /// `DeadlineExceeded`); `Suspended`, `Complete` and `Failed` carry it when True, and
+    /// `DeadlineExceeded`), or while too few workers are ready what keeps one from starting
+    /// (`CreateRefused`, `Unschedulable`, `ErrImagePull`, …), or `InvalidSpec` for a job the
+    /// operator cannot read; `Suspended`, `Complete` and `Failed` carry it when True, and
     /// otherwise `NotSuspended`, `NotCompleted` (`JobFailed` once the job failed), `NotFailed`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
@@ -291,7 +293,11 @@ pub struct DiphomaJobStatus {
     /// The most recent worker failure.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure: Option<LastFailure>,
-    /// Why the ring waits, when it does (e.g. the resource the scheduler finds short).
+    /// Why the ring waits or runs short, naming the first worker that does not start and who
+    /// says why: `2 of 4 workers ready; <pod>: <reason>: <message>`, the reason being
+    /// `CreateRefused` (the API server's message, e.g. an exceeded quota), the scheduler's
+    /// (`Unschedulable`) or the container's (`ErrImagePull`, …); a Warning event `WorkerBlocked`
+    /// names each such worker when this changes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<String>,
     /// When the job first had workers (RFC 3339).

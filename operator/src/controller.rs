@@ -9,14 +9,18 @@
 //!   (ServiceAccount, Role, RoleBinding, Service, NetworkPolicy by server-side apply; key Secret
 //!   and heartbeat ConfigMap created once) when [`Plan::apply_children`]; the status when it
 //!   differs; a failure annotation on each newly failed pod; an annotation, then a deletion, for
-//!   each pod to delete; each new pod (server-side apply); the ring ConfigMap of a new
-//!   generation; the events. Once the TTL passed ([`Plan::delete_job`]), only the job's deletion.
+//!   each pod to delete; each new pod (server-side apply: a pod the API server refuses is
+//!   remembered for the next plan, the others are still created, and the reconcile then fails
+//!   so that it is retried with exponential back-off); the ring ConfigMap of a new generation;
+//!   the events. Once the TTL passed ([`Plan::delete_job`]), only the job's deletion.
+//! - a job that does not decode gets one GET of the job as stored, then its status and event
+//!   ([`plan::invalid`]).
 //!
 //! A steady job therefore writes nothing.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use diphoma_contract::{
@@ -52,6 +56,30 @@ pub struct Context {
     pub metrics: Metrics,
     /// Whether each job gets a NetworkPolicy ([`Options::network_policy`]).
     pub network_policy: bool,
+    /// Per job (`namespace/name`): the worker pods whose creation the API server refused at the
+    /// last apply, with its message; the next plan observes them ([`Observed::refused`]).
+    pub refused: Mutex<BTreeMap<String, BTreeMap<String, String>>>,
+    /// Per job (`namespace/name`): reconciles failed in a row, for the exponential back-off of
+    /// [`error_policy`]; cleared by a reconcile that succeeds.
+    pub retries: Mutex<BTreeMap<String, u32>>,
+}
+
+/// `namespace/name` of a job, the key of [`Context`]'s per-job maps.
+fn job_key(job: &impl Resource) -> String {
+    format!(
+        "{}/{}",
+        job.meta().namespace.as_deref().unwrap_or_default(),
+        job.meta().name.as_deref().unwrap_or_default()
+    )
+}
+
+/// Delay before retrying a reconcile that failed `n` times in a row (1 for the first): 2 s,
+/// doubled each time, at most 5 minutes.
+pub fn retry_delay(n: u32) -> Duration {
+    Duration::from_secs(
+        2u64.saturating_mul(1 << n.saturating_sub(1).min(8))
+            .min(300),
+    )
 }
 
 impl Context {
@@ -66,6 +94,8 @@ impl Context {
             client,
             metrics,
             network_policy: false,
+            refused: Mutex::default(),
+            retries: Mutex::default(),
         }
     }
 }
@@ -215,8 +245,15 @@ fn error_policy(job: Arc<DeserializeGuard<DiphomaJob>>, err: &Error, ctx: Arc<Co
         .errors
         .with_label_values(&[err.metric_label()])
         .inc();
-    tracing::warn!(job = %job.name_any(), error = %err, kind = err.metric_label(), "reconcile failed");
-    Action::requeue(Duration::from_secs(2))
+    let n = {
+        let mut retries = ctx.retries.lock().expect("retries lock");
+        let n = retries.entry(job_key(job.as_ref())).or_default();
+        *n += 1;
+        *n
+    };
+    let delay = retry_delay(n);
+    tracing::warn!(job = %job.name_any(), error = %err, kind = err.metric_label(), retry_in = ?delay, "reconcile failed");
+    Action::requeue(delay)
 }
 
 /// One reconcile of one job; a job that does not decode is reported on itself
@@ -225,10 +262,17 @@ pub async fn reconcile(
     job: Arc<DeserializeGuard<DiphomaJob>>,
     ctx: Arc<Context>,
 ) -> Result<Action, Error> {
-    match &job.0 {
+    let done = match &job.0 {
         Ok(decoded) => reconcile_job(decoded, &ctx).await,
         Err(_) => report_invalid(&job, &ctx).await,
+    };
+    if done.is_ok() {
+        ctx.retries
+            .lock()
+            .expect("retries lock")
+            .remove(&job_key(job.as_ref()));
     }
+    done
 }
 
 /// Reads the job as stored (one GET), and writes the status and event [`plan::invalid`] plans.
@@ -268,11 +312,22 @@ async fn report_invalid(
 /// One reconcile of a job that decodes.
 async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error> {
     if job.metadata.deletion_timestamp.is_some() {
+        ctx.refused
+            .lock()
+            .expect("refused lock")
+            .remove(&job_key(job));
         return Ok(Action::await_change()); // owner references clean up the children
     }
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
-    let obs = observe(&ctx.client, job).await?; // reads
+    let mut obs = observe(&ctx.client, job).await?; // reads
+    obs.refused = ctx
+        .refused
+        .lock()
+        .expect("refused lock")
+        .get(&job_key(job))
+        .cloned()
+        .unwrap_or_default();
     let plan = plan::plan(job, &obs)?; // pure
     apply(ctx, job, &plan).await?; // writes
     ctx.metrics.observe_plan(&plan);
@@ -349,6 +404,7 @@ async fn observe(client: &Client, job: &DiphomaJob) -> Result<Observed, Error> {
         progress,
         reports,
         now,
+        refused: BTreeMap::new(),
     })
 }
 
@@ -428,14 +484,32 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
             }
         })?;
     }
+    // A pod the API server refuses (a quota, a pod it finds invalid) stops neither the other
+    // creations nor the ring: it is remembered for the next plan, and retried with back-off.
+    let mut refused = BTreeMap::new();
+    let mut first_refusal = None;
     for p in &plan.create {
-        apply_one(&pods, p)
-            .await
-            .map_err(|source| Error::CreatePod {
-                pod: p.name_any(),
-                source,
-            })?;
+        match apply_one(&pods, p).await {
+            Ok(()) => {}
+            Err(kube::Error::Api(s)) => {
+                refused.insert(p.name_any(), s.message.clone());
+                first_refusal.get_or_insert(Error::CreatePod {
+                    pod: p.name_any(),
+                    source: kube::Error::Api(s),
+                });
+            }
+            Err(source) => {
+                return Err(Error::CreatePod {
+                    pod: p.name_any(),
+                    source,
+                });
+            }
+        }
     }
+    ctx.refused
+        .lock()
+        .expect("refused lock")
+        .insert(job_key(job), refused);
     if let Some(m) = &plan.publish {
         apply_one(
             &Api::<ConfigMap>::namespaced(client.clone(), &ns),
@@ -448,7 +522,7 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
         })?;
     }
     publish(ctx, &job.object_ref(&()), &plan.events).await;
-    Ok(())
+    first_refusal.map_or(Ok(()), Err)
 }
 
 /// Writes `status` on job `name` (server-side apply) unless it equals `prev`; `K` is the job

@@ -235,3 +235,9 @@ async fn a_job_that_does_not_decode_gets_a_status_and_an_event_and_nothing_else(
         "only the status and the event: {writes:?}"
     );
 }
+
+#[test]
+fn retries_back_off_exponentially_up_to_five_minutes() {
+    let delays: Vec<u64> = (1..=10).map(|n| retry_delay(n).as_secs()).collect();
+    assert_eq!(delays, [2, 4, 8, 16, 32, 64, 128, 256, 300, 300]);
+}

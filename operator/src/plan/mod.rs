@@ -50,6 +50,10 @@ pub struct Observed {
     pub reports: Vec<FailureReport>,
     /// Now.
     pub now: Timestamp,
+    /// Worker pods whose creation the API server refused at the previous apply, with its
+    /// message (a quota exceeded, a pod it finds invalid): they are retried and reported, and
+    /// never count as starting.
+    pub refused: BTreeMap<String, String>,
 }
 
 /// What the controller read about one node: its Lease in `kube-node-lease` and its `Ready`

@@ -153,6 +153,7 @@ mod tests {
             progress: None,
             reports: vec![],
             now: jiff::Timestamp::UNIX_EPOCH,
+            refused: Default::default(),
         };
         let mut plan = Plan::default();
         plan.delete.push(super::super::Deletion {

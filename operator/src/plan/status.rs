@@ -7,8 +7,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::ResourceExt;
 
 use super::ring::RingView;
-use super::workers::{Workers, unschedulable};
-use super::{Observed, Plan, ts};
+use super::workers::Workers;
+use super::{EventNote, Observed, Plan, ts};
 use crate::api::{DiphomaJob, DiphomaJobStatus, Phase, Progress};
 use crate::build;
 
@@ -77,15 +77,15 @@ pub fn running(
         .filter(|n| members.contains(n.as_str()))
         .count() as i32;
     status.ready = Some(format!("{}/{}", status.ready_replicas, desired));
-    let short = workers.live.values().find_map(|p| unschedulable(p));
+    let blocked = workers.blocked.first();
     let ready = ring.ready.len();
-    status.waiting = if !ring.enough {
-        Some(match short.filter(|m| !m.is_empty()) {
-            Some(msg) => format!("{ready} of {min} workers ready; the scheduler says: {msg}"),
-            None => format!("{ready} of {min} workers ready; waiting for workers to start"),
-        })
-    } else {
-        short.map(|m| format!("running with {ready} of {desired} workers; the scheduler says: {m}"))
+    status.waiting = match (ring.enough, blocked) {
+        (false, Some(b)) => Some(format!("{ready} of {min} workers ready; {b}")),
+        (false, None) => Some(format!(
+            "{ready} of {min} workers ready; waiting for workers to start"
+        )),
+        (true, Some(b)) => Some(format!("running with {ready} of {desired} workers; {b}")),
+        (true, None) => None,
     };
     let unrepaired = ring.lost_member && plan.publish.is_none();
     let phase = if obs.ring.is_none() && plan.publish.is_none() {
@@ -112,6 +112,11 @@ pub fn running(
                 status.ring.as_ref().map_or(0, |r| r.generation)
             ),
         ),
+        // What keeps the ring from forming names the conditions' reason.
+        _ if !ring.enough && blocked.is_some() => (
+            blocked.map_or("", |b| b.reason.as_str()),
+            status.waiting.clone().unwrap_or_default(),
+        ),
         _ => (
             phase_reason(phase),
             status
@@ -128,6 +133,16 @@ pub fn running(
         obs.now,
         job.metadata.generation,
     );
+    // Each worker that does not start is announced when what the job waits for changes, not on
+    // every reconcile.
+    if plan.status.waiting != prev.waiting {
+        plan.events.extend(
+            workers
+                .blocked
+                .iter()
+                .map(|b| EventNote::warning("WorkerBlocked", "Start", b.to_string()).about(&b.pod)),
+        );
+    }
 }
 
 /// The status of a job whose spec cannot be decoded: `prev` kept (counts, ring, phase, or

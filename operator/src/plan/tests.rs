@@ -29,6 +29,7 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         progress: None,
         reports: vec![],
         now: t(100),
+        refused: BTreeMap::new(),
     }
 }
 
@@ -438,12 +439,9 @@ fn gang_waits_below_min_replicas_with_the_scheduler_reason() {
     }
     let p = plan(&j, &obs(pods, None));
     assert!(p.publish.is_none(), "2 < minReplicas 4: no ring");
-    assert!(
-        p.status
-            .waiting
-            .unwrap()
-            .contains("2 of 4 workers ready; the scheduler says: Insufficient nvidia.com/gpu")
-    );
+    assert!(p.status.waiting.unwrap().contains(
+        "2 of 4 workers ready; train-worker-2: Unschedulable: Insufficient nvidia.com/gpu"
+    ));
 }
 
 #[test]
@@ -970,4 +968,84 @@ fn a_job_that_fails_without_a_repair_counts_none() {
     assert_eq!(p.status.phase, Some(Phase::Failed));
     assert_eq!(p.status.failures.total, 1);
     assert_eq!(p.status.repairs.total, 0, "RESTARTS counts repairs only");
+}
+
+/// `basic()` with 4 replicas, elastic 2..4, running workers 0 and 1 and no ring yet.
+fn elastic_pair() -> (DiphomaJob, Vec<Pod>) {
+    let mut j = basic();
+    j.spec.elastic = Some(crate::api::Elastic {
+        min_replicas: 2,
+        max_replicas: 4,
+    });
+    let pods = (0..2).map(|i| pod(&j, i, "Running")).collect();
+    (j, pods)
+}
+
+#[test]
+fn refused_workers_are_reported_and_the_ring_forms_at_min_replicas() {
+    let (j, pods) = elastic_pair();
+    let quota = "exceeded quota: gpu, requested: requests.nvidia.com/gpu=2, used: 4, limited: 4";
+    let refused: BTreeMap<String, String> = ["train-worker-2", "train-worker-3"]
+        .map(|p| (p.to_owned(), quota.to_owned()))
+        .into();
+    // Before any refusal the missing workers are starting: the ring waits for them.
+    let first = plan(&j, &obs(pods.clone(), None));
+    assert!(first.publish.is_none());
+    let o = Observed {
+        refused,
+        ..obs(pods, None)
+    };
+    let p = plan(&j, &o);
+    assert_eq!(p.create.len(), 2, "refused workers are retried");
+    let m = p.publish.as_ref().expect("the ring forms at minReplicas");
+    assert_eq!(m.members.len(), 2);
+    let waiting = p.status.waiting.as_deref().unwrap();
+    assert!(
+        waiting.contains("train-worker-2: CreateRefused: exceeded quota"),
+        "{waiting}"
+    );
+    let blocked: Vec<Option<&str>> = p
+        .events
+        .iter()
+        .filter(|e| e.reason == "WorkerBlocked" && e.warning)
+        .map(|e| e.pod.as_deref())
+        .collect();
+    assert_eq!(blocked, [Some("train-worker-2"), Some("train-worker-3")]);
+}
+
+#[test]
+fn a_worker_that_cannot_pull_its_image_is_named_once() {
+    let (j, mut pods) = elastic_pair();
+    let mut stuck = build::worker_pod(&j, 2, 0).unwrap();
+    stuck.status = Some(serde_json::from_value(json!({"phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "True"}],
+        "containerStatuses": [{"name": "w", "image": "x", "imageID": "", "ready": false, "restartCount": 0,
+            "state": {"waiting": {"reason": "ErrImagePull", "message": "no such image diphoma-ghost:1"}}}]})).unwrap());
+    pods.truncate(1); // one worker ready: below minReplicas 2
+    pods.push(stuck);
+    let p = plan(&j, &obs(pods.clone(), None));
+    assert!(p.publish.is_none());
+    let waiting = p.status.waiting.clone().unwrap();
+    assert!(
+        waiting.contains("train-worker-2: ErrImagePull: no such image diphoma-ghost:1"),
+        "{waiting}"
+    );
+    let ready = p
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert_eq!(ready.reason, "ErrImagePull");
+    let warned = |p: &Plan| {
+        p.events
+            .iter()
+            .filter(|e| e.reason == "WorkerBlocked")
+            .count()
+    };
+    assert_eq!(warned(&p), 1);
+    // The next reconcile sees the same thing: no second event.
+    let mut again = j.clone();
+    again.status = Some(p.status.clone());
+    assert_eq!(warned(&plan(&again, &obs(pods, None))), 0);
 }
