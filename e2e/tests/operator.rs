@@ -43,6 +43,8 @@ fn main() -> Result<()> {
             ring_port_cannot_change_under_a_running_ring,
             status_counts_what_its_columns_say_and_events_name_their_pods,
             workers_that_cannot_start_are_named_and_an_elastic_ring_forms_without_them,
+            clean_pod_policy_none_keeps_every_failed_pod,
+            gpu_workers_need_only_the_resource_and_cpu_workers_see_none,
         ],
     )
 }
@@ -902,6 +904,109 @@ async fn workers_that_cannot_start_are_named_and_an_elastic_ring_forms_without_t
     ensure!(
         ready.is_some_and(|c| c.reason == "ErrImagePull"),
         "Ready condition: {ready:?}"
+    );
+    Ok(())
+}
+
+async fn clean_pod_policy_none_keeps_every_failed_pod(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    // Exit 137 is retried; backoffLimit 1: the second failure fails the job.
+    let job = JobManifest {
+        args: ["--exit", "137"].map(String::from).to_vec(),
+        extra: json!({"spec": {"runPolicy": {"backoffLimit": 1, "cleanPodPolicy": "None"}}}),
+        ..probe_job("keep", 1)
+    };
+    let out = kubectl_apply(&ctx, &ns, &job.to_string())?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut st = None;
+    eventually(60, "keep: Failed", async || {
+        st = job_status(&ctx.client, &ns, "keep").await?.status;
+        Ok(st.as_ref().and_then(|s| s.phase) == Some(Phase::Failed))
+    })
+    .await
+    .with_context(|| format!("last status: {st:?}"))?;
+    // Whatever the operator deleted would be gone or terminating by now: a reconcile after the
+    // end sees the same pods.
+    reconciled(&ctx.client, &ns, "keep").await?;
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default().labels("diphoma.io/job-name=keep"))
+        .await?
+        .items;
+    let mut kept: Vec<String> = pods
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none() && phase(p) == "Failed")
+        .map(|p| p.name_any())
+        .collect();
+    kept.sort();
+    ensure!(
+        kept == ["keep-worker-0", "keep-worker-0-1"],
+        "failed pods kept: {kept:?}"
+    );
+    Ok(())
+}
+
+async fn gpu_workers_need_only_the_resource_and_cpu_workers_see_none(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    // A template GPU limit that contradicts gpusPerWorker is refused.
+    let limit = json!({"spec": {"template": {"spec": {"containers": [
+        {"resources": {"limits": {"nvidia.com/gpu": 1}}}
+    ]}}}});
+    let yaml = JobManifest {
+        extra: limit,
+        ..probe_job("contradiction", 1)
+    }
+    .to_string();
+    refused(
+        &ctx,
+        &ns,
+        "a GPU limit unlike gpusPerWorker",
+        &yaml,
+        &["must equal spec.gpusPerWorker"],
+    )?;
+    let same = json!({"spec": {"template": {"spec": {"containers": [
+        {"resources": {"limits": {"nvidia.com/gpu": "2"}, "requests": {"nvidia.com/gpu": 2}}}
+    ]}}}});
+    let yaml = JobManifest {
+        extra: same,
+        ..probe_job("agreed", 1)
+    }
+    .to_string();
+    let out = kubectl_apply(&ctx, &ns, &yaml)?;
+    ensure!(
+        out.status.success(),
+        "a GPU limit equal to gpusPerWorker: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // GPU workers: no node label required, the resource does the scheduling.
+    start_job(&ctx, &ns, &probe_job("gpus", 1), 1).await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let gpu = pods.get("gpus-worker-0").await?;
+    let selector = gpu.spec.as_ref().and_then(|s| s.node_selector.clone());
+    ensure!(selector.is_none(), "node selector {selector:?}");
+    // CPU workers: NVIDIA_VISIBLE_DEVICES=void.
+    let cpu = JobManifest {
+        gpus_per_worker: 0,
+        ..probe_job("cpus", 1)
+    };
+    start_job(&ctx, &ns, &cpu, 1).await?;
+    let env = pods
+        .get("cpus-worker-0")
+        .await?
+        .spec
+        .context("no spec")?
+        .containers[0]
+        .env
+        .clone()
+        .unwrap_or_default();
+    ensure!(
+        env.iter()
+            .any(|e| e.name == "NVIDIA_VISIBLE_DEVICES" && e.value.as_deref() == Some("void")),
+        "env {env:?}"
     );
     Ok(())
 }

@@ -22,6 +22,17 @@ pub const MAX_NAME_LEN: usize = 51;
 pub(crate) const NAME_RULE: &str =
     "size(self.metadata.name) <= 51 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')";
 const NAME_MESSAGE: &str = "metadata.name must be at most 51 characters of lower-case letters, digits and '-', starting with a letter and ending with a letter or digit: the job's Service, labels and worker hostnames (<name>-worker-<index>, at most 63) derive from it";
+const GPU_MESSAGE: &str = "an nvidia.com/gpu limit or request on the worker container (spec.template.spec.containers[0]) must equal spec.gpusPerWorker: the operator sets it from there (leave it out)";
+
+/// CEL rule: the worker container's `nvidia.com/gpu` `limits` or `requests` (`kind`), when the
+/// template has one, equals `gpusPerWorker`.
+fn gpu_rule(kind: &str) -> String {
+    let c = "self.template.spec.containers[0]";
+    format!(
+        "!has({c}.resources) || !has({c}.resources.{kind}) || !('nvidia.com/gpu' in {c}.resources.{kind}) || string({c}.resources.{kind}['nvidia.com/gpu']) == string(self.gpusPerWorker)"
+    )
+}
+
 const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers listen on it (delete and re-create the job to change it)";
 
 /// A distributed data-parallel training job: a ring of worker pods that the operator keeps alive,
@@ -79,6 +90,8 @@ const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers
     )
 )]
 #[kube(validation = Rule::new(NAME_RULE).message(NAME_MESSAGE))]
+#[x_kube(validation = Rule::new(gpu_rule("limits")).message(GPU_MESSAGE).field_path(".gpusPerWorker"))]
+#[x_kube(validation = Rule::new(gpu_rule("requests")).message(GPU_MESSAGE).field_path(".gpusPerWorker"))]
 #[x_kube(validation = Rule::new("!has(self.elastic) || (self.elastic.minReplicas <= self.replicas && self.replicas <= self.elastic.maxReplicas)")
     .message("spec.replicas must lie within [spec.elastic.minReplicas, spec.elastic.maxReplicas]").field_path(".replicas"))]
 #[serde(rename_all = "camelCase")]
@@ -90,7 +103,10 @@ pub struct DiphomaJobSpec {
     /// job is fixed-size (min = max = replicas).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub elastic: Option<Elastic>,
-    /// `nvidia.com/gpu` limit of each worker container; 0 runs CPU workers.
+    /// `nvidia.com/gpu` limit of each worker container; 0 runs CPU workers, which get
+    /// `NVIDIA_VISIBLE_DEVICES=void` (they see no GPU on a GPU node). Workers are scheduled by
+    /// the resource alone: no node label is required (node selectors come from `placement`).
+    /// A template `nvidia.com/gpu` limit or request that differs is refused.
     #[serde(default)]
     #[schemars(range(min = 0, max = 64))]
     pub gpus_per_worker: i32,
@@ -171,7 +187,9 @@ pub struct RunPolicy {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub ttl_seconds_after_finished: Option<i64>,
-    /// Which workers to delete when the job ends.
+    /// Which workers to delete when the job ends. While it runs, failed workers are replaced
+    /// under new names and their pods kept for `kubectl logs`: every one with `None`, the most
+    /// recent of each worker otherwise.
     #[serde(default)]
     pub clean_pod_policy: CleanPodPolicy,
     /// Delete the workers but keep the job and its status; resuming re-creates them.

@@ -186,14 +186,7 @@ fn process_exit_is_counted_replaced_and_the_ring_shrinks() {
         (f.cause, f.exit_code, f.rank, f.retryable),
         (Cause::ProcessExit, Some(137), Some(1), true)
     );
-    assert_eq!(
-        p.delete,
-        vec![Deletion {
-            pod: "train-worker-1".into(),
-            force: false,
-            reason: "Replaced"
-        }]
-    );
+    assert!(p.delete.is_empty(), "the failed pod stays for its logs");
     assert_eq!(
         p.create[0].name_any(),
         "train-worker-1-1",
@@ -229,7 +222,8 @@ fn a_counted_failure_is_not_counted_again() {
         .insert(ANNOT_FAILURE_COUNTED.into(), "ProcessExit".into());
     let p = plan(&j, &obs(pods, Some(ring(&j, 4, &[0, 2, 3]))));
     assert!(p.failures.is_empty());
-    assert_eq!(p.delete[0].pod, "train-worker-1");
+    assert!(p.delete.is_empty(), "the failed pod stays for its logs");
+    assert_eq!(p.create[0].name_any(), "train-worker-1-1");
     assert_eq!(p.status.failures.total, 0);
 }
 
@@ -1048,4 +1042,41 @@ fn a_worker_that_cannot_pull_its_image_is_named_once() {
     let mut again = j.clone();
     again.status = Some(p.status.clone());
     assert_eq!(warned(&plan(&again, &obs(pods, None))), 0);
+}
+
+/// Worker `i`, attempt `attempt`, exited 137 and already counted.
+fn counted_exit(j: &DiphomaJob, i: i32, attempt: i32) -> Pod {
+    let mut p = exited(build::worker_pod(j, i, attempt).unwrap(), 137, "Error");
+    p.metadata.annotations = Some(
+        [(
+            build::ANNOT_FAILURE_COUNTED.to_owned(),
+            "ProcessExit".to_owned(),
+        )]
+        .into(),
+    );
+    p
+}
+
+#[test]
+fn failed_pods_stay_for_their_logs_as_clean_pod_policy_says() {
+    let mut j = with_status(basic(), Phase::Repairing);
+    let mut pods: Vec<Pod> = [0, 2, 3].map(|i| pod(&j, i, "Running")).to_vec();
+    pods.push(counted_exit(&j, 1, 0));
+    pods.push(exited(build::worker_pod(&j, 1, 1).unwrap(), 137, "Error")); // new failure
+    let o = obs(pods, Some(ring(&j, 2, &[0, 2, 3])));
+    // Running (the default): the most recent failed pod of worker 1 stays, the older goes.
+    let p = plan(&j, &o);
+    assert_eq!(p.failures.len(), 1);
+    let deleted: Vec<(&str, &str)> = p
+        .delete
+        .iter()
+        .map(|d| (d.pod.as_str(), d.reason))
+        .collect();
+    assert_eq!(deleted, [("train-worker-1", "Pruned")]);
+    assert_eq!(p.create[0].name_any(), "train-worker-1-2");
+    // None: every failed pod stays.
+    j.spec.run_policy.clean_pod_policy = crate::api::CleanPodPolicy::None;
+    let p = plan(&j, &o);
+    assert!(p.delete.is_empty(), "{:?}", p.delete);
+    assert_eq!(p.create[0].name_any(), "train-worker-1-2");
 }
