@@ -13,7 +13,7 @@
 //!   remembered for the next plan, the others are still created, and the reconcile then fails
 //!   so that it is retried with exponential back-off); the ring ConfigMap of a new generation;
 //!   the events. Once the TTL passed ([`Plan::delete_job`]), only the job's deletion.
-//! - a job that does not decode gets one GET of the job as stored, then its status and event
+//! - a job that does not decode gets one list of the job as stored, then its status and event
 //!   ([`plan::invalid`]).
 //!
 //! A steady job therefore writes nothing.
@@ -275,7 +275,8 @@ pub async fn reconcile(
     done
 }
 
-/// Reads the job as stored (one GET), and writes the status and event [`plan::invalid`] plans.
+/// Reads the job as stored (one list by name: the operator's role has no `get` on jobs), and
+/// writes the status and event [`plan::invalid`] plans.
 async fn report_invalid(
     job: &DeserializeGuard<DiphomaJob>,
     ctx: &Context,
@@ -286,12 +287,15 @@ async fn report_invalid(
         &ns,
         &ApiResource::erase::<DiphomaJob>(&()),
     )
-    .get_opt(&name)
+    .list(&ListParams::default().fields(&format!("metadata.name={name}")))
     .await
     .map_err(|source| Error::Observe {
         what: "invalid job",
         source,
-    })?;
+    })?
+    .items
+    .into_iter()
+    .next();
     let Some(raw) = raw else {
         return Ok(Action::await_change()); // deleted meanwhile
     };

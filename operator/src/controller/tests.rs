@@ -218,7 +218,14 @@ async fn a_job_that_does_not_decode_gets_a_status_and_an_event_and_nothing_else(
     raw["spec"]["template"]["spec"]["hostNetwork"] = json!("yes");
     let guard: DeserializeGuard<DiphomaJob> = serde_json::from_value(raw.clone()).unwrap();
     assert!(guard.0.is_err());
-    let (client, log) = mock(vec![(path.into(), raw)]);
+    let list = json!({"apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJobList", "metadata": {}, "items": [raw.clone()]});
+    let (client, log) = mock(vec![
+        (
+            "/apis/diphoma.io/v1alpha1/namespaces/ml/diphomajobs".into(),
+            list,
+        ),
+        (path.into(), raw),
+    ]);
     let ctx = Arc::new(Context::new(client, Metrics::default()));
     let action = reconcile(Arc::new(guard), ctx).await.unwrap();
     assert_eq!(action, Action::await_change());

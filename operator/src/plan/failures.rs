@@ -326,6 +326,9 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
     found
 }
 
+/// [`Deletion::reason`] of an older failed pod of a worker whose newer failed pod is kept.
+pub const PRUNED: &str = "Pruned";
+
 /// Whether a lost pod has finished (phase `Failed`, not being deleted): its containers are
 /// gone, it holds no resources, and its logs are what the user wants to read.
 fn terminal(p: &Pod) -> bool {
@@ -366,7 +369,7 @@ fn keep_failed(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
             plan.delete.push(Deletion {
                 pod,
                 force: false,
-                reason: "Pruned",
+                reason: PRUNED,
             });
         }
     }

@@ -1080,3 +1080,22 @@ fn failed_pods_stay_for_their_logs_as_clean_pod_policy_says() {
     assert!(p.delete.is_empty(), "{:?}", p.delete);
     assert_eq!(p.create[0].name_any(), "train-worker-1-2");
 }
+
+#[test]
+fn a_job_that_fails_keeps_only_the_newest_failed_pod_of_each_worker() {
+    let mut j = with_status(basic(), Phase::Repairing);
+    j.spec.run_policy.backoff_limit = 1;
+    j.status.as_mut().unwrap().failures.add("ProcessExit");
+    let mut pods: Vec<Pod> = [0, 2, 3].map(|i| pod(&j, i, "Running")).to_vec();
+    pods.push(counted_exit(&j, 1, 0));
+    pods.push(exited(build::worker_pod(&j, 1, 1).unwrap(), 137, "Error"));
+    let p = plan(&j, &obs(pods, Some(ring(&j, 2, &[0, 2, 3]))));
+    assert_eq!(p.status.phase, Some(Phase::Failed));
+    let deleted: Vec<(&str, &str)> = p
+        .delete
+        .iter()
+        .map(|d| (d.pod.as_str(), d.reason))
+        .filter(|(pod, _)| pod.starts_with("train-worker-1"))
+        .collect();
+    assert_eq!(deleted, [("train-worker-1", "Pruned")]);
+}
