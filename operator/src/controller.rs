@@ -60,7 +60,7 @@ pub struct Context {
     /// last apply, with its message; the next plan observes them ([`Observed::refused`]).
     pub refused: Mutex<BTreeMap<String, BTreeMap<String, String>>>,
     /// Per job (`namespace/name`): reconciles failed in a row, for the exponential back-off of
-    /// [`error_policy`]; cleared by a reconcile that succeeds.
+    /// the error policy ([`retry_delay`]); cleared by a reconcile that succeeds.
     pub retries: Mutex<BTreeMap<String, u32>>,
 }
 
