@@ -625,7 +625,7 @@ async fn a_crash_loop_spends_the_backoff_limit_and_stays_failed(
         "{:?}",
         st.last_failure
     );
-    // The first two attempts were replaced (deleted); the last failed one stays for its logs.
+    // The older attempts were pruned; the last failed one stays for its logs.
     let attempts = |list: Vec<Pod>| -> Vec<String> { list.iter().map(|p| p.name_any()).collect() };
     let before = attempts(worker_pods(&ctx, &ns, "digits").await?);
     ensure!(before == ["digits-worker-0-2"], "{before:?}");

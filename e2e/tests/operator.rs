@@ -1,6 +1,8 @@
 //! The operator against the local control plane: the CRD refuses bad manifests, a job gets its
 //! GPU pods and its ring, a lost worker is replaced at a new generation and counted once, and a
-//! restarted operator creates no duplicates. Workers run `diphoma-probe` (they only need to live).
+//! restarted operator creates no duplicates; a job the operator cannot read is reported on itself
+//! while the others go on; names and ring ports that cannot work are refused. Workers run
+//! `diphoma-probe` (they only need to live).
 
 mod common;
 
@@ -36,6 +38,13 @@ fn main() -> Result<()> {
             a_training_job_survives_a_killed_worker_and_succeeds,
             two_replicas_elect_one_leader_that_serves_metrics,
             node_loss_is_detected_from_its_lease_and_workers_move,
+            a_job_the_operator_cannot_read_is_reported_on_itself_and_others_go_on,
+            names_that_cannot_work_are_refused_and_the_longest_survives_repairs,
+            ring_port_cannot_change_under_a_running_ring,
+            status_counts_what_its_columns_say_and_events_name_their_pods,
+            workers_that_cannot_start_are_named_and_an_elastic_ring_forms_without_them,
+            clean_pod_policy_none_keeps_every_failed_pod,
+            gpu_workers_need_only_the_resource_and_cpu_workers_see_none,
         ],
     )
 }
@@ -525,6 +534,479 @@ async fn kubectl_scale_resizes_the_ring_without_counting_failures(
     ensure!(
         refused.is_some_and(|e| e.contains("spec.replicas")),
         "scaling past maxReplicas was accepted"
+    );
+    Ok(())
+}
+
+/// `kubectl apply` of `yaml` must fail with an error that contains each of `needles`.
+fn refused(ctx: &Ctx, ns: &str, what: &str, yaml: &str, needles: &[&str]) -> Result<()> {
+    let out = kubectl_apply(ctx, ns, yaml)?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success(), "{what} was accepted");
+    for n in needles {
+        ensure!(
+            err.contains(n),
+            "{what}: the error does not say {n:?}: {err}"
+        );
+    }
+    Ok(())
+}
+
+async fn a_job_the_operator_cannot_read_is_reported_on_itself_and_others_go_on(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    // The fields the operator reads are typed in the CRD: refused at apply, the field named.
+    let args =
+        json!({"spec": {"template": {"spec": {"containers": [{"args": "train --steps 100"}]}}}});
+    let yaml = JobManifest {
+        extra: args,
+        ..probe_job("string-args", 1)
+    }
+    .to_string();
+    refused(
+        &ctx,
+        &ns,
+        "string args",
+        &yaml,
+        &["spec.template.spec.containers[0].args"],
+    )?;
+    let mut empty = probe_job("no-containers", 1).build();
+    empty["spec"]["template"]["spec"]["containers"] = json!([]);
+    refused(
+        &ctx,
+        &ns,
+        "no containers",
+        &empty.to_string(),
+        &["spec.template.spec.containers"],
+    )?;
+    // A field the schema keeps as is, wrongly typed: accepted, and reported on the job itself
+    // after an operator restart, while the other job is reconciled.
+    let good = start_job(&ctx, &ns, &probe_job("good", 1), 1).await?;
+    ctx.stop_operator().await;
+    let bad = json!({"spec": {"template": {"spec": {"hostNetwork": "yes"}}}});
+    let out = kubectl_apply(
+        &ctx,
+        &ns,
+        &JobManifest {
+            extra: bad,
+            ..probe_job("bad", 1)
+        }
+        .to_string(),
+    )?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let unseen = touch_spec(&ctx.client, &ns, "good").await?;
+    ctx.start_operator();
+    observed(&ctx.client, &ns, "good", unseen)
+        .await
+        .context("the other job was not reconciled after the restart")?;
+    ensure!(
+        ring(&ctx.client, &ns, "good").await? == Some(good),
+        "the good ring changed"
+    );
+    let field = "spec.template.spec.hostNetwork";
+    let raw = Api::<kube::api::DynamicObject>::namespaced_with(
+        ctx.client.clone(),
+        &ns,
+        &kube::api::ApiResource::erase::<DiphomaJob>(&()),
+    );
+    let mut last = None;
+    eventually(
+        60,
+        "bad: Ready=False InvalidSpec naming the field",
+        async || {
+            last = raw.get("bad").await?.data.get("status").cloned();
+            Ok(last
+                .as_ref()
+                .and_then(|s| s["conditions"].as_array())
+                .is_some_and(|cs| {
+                    cs.iter().any(|c| {
+                        c["type"] == "Ready"
+                            && c["status"] == "False"
+                            && c["reason"] == "InvalidSpec"
+                            && c["message"].as_str().is_some_and(|m| m.contains(field))
+                    })
+                }))
+        },
+    )
+    .await
+    .with_context(|| format!("last status: {last:?}"))?;
+    eventually(
+        30,
+        "a Warning event InvalidSpec naming the field",
+        async || {
+            let events =
+                Api::<k8s_openapi::api::events::v1::Event>::namespaced(ctx.client.clone(), &ns)
+                    .list(&ListParams::default())
+                    .await?;
+            Ok(events.items.iter().any(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("bad")
+                    && e.type_.as_deref() == Some("Warning")
+                    && e.reason.as_deref() == Some("InvalidSpec")
+                    && e.note.as_deref().is_some_and(|n| n.contains(field))
+            }))
+        },
+    )
+    .await?;
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default().labels("diphoma.io/job-name=bad"))
+        .await?;
+    ensure!(pods.items.is_empty(), "pods of the bad job were created");
+    Ok(())
+}
+
+async fn names_that_cannot_work_are_refused_and_the_longest_survives_repairs(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let limit = diphoma_operator::api::MAX_NAME_LEN;
+    for (what, name) in [
+        ("too long", "a".repeat(limit + 1)),
+        ("64 characters", "b".repeat(64)),
+        ("a leading digit", "1abc".to_owned()),
+        ("a dot", "a.b".to_owned()),
+    ] {
+        refused(
+            &ctx,
+            &ns,
+            what,
+            &probe_job(&name, 1).to_string(),
+            &["metadata.name", "at most 51"],
+        )?;
+    }
+    // The longest name works through repairs: each replacement gets a new pod name.
+    let name = "l".repeat(limit);
+    let mut ring = start_job(&ctx, &ns, &probe_job(&name, 2), 2).await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    for _ in 0..2 {
+        let worker1 = format!("{name}-worker-1");
+        let victim = ring
+            .members
+            .iter()
+            .find(|m| m.pod.starts_with(&worker1))
+            .map(|m| m.pod.clone())
+            .context("no worker 1 in the ring")?;
+        pods.delete(&victim, &DeleteParams::default()).await?;
+        ring = running_ring(&ctx, &ns, &name, 2, ring.generation).await?;
+        ensure!(
+            !ring.members.iter().any(|m| m.pod == victim),
+            "{victim} still a member"
+        );
+    }
+    ensure!(
+        ring.members.iter().any(|m| m.pod.ends_with("-worker-1-2")),
+        "no second replacement: {ring:?}"
+    );
+    Ok(())
+}
+
+async fn ring_port_cannot_change_under_a_running_ring(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    start_job(&ctx, &ns, &probe_job("port", 2), 2).await?;
+    let patched = ctx
+        .cp
+        .kubectl()
+        .args(["-n", &ns, "patch", "dpj", "port", "--type", "merge", "-p"])
+        .arg(r#"{"spec":{"ringPort":29600}}"#)
+        .output()?;
+    let err = String::from_utf8_lossy(&patched.stderr);
+    ensure!(!patched.status.success(), "the ringPort patch was accepted");
+    ensure!(err.contains("spec.ringPort is immutable"), "error: {err}");
+    let j = job_status(&ctx.client, &ns, "port").await?;
+    ensure!(
+        j.spec.ring_port == 29500,
+        "ringPort is {}",
+        j.spec.ring_port
+    );
+    Ok(())
+}
+
+async fn status_counts_what_its_columns_say_and_events_name_their_pods(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    // Two workers lost at once: two WorkerFailed events, each naming its pod.
+    let first = start_job(&ctx, &ns, &probe_job("pair", 2), 2).await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    for m in &first.members {
+        pods.delete(&m.pod, &DeleteParams::default()).await?;
+    }
+    running_ring(&ctx, &ns, "pair", 2, first.generation).await?;
+    let mut about = vec![];
+    eventually(30, "a WorkerFailed event per lost pod", async || {
+        about = Api::<k8s_openapi::api::events::v1::Event>::namespaced(ctx.client.clone(), &ns)
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .filter(|e| e.reason.as_deref() == Some("WorkerFailed"))
+            .filter_map(|e| e.related?.name)
+            .collect::<Vec<_>>();
+        about.sort();
+        Ok(first.members.iter().all(|m| about.contains(&m.pod)))
+    })
+    .await
+    .with_context(|| format!("events about {about:?}"))?;
+    let st = reconciled(&ctx.client, &ns, "pair").await?;
+    ensure!(st.replicas == 2, "status.replicas {}", st.replicas);
+    // A member that exits non-retryably fails the job: nothing was repaired.
+    let fatal = JobManifest {
+        args: ["--sleep", "5", "--exit", "1"].map(String::from).to_vec(),
+        ..probe_job("fatal", 1)
+    };
+    start_job(&ctx, &ns, &fatal, 1).await?;
+    let mut st = None;
+    eventually(60, "fatal: Failed", async || {
+        st = job_status(&ctx.client, &ns, "fatal").await?.status;
+        Ok(st.as_ref().and_then(|s| s.phase) == Some(Phase::Failed))
+    })
+    .await
+    .with_context(|| format!("last status: {st:?}"))?;
+    let st = st.unwrap();
+    ensure!(
+        st.repairs.total == 0 && st.failures.total == 1 && st.replicas == 0,
+        "RESTARTS {}, failures {}, replicas {}",
+        st.repairs.total,
+        st.failures.total,
+        st.replicas
+    );
+    Ok(())
+}
+
+/// Waits until job `job`'s `status.waiting` contains every one of `needles`, and a Warning
+/// event `WorkerBlocked` about pod `pod` exists.
+async fn blocked_on(ctx: &Ctx, ns: &str, job: &str, pod: &str, needles: &[&str]) -> Result<()> {
+    let mut st = None;
+    eventually(
+        60,
+        &format!("{job}: status.waiting names {needles:?}"),
+        async || {
+            st = job_status(&ctx.client, ns, job).await?.status;
+            let waiting = st
+                .as_ref()
+                .and_then(|s| s.waiting.clone())
+                .unwrap_or_default();
+            Ok(needles.iter().all(|n| waiting.contains(n)))
+        },
+    )
+    .await
+    .with_context(|| format!("last status: {st:?}"))?;
+    eventually(
+        30,
+        &format!("a WorkerBlocked event about {pod}"),
+        async || {
+            let events =
+                Api::<k8s_openapi::api::events::v1::Event>::namespaced(ctx.client.clone(), ns)
+                    .list(&ListParams::default())
+                    .await?;
+            Ok(events.items.iter().any(|e| {
+                e.reason.as_deref() == Some("WorkerBlocked")
+                    && e.type_.as_deref() == Some("Warning")
+                    && e.related.as_ref().and_then(|r| r.name.as_deref()) == Some(pod)
+            }))
+        },
+    )
+    .await
+}
+
+async fn workers_that_cannot_start_are_named_and_an_elastic_ring_forms_without_them(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    use k8s_openapi::api::core::v1::ResourceQuota;
+    // A quota that admits 2 of 4 workers of 2 GPUs.
+    let quotas: Api<ResourceQuota> = Api::namespaced(ctx.client.clone(), &ns);
+    let quota = |gpus: &str| {
+        serde_json::from_value::<ResourceQuota>(json!({
+            "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "gpu"},
+            "spec": {"hard": {"requests.nvidia.com/gpu": gpus}}
+        }))
+    };
+    quotas.create(&Default::default(), &quota("4")?).await?;
+    eventually(
+        30,
+        "the quota controller counts the namespace",
+        async || {
+            Ok(quotas
+                .get("gpu")
+                .await?
+                .status
+                .and_then(|s| s.hard)
+                .is_some())
+        },
+    )
+    .await?;
+    let job = JobManifest {
+        extra: json!({"spec": {"elastic": {"minReplicas": 2, "maxReplicas": 4}}}),
+        ..probe_job("quota", 4)
+    };
+    let out = kubectl_apply(&ctx, &ns, &job.to_string())?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The ring forms with the 2 workers the quota admits; the others are named with the API's
+    // refusal.
+    let mut last = None;
+    eventually(60, "a ring of 2 while 2 workers are refused", async || {
+        last = ring(&ctx.client, &ns, "quota").await?;
+        Ok(last.as_ref().is_some_and(|r| r.members.len() == 2))
+    })
+    .await
+    .with_context(|| format!("ring {last:?}"))?;
+    for pod in ["quota-worker-2", "quota-worker-3"] {
+        let named = format!("{pod}: CreateRefused");
+        let needles: &[&str] = if pod.ends_with('2') {
+            &[&named, "exceeded quota"] // the first refused worker is the one in the status
+        } else {
+            &[]
+        };
+        blocked_on(&ctx, &ns, "quota", pod, needles).await?;
+    }
+    // Room appears: the ring grows to 4.
+    quotas
+        .replace("gpu", &Default::default(), &{
+            let mut q = quotas.get("gpu").await?;
+            q.spec = quota("8")?.spec;
+            q
+        })
+        .await?;
+    running_ring(&ctx, &ns, "quota", 4, 0).await?;
+    // An image the node cannot pull: the pod and the container's reason are named.
+    let ghost = JobManifest {
+        image: "diphoma-ghost:1".into(),
+        gpus_per_worker: 0, // the quota is spent
+        ..probe_job("ghost", 1)
+    };
+    let out = kubectl_apply(&ctx, &ns, &ghost.to_string())?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    blocked_on(
+        &ctx,
+        &ns,
+        "ghost",
+        "ghost-worker-0",
+        &["ghost-worker-0: ErrImagePull"],
+    )
+    .await?;
+    let st = job_status(&ctx.client, &ns, "ghost")
+        .await?
+        .status
+        .unwrap_or_default();
+    let ready = st.conditions.iter().find(|c| c.type_ == "Ready");
+    ensure!(
+        ready.is_some_and(|c| c.reason == "ErrImagePull"),
+        "Ready condition: {ready:?}"
+    );
+    Ok(())
+}
+
+async fn clean_pod_policy_none_keeps_every_failed_pod(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    // Exit 137 is retried; backoffLimit 1: the second failure fails the job.
+    let job = JobManifest {
+        args: ["--exit", "137"].map(String::from).to_vec(),
+        extra: json!({"spec": {"runPolicy": {"backoffLimit": 1, "cleanPodPolicy": "None"}}}),
+        ..probe_job("keep", 1)
+    };
+    let out = kubectl_apply(&ctx, &ns, &job.to_string())?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut st = None;
+    eventually(60, "keep: Failed", async || {
+        st = job_status(&ctx.client, &ns, "keep").await?.status;
+        Ok(st.as_ref().and_then(|s| s.phase) == Some(Phase::Failed))
+    })
+    .await
+    .with_context(|| format!("last status: {st:?}"))?;
+    // Whatever the operator deleted would be gone or terminating by now: a reconcile after the
+    // end sees the same pods.
+    reconciled(&ctx.client, &ns, "keep").await?;
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default().labels("diphoma.io/job-name=keep"))
+        .await?
+        .items;
+    let mut kept: Vec<String> = pods
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none() && phase(p) == "Failed")
+        .map(|p| p.name_any())
+        .collect();
+    kept.sort();
+    ensure!(
+        kept == ["keep-worker-0", "keep-worker-0-1"],
+        "failed pods kept: {kept:?}"
+    );
+    Ok(())
+}
+
+async fn gpu_workers_need_only_the_resource_and_cpu_workers_see_none(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    // A template GPU limit that contradicts gpusPerWorker is refused.
+    let limit = json!({"spec": {"template": {"spec": {"containers": [
+        {"resources": {"limits": {"nvidia.com/gpu": 1}}}
+    ]}}}});
+    let yaml = JobManifest {
+        extra: limit,
+        ..probe_job("contradiction", 1)
+    }
+    .to_string();
+    refused(
+        &ctx,
+        &ns,
+        "a GPU limit unlike gpusPerWorker",
+        &yaml,
+        &["must equal spec.gpusPerWorker"],
+    )?;
+    let same = json!({"spec": {"template": {"spec": {"containers": [
+        {"resources": {"limits": {"nvidia.com/gpu": "2"}, "requests": {"nvidia.com/gpu": 2}}}
+    ]}}}});
+    let yaml = JobManifest {
+        extra: same,
+        ..probe_job("agreed", 1)
+    }
+    .to_string();
+    let out = kubectl_apply(&ctx, &ns, &yaml)?;
+    ensure!(
+        out.status.success(),
+        "a GPU limit equal to gpusPerWorker: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // GPU workers: no node label required, the resource does the scheduling.
+    start_job(&ctx, &ns, &probe_job("gpus", 1), 1).await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let gpu = pods.get("gpus-worker-0").await?;
+    let selector = gpu.spec.as_ref().and_then(|s| s.node_selector.clone());
+    ensure!(selector.is_none(), "node selector {selector:?}");
+    // CPU workers: NVIDIA_VISIBLE_DEVICES=void.
+    let cpu = JobManifest {
+        gpus_per_worker: 0,
+        ..probe_job("cpus", 1)
+    };
+    start_job(&ctx, &ns, &cpu, 1).await?;
+    let env = pods
+        .get("cpus-worker-0")
+        .await?
+        .spec
+        .context("no spec")?
+        .containers[0]
+        .env
+        .clone()
+        .unwrap_or_default();
+    ensure!(
+        env.iter()
+            .any(|e| e.name == "NVIDIA_VISIBLE_DEVICES" && e.value.as_deref() == Some("void")),
+        "env {env:?}"
     );
     Ok(())
 }

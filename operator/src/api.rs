@@ -12,6 +12,29 @@ use serde::{Deserialize, Serialize};
 /// Field manager of every server-side apply the operator makes.
 pub const FIELD_MANAGER: &str = "diphoma-operator";
 
+/// Longest job name: the children's names and labels derive from it, and the longest of them
+/// that must be a DNS label (≤ 63), a worker's hostname `<name>-worker-<index>` with an index
+/// up to 4095, leaves 51 characters.
+pub const MAX_NAME_LEN: usize = 51;
+
+/// CEL rule on `metadata.name`: a DNS-1035 label (the job's Service takes its name) of at most
+/// [`MAX_NAME_LEN`] characters.
+pub(crate) const NAME_RULE: &str =
+    "size(self.metadata.name) <= 51 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')";
+const NAME_MESSAGE: &str = "metadata.name must be at most 51 characters of lower-case letters, digits and '-', starting with a letter and ending with a letter or digit: the job's Service, labels and worker hostnames (<name>-worker-<index>, at most 63) derive from it";
+const GPU_MESSAGE: &str = "an nvidia.com/gpu limit or request on the worker container (spec.template.spec.containers[0]) must equal spec.gpusPerWorker: the operator sets it from there (leave it out)";
+
+/// CEL rule: the worker container's `nvidia.com/gpu` `limits` or `requests` (`kind`), when the
+/// template has one, equals `gpusPerWorker`.
+fn gpu_rule(kind: &str) -> String {
+    let c = "self.template.spec.containers[0]";
+    format!(
+        "!has({c}.resources) || !has({c}.resources.{kind}) || !('nvidia.com/gpu' in {c}.resources.{kind}) || string({c}.resources.{kind}['nvidia.com/gpu']) == string(self.gpusPerWorker)"
+    )
+}
+
+const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers listen on it (delete and re-create the job to change it)";
+
 /// A distributed data-parallel training job: a ring of worker pods that the operator keeps alive,
 /// re-forming the ring at a new generation whenever a worker is lost, added or removed.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -66,6 +89,9 @@ pub const FIELD_MANAGER: &str = "diphoma-operator";
         json_path = ".metadata.creationTimestamp"
     )
 )]
+#[kube(validation = Rule::new(NAME_RULE).message(NAME_MESSAGE))]
+#[x_kube(validation = Rule::new(gpu_rule("limits")).message(GPU_MESSAGE).field_path(".gpusPerWorker"))]
+#[x_kube(validation = Rule::new(gpu_rule("requests")).message(GPU_MESSAGE).field_path(".gpusPerWorker"))]
 #[x_kube(validation = Rule::new("!has(self.elastic) || (self.elastic.minReplicas <= self.replicas && self.replicas <= self.elastic.maxReplicas)")
     .message("spec.replicas must lie within [spec.elastic.minReplicas, spec.elastic.maxReplicas]").field_path(".replicas"))]
 #[serde(rename_all = "camelCase")]
@@ -77,7 +103,10 @@ pub struct DiphomaJobSpec {
     /// job is fixed-size (min = max = replicas).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub elastic: Option<Elastic>,
-    /// `nvidia.com/gpu` limit of each worker container; 0 runs CPU workers.
+    /// `nvidia.com/gpu` limit of each worker container; 0 runs CPU workers, which get
+    /// `NVIDIA_VISIBLE_DEVICES=void` (they see no GPU on a GPU node). Workers are scheduled by
+    /// the resource alone: no node label is required (node selectors come from `placement`).
+    /// A template `nvidia.com/gpu` limit or request that differs is refused.
     #[serde(default)]
     #[schemars(range(min = 0, max = 64))]
     pub gpus_per_worker: i32,
@@ -85,8 +114,10 @@ pub struct DiphomaJobSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placement: Option<Placement>,
     /// The worker pod template (image, args, resources, volumes). The operator adds the ring's
-    /// environment, port, labels, GPU limits and the key volume.
-    #[schemars(schema_with = "crate::api::preserved_object")]
+    /// environment, port, labels, GPU limits and the key volume. The fields the operator reads
+    /// (containers, their command, args, env, ports, mounts and resources, volumes, node
+    /// selector, labels) are typed, so a template it could not read is refused here.
+    #[schemars(schema_with = "crate::api::template_schema")]
     pub template: PodTemplateSpec,
     /// Failure budget, deadlines, clean-up and suspension.
     #[serde(default)]
@@ -97,9 +128,11 @@ pub struct DiphomaJobSpec {
     /// Where and how often rank 0 writes checkpoints.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<Checkpoint>,
-    /// TCP port of the ring on each worker's pod IP.
+    /// TCP port of the ring on each worker's pod IP. Immutable: the running workers listen on
+    /// it, and a replacement published on another port would split the ring.
     #[serde(default = "default_ring_port")]
     #[schemars(range(min = 1024, max = 65535))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message(RING_PORT_MESSAGE))]
     pub ring_port: i32,
 }
 
@@ -154,7 +187,9 @@ pub struct RunPolicy {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub ttl_seconds_after_finished: Option<i64>,
-    /// Which workers to delete when the job ends.
+    /// Which workers to delete when the job ends. While it runs, failed workers are replaced
+    /// under new names and their pods kept for `kubectl logs`: every one with `None`, the most
+    /// recent of each worker otherwise.
     #[serde(default)]
     pub clean_pod_policy: CleanPodPolicy,
     /// Delete the workers but keep the job and its status; resuming re-creates them.
@@ -242,11 +277,14 @@ pub struct DiphomaJobStatus {
     /// condition's reason says why it has its status: `Ready` and `Progressing` carry the phase's
     /// (`Pending`, `WorkersStarting`, `RingFormed`, `RingRepairing`, `RingScaling`, `Suspended`,
     /// `RingCompleted`, or the failure's: `NonRetryableExit`, `BackoffLimitExceeded`,
-    /// `DeadlineExceeded`); `Suspended`, `Complete` and `Failed` carry it when True, and
+    /// `DeadlineExceeded`), or while too few workers are ready what keeps one from starting
+    /// (`CreateRefused`, `Unschedulable`, `ErrImagePull`, …), or `InvalidSpec` for a job the
+    /// operator cannot read; `Suspended`, `Complete` and `Failed` carry it when True, and
     /// otherwise `NotSuspended`, `NotCompleted` (`JobFailed` once the job failed), `NotFailed`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
-    /// Desired workers (for `/scale`).
+    /// Worker pods that exist and run on (not finished, not being deleted), for `/scale`: an
+    /// HPA compares it with `spec.replicas`.
     #[serde(default)]
     pub replicas: i32,
     /// Workers that are running and members of the ring.
@@ -273,7 +311,11 @@ pub struct DiphomaJobStatus {
     /// The most recent worker failure.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure: Option<LastFailure>,
-    /// Why the ring waits, when it does (e.g. the resource the scheduler finds short).
+    /// Why the ring waits or runs short, naming the first worker that does not start and who
+    /// says why: `2 of 4 workers ready; <pod>: <reason>: <message>`, the reason being
+    /// `CreateRefused` (the API server's message, e.g. an exceeded quota), the scheduler's
+    /// (`Unschedulable`) or the container's (`ErrImagePull`, …); a Warning event `WorkerBlocked`
+    /// names each such worker when this changes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<String>,
     /// When the job first had workers (RFC 3339).
@@ -412,6 +454,59 @@ pub struct LastFailure {
 /// operator creates the pods).
 pub fn preserved_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({"type": "object", "x-kubernetes-preserve-unknown-fields": true})
+}
+
+/// Schema of the worker pod template: the fields the operator reads or extends are typed (so a
+/// template it could not decode is refused at apply, with the field named), everything else is
+/// kept as is and validated by the API server when the operator creates the pods. A template
+/// must have at least one container (the first is the worker).
+pub fn template_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let open = |props: serde_json::Value| serde_json::json!({"type": "object", "x-kubernetes-preserve-unknown-fields": true, "properties": props});
+    let named = |props: serde_json::Value| {
+        let mut o = open(props);
+        o["required"] = serde_json::json!(["name"]);
+        o
+    };
+    let strings = serde_json::json!({"type": "array", "items": {"type": "string"}});
+    let string_map =
+        serde_json::json!({"type": "object", "additionalProperties": {"type": "string"}});
+    let quantities = serde_json::json!({"type": "object", "additionalProperties": {"x-kubernetes-int-or-string": true}});
+    let objects = |item: serde_json::Value| serde_json::json!({"type": "array", "items": item});
+    let container = named(serde_json::json!({
+        "name": {"type": "string"},
+        "image": {"type": "string"},
+        "command": strings,
+        "args": strings,
+        "env": objects(named(serde_json::json!({"name": {"type": "string"}, "value": {"type": "string"}}))),
+        "ports": objects(open(serde_json::json!({"containerPort": {"type": "integer"}, "name": {"type": "string"}}))),
+        "volumeMounts": objects(named(serde_json::json!({"name": {"type": "string"}, "mountPath": {"type": "string"}}))),
+        "resources": open(serde_json::json!({"limits": quantities, "requests": quantities})),
+    }));
+    let mut spec = open(serde_json::json!({
+        "containers": {"type": "array", "minItems": 1, "items": container,
+            "description": "At least one container; the first is the worker."},
+        "initContainers": objects(container.clone()),
+        "volumes": objects(named(serde_json::json!({"name": {"type": "string"}}))),
+        "nodeSelector": string_map,
+        "tolerations": objects(open(serde_json::json!({}))),
+        "restartPolicy": {"type": "string"},
+        "serviceAccountName": {"type": "string"},
+        "terminationGracePeriodSeconds": {"type": "integer"},
+    }));
+    spec["required"] = serde_json::json!(["containers"]);
+    let mut template = open(serde_json::json!({
+        "metadata": open(serde_json::json!({"labels": string_map, "annotations": string_map})),
+        "spec": spec,
+    }));
+    template["required"] = serde_json::json!(["spec"]);
+    serde_json::from_value(template).expect("a valid schema")
+}
+
+/// Decodes a job as stored by the API server. Errors: the field that does not decode, as a path
+/// (`spec.template.spec.hostNetwork: invalid type: …`), so that a job the operator cannot read
+/// is reported on itself with the field named.
+pub fn decode(object: serde_json::Value) -> Result<DiphomaJob, String> {
+    serde_path_to_error::deserialize(object).map_err(|e| format!("{}: {}", e.path(), e.inner()))
 }
 
 /// Schema of an array of embedded Kubernetes objects kept as is.

@@ -40,6 +40,8 @@ pub const ANNOT_FAILURE_COUNTED: &str = "diphoma.io/failure-counted";
 pub const CHECKPOINT_MOUNT_DIR: &str = "/var/lib/diphoma/checkpoints";
 /// Extended resource name of NVIDIA GPUs.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
+/// Environment variable NVIDIA's container runtime reads; `void` exposes no GPU.
+pub const NVIDIA_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
 
 /// Name of the per-job key Secret.
 pub fn key_secret_name(job: &str) -> String {
@@ -144,7 +146,9 @@ pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Result<Pod, Bui
     });
     pod_spec.restart_policy = Some("Never".into());
     pod_spec.service_account_name = Some(worker_account_name(&name));
-    pod_spec.hostname = Some(pod_name(&name, index, attempt));
+    // The hostname stays per index (a DNS label, ≤ 63 for every name the CRD accepts), while
+    // the pod name counts attempts up.
+    pod_spec.hostname = Some(pod_name(&name, index, 0));
     pod_spec.subdomain = Some(name.clone());
     place(spec, &mut pod_spec);
     let mut meta = meta(job, pod_name(&name, index, attempt));
@@ -192,6 +196,12 @@ fn worker_container(job: &DiphomaJob, c: &mut Container) {
         value(ENV_KEY_FILE, format!("{KEY_MOUNT_DIR}/{KEY_FILE_NAME}")),
         value(ENV_MEMBERSHIP, contract::membership_configmap_name(&name)),
     ];
+    let mut contract_env = contract_env.to_vec();
+    if spec.gpus_per_worker == 0 {
+        // A CPU worker on a GPU node would otherwise see every GPU (NVIDIA's container runtime
+        // exposes all of them to a container that requests none).
+        contract_env.push(value(NVIDIA_VISIBLE_DEVICES, "void".into()));
+    }
     let env = c.env.get_or_insert_default();
     env.retain(|e| !contract_env.iter().any(|n| n.name == e.name));
     env.extend(contract_env);
@@ -247,7 +257,9 @@ fn worker_container(job: &DiphomaJob, c: &mut Container) {
 }
 
 /// Node choice: the template's node selector and tolerations plus [`crate::api::Placement`]'s,
-/// GPU nodes (label and taint) for GPU workers, and the placement's affinity when it has one.
+/// the GPU taint tolerated by GPU workers, and the placement's affinity when it has one. GPU
+/// nodes are found by the `nvidia.com/gpu` resource alone: no node label is required (only
+/// NVIDIA's GPU Feature Discovery sets `nvidia.com/gpu.present`).
 fn place(spec: &crate::api::DiphomaJobSpec, pod_spec: &mut PodSpec) {
     let placement = spec.placement.clone().unwrap_or_default();
     let mut selector = pod_spec.node_selector.take().unwrap_or_default();
@@ -255,7 +267,6 @@ fn place(spec: &crate::api::DiphomaJobSpec, pod_spec: &mut PodSpec) {
     let mut tolerations = pod_spec.tolerations.take().unwrap_or_default();
     tolerations.extend(placement.tolerations);
     if spec.gpus_per_worker > 0 {
-        selector.insert("nvidia.com/gpu.present".into(), "true".into());
         tolerations.push(Toleration {
             key: Some(GPU_RESOURCE.into()),
             operator: Some("Exists".into()),
@@ -482,6 +493,60 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn the_longest_accepted_name_fits_every_child_through_repairs() {
+        let long = "a".repeat(crate::api::MAX_NAME_LEN);
+        let mut j = basic();
+        j.metadata.name = Some(long.clone());
+        j.spec.replicas = 4096;
+        let dns_label = |s: &str| {
+            s.len() <= 63
+                && s.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        };
+        let p = worker_pod(&j, 4095, 10_000).unwrap();
+        let spec = p.spec.as_ref().unwrap();
+        assert!(dns_label(spec.hostname.as_deref().unwrap()), "hostname");
+        assert!(dns_label(spec.subdomain.as_deref().unwrap()), "subdomain");
+        assert!(p.labels().values().all(|v| v.len() <= 63), "label values");
+        assert!(p.name_any().len() <= 253);
+        assert!(dns_label(&service(&j).name_any()), "Service");
+        for name in [
+            role(&j).name_any(),
+            key_secret_name(&long),
+            contract::membership_configmap_name(&long),
+            contract::heartbeat_configmap_name(&long),
+        ] {
+            assert!(name.len() <= 253, "{name}");
+        }
+        // The CEL rule states the same limit.
+        assert!(crate::api::NAME_RULE.contains(&crate::api::MAX_NAME_LEN.to_string()));
+    }
+
+    #[test]
+    fn gpu_workers_need_only_the_resource_and_cpu_workers_see_no_gpu() {
+        let gpu = worker_pod(&basic(), 0, 0).unwrap();
+        let spec = gpu.spec.as_ref().unwrap();
+        assert!(
+            spec.node_selector.is_none(),
+            "no GPU Feature Discovery label required: {:?}",
+            spec.node_selector
+        );
+        let env = |p: &Pod| -> Vec<(String, Option<String>)> {
+            p.spec.as_ref().unwrap().containers[0]
+                .env
+                .iter()
+                .flatten()
+                .map(|e| (e.name.clone(), e.value.clone()))
+                .collect()
+        };
+        assert!(!env(&gpu).iter().any(|(n, _)| n == NVIDIA_VISIBLE_DEVICES));
+        let mut cpu = basic();
+        cpu.spec.gpus_per_worker = 0;
+        let p = worker_pod(&cpu, 0, 0).unwrap();
+        assert!(env(&p).contains(&(NVIDIA_VISIBLE_DEVICES.into(), Some("void".into()))));
+    }
+
+    #[test]
     fn worker_pod_carries_contract_gpu_and_key() {
         let p = worker_pod(&basic(), 2, 0).unwrap();
         assert_eq!(p.metadata.name.as_deref(), Some("train-worker-2"));
@@ -525,10 +590,6 @@ pub(crate) mod tests {
                 .unwrap()
                 .iter()
                 .any(|m| m.mount_path == KEY_MOUNT_DIR && m.read_only == Some(true))
-        );
-        assert_eq!(
-            spec.node_selector.unwrap()["nvidia.com/gpu.present"],
-            "true"
         );
         assert_eq!(
             spec.tolerations.unwrap()[0].key.as_deref(),

@@ -9,14 +9,18 @@
 //!   (ServiceAccount, Role, RoleBinding, Service, NetworkPolicy by server-side apply; key Secret
 //!   and heartbeat ConfigMap created once) when [`Plan::apply_children`]; the status when it
 //!   differs; a failure annotation on each newly failed pod; an annotation, then a deletion, for
-//!   each pod to delete; each new pod (server-side apply); the ring ConfigMap of a new
-//!   generation; the events. Once the TTL passed ([`Plan::delete_job`]), only the job's deletion.
+//!   each pod to delete; each new pod (server-side apply: a pod the API server refuses is
+//!   remembered for the next plan, the others are still created, and the reconcile then fails
+//!   so that it is retried with exponential back-off); the ring ConfigMap of a new generation;
+//!   the events. Once the TTL passed ([`Plan::delete_job`]), only the job's deletion.
+//! - a job that does not decode gets one list of the job as stored, then its status and event
+//!   ([`plan::invalid`]).
 //!
 //! A steady job therefore writes nothing.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use diphoma_contract::{
@@ -24,8 +28,11 @@ use diphoma_contract::{
 };
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, ObjectReference, Pod};
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
+};
+use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
@@ -33,7 +40,7 @@ use kube::{Api, Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::api::{DiphomaJob, FIELD_MANAGER};
+use crate::api::{DiphomaJob, DiphomaJobStatus, FIELD_MANAGER};
 use crate::build::{self, ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED, MANAGED_BY};
 use crate::error::Error;
 use crate::metrics::Metrics;
@@ -49,6 +56,30 @@ pub struct Context {
     pub metrics: Metrics,
     /// Whether each job gets a NetworkPolicy ([`Options::network_policy`]).
     pub network_policy: bool,
+    /// Per job (`namespace/name`): the worker pods whose creation the API server refused at the
+    /// last apply, with its message; the next plan observes them ([`Observed::refused`]).
+    pub refused: Mutex<BTreeMap<String, BTreeMap<String, String>>>,
+    /// Per job (`namespace/name`): reconciles failed in a row, for the exponential back-off of
+    /// the error policy ([`retry_delay`]); cleared by a reconcile that succeeds.
+    pub retries: Mutex<BTreeMap<String, u32>>,
+}
+
+/// `namespace/name` of a job, the key of [`Context`]'s per-job maps.
+fn job_key(job: &impl Resource) -> String {
+    format!(
+        "{}/{}",
+        job.meta().namespace.as_deref().unwrap_or_default(),
+        job.meta().name.as_deref().unwrap_or_default()
+    )
+}
+
+/// Delay before retrying a reconcile that failed `n` times in a row (1 for the first): 2 s,
+/// doubled each time, at most 5 minutes.
+pub fn retry_delay(n: u32) -> Duration {
+    Duration::from_secs(
+        2u64.saturating_mul(1 << n.saturating_sub(1).min(8))
+            .min(300),
+    )
 }
 
 impl Context {
@@ -63,6 +94,8 @@ impl Context {
             client,
             metrics,
             network_policy: false,
+            refused: Mutex::default(),
+            retries: Mutex::default(),
         }
     }
 }
@@ -118,7 +151,8 @@ pub async fn run(
     metrics_listener: Option<tokio::net::TcpListener>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
-    let jobs: Api<DiphomaJob> = Api::all(client.clone());
+    // Guarded: a job that does not decode is reported on itself, and never stops the others.
+    let jobs: Api<DeserializeGuard<DiphomaJob>> = Api::all(client.clone());
     let pods: Api<Pod> = Api::all(client.clone());
     let managed = format!("app.kubernetes.io/managed-by={MANAGED_BY}");
     let metrics = Metrics::default();
@@ -206,25 +240,100 @@ pub async fn run(
     }
 }
 
-fn error_policy(job: Arc<DiphomaJob>, err: &Error, ctx: Arc<Context>) -> Action {
+fn error_policy(job: Arc<DeserializeGuard<DiphomaJob>>, err: &Error, ctx: Arc<Context>) -> Action {
     ctx.metrics
         .errors
         .with_label_values(&[err.metric_label()])
         .inc();
-    tracing::warn!(job = %job.name_any(), error = %err, kind = err.metric_label(), "reconcile failed");
-    Action::requeue(Duration::from_secs(2))
+    let n = {
+        let mut retries = ctx.retries.lock().expect("retries lock");
+        let n = retries.entry(job_key(job.as_ref())).or_default();
+        *n += 1;
+        *n
+    };
+    let delay = retry_delay(n);
+    tracing::warn!(job = %job.name_any(), error = %err, kind = err.metric_label(), retry_in = ?delay, "reconcile failed");
+    Action::requeue(delay)
 }
 
-/// One reconcile of one job.
-pub async fn reconcile(job: Arc<DiphomaJob>, ctx: Arc<Context>) -> Result<Action, Error> {
+/// One reconcile of one job; a job that does not decode is reported on itself
+/// ([`plan::invalid`]).
+pub async fn reconcile(
+    job: Arc<DeserializeGuard<DiphomaJob>>,
+    ctx: Arc<Context>,
+) -> Result<Action, Error> {
+    let done = match &job.0 {
+        Ok(decoded) => reconcile_job(decoded, &ctx).await,
+        Err(_) => report_invalid(&job, &ctx).await,
+    };
+    if done.is_ok() {
+        ctx.retries
+            .lock()
+            .expect("retries lock")
+            .remove(&job_key(job.as_ref()));
+    }
+    done
+}
+
+/// Reads the job as stored (one list by name: the operator's role has no `get` on jobs), and
+/// writes the status and event [`plan::invalid`] plans.
+async fn report_invalid(
+    job: &DeserializeGuard<DiphomaJob>,
+    ctx: &Context,
+) -> Result<Action, Error> {
+    let (ns, name) = (job.namespace().unwrap_or_default(), job.name_any());
+    let raw = Api::<DynamicObject>::namespaced_with(
+        ctx.client.clone(),
+        &ns,
+        &ApiResource::erase::<DiphomaJob>(&()),
+    )
+    .list(&ListParams::default().fields(&format!("metadata.name={name}")))
+    .await
+    .map_err(|source| Error::Observe {
+        what: "invalid job",
+        source,
+    })?
+    .items
+    .into_iter()
+    .next();
+    let Some(raw) = raw else {
+        return Ok(Action::await_change()); // deleted meanwhile
+    };
+    let object = serde_json::to_value(&raw).unwrap_or_default();
+    let Some(plan) = plan::invalid(&object, jiff::Timestamp::now()) else {
+        return Ok(Action::requeue(Duration::from_secs(1))); // it decodes now: look again
+    };
+    let prev: Option<DiphomaJobStatus> = object
+        .get("status")
+        .and_then(|s| serde_json::from_value(s.clone()).ok());
+    // Guarded: the API server answers with the job, which does not decode.
+    let jobs: Api<DeserializeGuard<DiphomaJob>> = Api::namespaced(ctx.client.clone(), &ns);
+    write_status(&jobs, &name, prev.as_ref(), &plan.status).await?;
+    publish(ctx, &job.object_ref(&()), &plan.events).await;
+    Ok(Action::await_change())
+}
+
+/// One reconcile of a job that decodes.
+async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error> {
     if job.metadata.deletion_timestamp.is_some() {
+        ctx.refused
+            .lock()
+            .expect("refused lock")
+            .remove(&job_key(job));
         return Ok(Action::await_change()); // owner references clean up the children
     }
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
-    let obs = observe(&ctx.client, &job).await?; // reads
-    let plan = plan::plan(&job, &obs)?; // pure
-    apply(&ctx, &job, &plan).await?; // writes
+    let mut obs = observe(&ctx.client, job).await?; // reads
+    obs.refused = ctx
+        .refused
+        .lock()
+        .expect("refused lock")
+        .get(&job_key(job))
+        .cloned()
+        .unwrap_or_default();
+    let plan = plan::plan(job, &obs)?; // pure
+    apply(ctx, job, &plan).await?; // writes
     ctx.metrics.observe_plan(&plan);
     Ok(plan
         .look_again
@@ -299,6 +408,7 @@ async fn observe(client: &Client, job: &DiphomaJob) -> Result<Observed, Error> {
         progress,
         reports,
         now,
+        refused: BTreeMap::new(),
     })
 }
 
@@ -356,16 +466,7 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
         apply_children(ctx, job).await?;
     }
     // Status first: a counted failure is never lost, even if what follows fails.
-    if job.status.as_ref() != Some(&plan.status) {
-        let body = serde_json::json!({"apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "status": plan.status});
-        jobs.patch_status(
-            &name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&body),
-        )
-        .await
-        .map_err(|source| Error::PatchStatus { source })?;
-    }
+    write_status(&jobs, &name, job.status.as_ref(), &plan.status).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     for f in plan.failures.iter().filter(|f| f.exists) {
         annotate(&pods, &f.pod, ANNOT_FAILURE_COUNTED, f.cause.as_str()).await?;
@@ -387,14 +488,32 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
             }
         })?;
     }
+    // A pod the API server refuses (a quota, a pod it finds invalid) stops neither the other
+    // creations nor the ring: it is remembered for the next plan, and retried with back-off.
+    let mut refused = BTreeMap::new();
+    let mut first_refusal = None;
     for p in &plan.create {
-        apply_one(&pods, p)
-            .await
-            .map_err(|source| Error::CreatePod {
-                pod: p.name_any(),
-                source,
-            })?;
+        match apply_one(&pods, p).await {
+            Ok(()) => {}
+            Err(kube::Error::Api(s)) => {
+                refused.insert(p.name_any(), s.message.clone());
+                first_refusal.get_or_insert(Error::CreatePod {
+                    pod: p.name_any(),
+                    source: kube::Error::Api(s),
+                });
+            }
+            Err(source) => {
+                return Err(Error::CreatePod {
+                    pod: p.name_any(),
+                    source,
+                });
+            }
+        }
     }
+    ctx.refused
+        .lock()
+        .expect("refused lock")
+        .insert(job_key(job), refused);
     if let Some(m) = &plan.publish {
         apply_one(
             &Api::<ConfigMap>::namespaced(client.clone(), &ns),
@@ -406,8 +525,38 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
             source,
         })?;
     }
-    let reference = job.object_ref(&());
-    for e in &plan.events {
+    publish(ctx, &job.object_ref(&()), &plan.events).await;
+    first_refusal.map_or(Ok(()), Err)
+}
+
+/// Writes `status` on job `name` (server-side apply) unless it equals `prev`; `K` is the job
+/// type the reply decodes into.
+async fn write_status<K>(
+    jobs: &Api<K>,
+    name: &str,
+    prev: Option<&DiphomaJobStatus>,
+    status: &DiphomaJobStatus,
+) -> Result<(), Error>
+where
+    K: Clone + DeserializeOwned + std::fmt::Debug,
+{
+    if prev == Some(status) {
+        return Ok(());
+    }
+    let body = serde_json::json!({"apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "status": status});
+    jobs.patch_status(
+        name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&body),
+    )
+    .await
+    .map_err(|source| Error::PatchStatus { source })?;
+    Ok(())
+}
+
+/// Publishes `events` on the object `reference` (a failed publish is logged, not an error).
+async fn publish(ctx: &Context, reference: &ObjectReference, events: &[plan::EventNote]) {
+    for e in events {
         let ev = Event {
             type_: if e.warning {
                 EventType::Warning
@@ -416,14 +565,19 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
             },
             reason: e.reason.into(),
             note: Some(e.note.clone()),
-            action: "Reconcile".into(),
-            secondary: None,
+            action: e.action.into(),
+            secondary: e.pod.as_ref().map(|pod| ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Pod".into()),
+                name: Some(pod.clone()),
+                namespace: reference.namespace.clone(),
+                ..Default::default()
+            }),
         };
-        if let Err(e) = ctx.recorder.publish(&ev, &reference).await {
+        if let Err(e) = ctx.recorder.publish(&ev, reference).await {
             tracing::debug!(error = %e, "event");
         }
     }
-    Ok(())
 }
 
 /// Sets annotation `key` to `value` on `pod` (a pod already gone is fine).

@@ -40,7 +40,20 @@ pub fn crd_markdown(crd: &CustomResourceDefinition) -> String {
         .schema
         .as_ref()
         .and_then(|s| s.open_api_v3_schema.as_ref());
-    let mut rules = vec![];
+    // Rules on the whole object (e.g. on `metadata.name`) first.
+    let mut rules: Vec<(String, String, String)> = schema
+        .and_then(|s| s.x_kubernetes_validations.clone())
+        .into_iter()
+        .flatten()
+        .map(|r| {
+            let message = r.message.unwrap_or_default();
+            (
+                ".".to_owned(),
+                r.rule.replace('|', "\\|"),
+                one_line(&message),
+            )
+        })
+        .collect();
     for section in ["spec", "status"] {
         let Some(props) = schema.and_then(|s| s.properties.as_ref()?.get(section)) else {
             continue;

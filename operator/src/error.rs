@@ -13,7 +13,8 @@ pub enum Error {
     /// Reading what the job's world looks like failed.
     #[error("observe {what}: {source}")]
     Observe {
-        /// What was read: `pods`, `ring ConfigMap`, `heartbeat ConfigMap`, `node Lease`, `Node`.
+        /// What was read: `pods`, `ring ConfigMap`, `heartbeat ConfigMap`, `node Lease`, `Node`,
+        /// `invalid job` (a job that does not decode, read as stored).
         what: &'static str,
         /// The API error.
         #[source]

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::get;
+use kube::core::DeserializeGuard;
 use kube::runtime::reflector::Store;
 use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
@@ -160,7 +161,7 @@ impl Metrics {
     /// `diphoma_operator_job_repairs{job_namespace, diphoma_job, cause}`: each job's
     /// `status.repairs.byCause`, every cause present (0 before its first repair). Built per
     /// scrape and never registered, so a deleted job's series simply stop.
-    fn job_repairs(jobs: &[Arc<DiphomaJob>]) -> Vec<prometheus::proto::MetricFamily> {
+    fn job_repairs(jobs: &[&DiphomaJob]) -> Vec<prometheus::proto::MetricFamily> {
         use prometheus::core::Collector;
         let g = IntGaugeVec::new(
             Opts::new(
@@ -193,7 +194,7 @@ impl Metrics {
     }
 
     /// The text exposition, with the job and worker gauges computed from `jobs`.
-    pub fn render(&self, jobs: &[Arc<DiphomaJob>]) -> String {
+    pub fn render(&self, jobs: &[&DiphomaJob]) -> String {
         // Counted here, then set: concurrent scrapes never see a half-built gauge.
         let mut by_phase: std::collections::BTreeMap<String, i64> = Phase::ALL
             .iter()
@@ -230,13 +231,18 @@ impl Metrics {
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Metrics,
-    store: Store<DiphomaJob>,
+    store: Store<DeserializeGuard<DiphomaJob>>,
     ready: Arc<AtomicBool>,
 ) -> std::io::Result<()> {
     let app = Router::new()
         .route(
             "/metrics",
-            get(move || async move { metrics.render(&store.state()) }),
+            get(move || async move {
+                let jobs = store.state();
+                let decoded: Vec<&DiphomaJob> =
+                    jobs.iter().filter_map(|j| j.0.as_ref().ok()).collect();
+                metrics.render(&decoded)
+            }),
         )
         .route("/healthz", get(|| async { "ok" }))
         .route(
@@ -283,7 +289,7 @@ mod tests {
         status.repairs.add("ProcessExit");
         job.status = Some(status);
         job.metadata.namespace = Some("team-a".into());
-        let text = m.render(&[Arc::new(job)]);
+        let text = m.render(&[&job]);
         let per_job = |cause: &str, n: i64| {
             let line = format!(
                 "diphoma_operator_job_repairs{{cause=\"{cause}\",diphoma_job=\"train\",job_namespace=\"team-a\"}} {n}"

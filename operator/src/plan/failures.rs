@@ -1,6 +1,7 @@
 //! Step 1 of the plan: failures. Judges the nodes (Lease age, Ready condition), classifies lost
 //! pods, finds silent ring members from the workers' reports and members that vanished, and
-//! records each new failure (counts, last failure, event, the lost pod's deletion). Pure; it
+//! records each new failure (counts, last failure, event, the deletion of a lost pod that still
+//! runs; finished failed pods are kept for their logs as `cleanPodPolicy` says). Pure; it
 //! decides nothing about the job's end (that is [`super::lifecycle`]).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -228,8 +229,9 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
             continue;
         }
         if counted(p) {
-            // Already counted: make sure it goes away so that its index is replaced.
-            if p.metadata.deletion_timestamp.is_none() || cause.force_delete() {
+            // Already counted: a pod that still runs (frozen, on a lost node) must go; a
+            // finished one stays for its logs, as `cleanPodPolicy` says (see `keep_failed`).
+            if (p.metadata.deletion_timestamp.is_none() && !terminal(p)) || cause.force_delete() {
                 plan.delete.push(Deletion {
                     pod: p.name_any(),
                     force: cause.force_delete(),
@@ -308,18 +310,88 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
         }
     }
     for f in plan.failures.clone() {
-        record(&mut plan.status, &mut plan.delete, &mut plan.events, f);
+        let keep = obs
+            .pods
+            .iter()
+            .any(|p| p.name_any() == f.pod && terminal(p));
+        record(
+            &mut plan.status,
+            &mut plan.delete,
+            &mut plan.events,
+            f,
+            keep,
+        );
     }
+    keep_failed(job, obs, plan);
     found
 }
 
+/// [`Deletion::reason`] of an older failed pod of a worker whose newer failed pod is kept.
+pub const PRUNED: &str = "Pruned";
+
+/// Whether a lost pod has finished (phase `Failed`, not being deleted): its containers are
+/// gone, it holds no resources, and its logs are what the user wants to read.
+fn terminal(p: &Pod) -> bool {
+    pod_phase(p) == "Failed" && p.metadata.deletion_timestamp.is_none()
+}
+
+/// Finished failed pods are kept for `kubectl logs`: every one with `cleanPodPolicy: None`,
+/// otherwise the most recent of each worker index (older ones are deleted, `Pruned`). A
+/// replacement never needs its predecessor gone: it takes the next attempt's name.
+fn keep_failed(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
+    if job.spec.run_policy.clean_pod_policy == crate::api::CleanPodPolicy::None {
+        return;
+    }
+    let name = job.name_any();
+    let mut newest: BTreeMap<i32, (i32, String)> = BTreeMap::new();
+    let failed: Vec<(i32, i32, String)> = obs
+        .pods
+        .iter()
+        .filter(|p| terminal(p))
+        .filter_map(|p| {
+            let i = crate::build::replica_index(p)?;
+            Some((
+                i,
+                crate::build::attempt_of(&name, &p.name_any()),
+                p.name_any(),
+            ))
+        })
+        .collect();
+    for (i, attempt, pod) in &failed {
+        let e = newest.entry(*i).or_insert((*attempt, pod.clone()));
+        if *attempt > e.0 {
+            *e = (*attempt, pod.clone());
+        }
+    }
+    for (i, _, pod) in failed {
+        let already = plan.delete.iter().any(|d| d.pod == pod);
+        if newest.get(&i).is_some_and(|(_, n)| *n != pod) && !already {
+            plan.delete.push(Deletion {
+                pod,
+                force: false,
+                reason: PRUNED,
+            });
+        }
+    }
+}
+
+/// Counts a repair for each ring member this plan found lost, once the job is known to run on
+/// (a job that fails or stops with the loss repairs nothing: RESTARTS counts repairs only).
+pub fn count_repairs(plan: &mut Plan) {
+    for f in plan.failures.iter().filter(|f| f.rank.is_some()) {
+        plan.status.repairs.add(f.cause.as_str());
+    }
+}
+
 /// Counts a failure, remembers it as the last one, announces it and, for a pod that still
-/// exists, schedules its deletion (it is replaced under a new name).
+/// exists and is not to be `keep`t (a finished pod stays for its logs), schedules its deletion
+/// (it is replaced under a new name either way).
 fn record(
     status: &mut DiphomaJobStatus,
     delete: &mut Vec<Deletion>,
     events: &mut Vec<EventNote>,
     f: Failure,
+    keep: bool,
 ) {
     status.failures.add(f.cause.as_str());
     status.last_failure = Some(LastFailure {
@@ -339,16 +411,13 @@ fn record(
         ),
         None => format!("worker {} ({}) lost: {}", f.pod, f.cause.as_str(), f.reason),
     };
-    if f.rank.is_some() {
-        status.repairs.add(f.cause.as_str()); // a ring member lost: the ring must be re-formed
-    }
     let reason = if f.cause == Cause::NodeLost {
         "NodeLost"
     } else {
         "WorkerFailed"
     };
-    events.push(EventNote::warning(reason, note));
-    if f.exists && f.cause != Cause::PodDeleted {
+    events.push(EventNote::warning(reason, "Replace", note).about(&f.pod));
+    if f.exists && f.cause != Cause::PodDeleted && (!keep || f.cause.force_delete()) {
         delete.push(Deletion {
             pod: f.pod.clone(),
             force: f.cause.force_delete(),

@@ -9,7 +9,7 @@ use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
-use super::failures::{Found, loss_time};
+use super::failures::{Found, PRUNED, loss_time};
 use super::ring::ring_status;
 use super::status::conditions;
 use super::{
@@ -178,6 +178,7 @@ fn suspend(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
     if prev.phase != Some(Phase::Suspended) {
         plan.events.push(EventNote::normal(
             "JobSuspended",
+            "Suspend",
             "workers deleted; status kept".into(),
         ));
     }
@@ -228,14 +229,15 @@ fn finish(
         job.metadata.generation,
     );
     let event = if phase == Phase::Succeeded {
-        EventNote::normal("JobSucceeded", msg)
+        EventNote::normal("JobSucceeded", "Finish", msg)
     } else {
-        EventNote::warning("JobFailed", msg)
+        EventNote::warning("JobFailed", "Finish", msg)
     };
     plan.events.push(event);
     // Nothing replaces a lost worker any more: only forced deletions (lost node, frozen
-    // process) stay; cleanPodPolicy decides about the rest (a failed pod stays for its logs).
-    plan.delete.retain(|d| d.force);
+    // process) and the pruning of older failed pods stay; cleanPodPolicy decides about the rest
+    // (the most recent failed pod of each worker stays for its logs).
+    plan.delete.retain(|d| d.force || d.reason == PRUNED);
     let already: BTreeSet<String> = plan.delete.iter().map(|d| d.pod.clone()).collect();
     plan.delete.extend(
         finished_deletions(job.spec.run_policy.clean_pod_policy, &obs.pods)

@@ -10,6 +10,9 @@
 //! 3. [`workers`]: create missing workers, scale away the surplus;
 //! 4. [`ring`]: publish the next ring generation when its membership changes;
 //! 5. [`status`]: readiness, waiting, phase and conditions.
+//!
+//! A job whose spec does not decode gets [`invalid`] instead: a status and an event that name
+//! the field, and nothing else.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -47,6 +50,10 @@ pub struct Observed {
     pub reports: Vec<FailureReport>,
     /// Now.
     pub now: Timestamp,
+    /// Worker pods whose creation the API server refused at the previous apply, with its
+    /// message (a quota exceeded, a pod it finds invalid): they are retried and reported, and
+    /// never count as starting.
+    pub refused: BTreeMap<String, String>,
 }
 
 /// What the controller read about one node: its Lease in `kube-node-lease` and its `Ready`
@@ -141,33 +148,48 @@ pub struct Deletion {
     pub reason: &'static str,
 }
 
-/// A Kubernetes Event to publish on the job.
+/// A Kubernetes Event to publish on the job. The event recorder merges events with the same
+/// type, reason, action and related object into one series (keeping the first note), so each
+/// fact about a pod names the pod as its related object: two failures are two events.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EventNote {
     /// `Warning` (a loss, a failed job) rather than `Normal`.
     pub warning: bool,
     /// PascalCase reason (`WorkerFailed`, `RingReformed`, ...).
     pub reason: &'static str,
+    /// What the operator did, a short verb (`Create`, `Replace`, `Publish`, …).
+    pub action: &'static str,
     /// Human-readable note.
     pub note: String,
+    /// The pod the event is about (the event's related object), if any.
+    pub pod: Option<String>,
 }
 
 impl EventNote {
     /// A `Normal` event.
-    pub fn normal(reason: &'static str, note: String) -> Self {
+    pub fn normal(reason: &'static str, action: &'static str, note: String) -> Self {
         EventNote {
             warning: false,
             reason,
+            action,
             note,
+            pod: None,
         }
     }
 
     /// A `Warning` event.
-    pub fn warning(reason: &'static str, note: String) -> Self {
+    pub fn warning(reason: &'static str, action: &'static str, note: String) -> Self {
         EventNote {
             warning: true,
-            reason,
-            note,
+            ..EventNote::normal(reason, action, note)
+        }
+    }
+
+    /// The same event about pod `pod`.
+    pub fn about(self, pod: &str) -> Self {
+        EventNote {
+            pod: Some(pod.to_owned()),
+            ..self
         }
     }
 }
@@ -212,8 +234,31 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Result<Plan, BuildError> {
         ..Plan::default()
     };
     decide(job, obs, &mut plan)?;
+    plan.status.replicas = status::observed_replicas(obs, &plan);
     plan.look_again = look_again(job, &plan);
     Ok(plan)
+}
+
+/// The plan for a job the operator cannot decode (`object`: the job as the API server stores
+/// it): its status says why, with the field named, and a Warning event `InvalidSpec` says it
+/// once per reconcile; nothing is created, deleted or published, and the job's workers are left
+/// as they are until the spec is fixed. None when `object` decodes after all (it changed since
+/// the watch saw it).
+pub fn invalid(object: &serde_json::Value, now: Timestamp) -> Option<Plan> {
+    let error = crate::api::decode(object.clone()).err()?;
+    let prev = object
+        .get("status")
+        .and_then(|s| serde_json::from_value(s.clone()).ok())
+        .unwrap_or_default();
+    let generation = object
+        .pointer("/metadata/generation")
+        .and_then(|g| g.as_i64());
+    let message = format!("the operator cannot read this job: {error}");
+    Some(Plan {
+        status: status::invalid(prev, generation, &message, now),
+        events: vec![EventNote::warning("InvalidSpec", "Decode", message)],
+        ..Plan::default()
+    })
 }
 
 /// The steps, in order; each later step sees what the earlier ones planned.
@@ -232,6 +277,7 @@ fn decide(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) -> Result<(), Build
     if lifecycle::lifecycle(job, obs, &found, plan) == lifecycle::Next::Done {
         return Ok(());
     }
+    failures::count_repairs(plan); // the job runs on: its lost members will be replaced
     // 3. Workers: create the missing ones, scale away the surplus.
     let workers = workers::workers(job, obs, &found, plan)?;
     // 4. Ring: the next generation, when the membership changed.

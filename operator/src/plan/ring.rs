@@ -86,6 +86,7 @@ pub fn next_generation(
         }
         plan.events.push(EventNote::normal(
             "RingReformed",
+            "Publish",
             format!("generation {generation} with {} workers", m.members.len()),
         ));
         status.ring = Some(ring_status(&job.name_any(), &m, vec![]));
@@ -152,6 +153,7 @@ mod tests {
             progress: None,
             reports: vec![],
             now: jiff::Timestamp::UNIX_EPOCH,
+            refused: Default::default(),
         };
         let mut plan = Plan::default();
         plan.delete.push(super::super::Deletion {

@@ -7,19 +7,31 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::ResourceExt;
 
 use super::ring::RingView;
-use super::workers::{Workers, unschedulable};
-use super::{Observed, Plan, ts};
+use super::workers::Workers;
+use super::{EventNote, Observed, Plan, ts};
 use crate::api::{DiphomaJob, DiphomaJobStatus, Phase, Progress};
 use crate::build;
 
-/// The previous status with this spec's replicas, selector and generation.
+/// The previous status with this job's selector and generation.
 pub fn carried(job: &DiphomaJob) -> DiphomaJobStatus {
     DiphomaJobStatus {
-        replicas: job.spec.replicas,
         selector: Some(build::selector(&job.name_any())),
         observed_generation: job.metadata.generation,
         ..job.status.clone().unwrap_or_default()
     }
+}
+
+/// `status.replicas`: the worker pods that exist and run on (not finished, not being deleted,
+/// not deleted by this plan), as `/scale` reports them next to `spec.replicas`.
+pub fn observed_replicas(obs: &Observed, plan: &Plan) -> i32 {
+    obs.pods
+        .iter()
+        .filter(|p| {
+            p.metadata.deletion_timestamp.is_none()
+                && !matches!(super::pod_phase(p), "Succeeded" | "Failed")
+                && !plan.delete.iter().any(|d| d.pod == p.name_any())
+        })
+        .count() as i32
 }
 
 /// The start time (now, the first time) and rank 0's latest progress.
@@ -65,15 +77,15 @@ pub fn running(
         .filter(|n| members.contains(n.as_str()))
         .count() as i32;
     status.ready = Some(format!("{}/{}", status.ready_replicas, desired));
-    let short = workers.live.values().find_map(|p| unschedulable(p));
+    let blocked = workers.blocked.first();
     let ready = ring.ready.len();
-    status.waiting = if !ring.enough {
-        Some(match short.filter(|m| !m.is_empty()) {
-            Some(msg) => format!("{ready} of {min} workers ready; the scheduler says: {msg}"),
-            None => format!("{ready} of {min} workers ready; waiting for workers to start"),
-        })
-    } else {
-        short.map(|m| format!("running with {ready} of {desired} workers; the scheduler says: {m}"))
+    status.waiting = match (ring.enough, blocked) {
+        (false, Some(b)) => Some(format!("{ready} of {min} workers ready; {b}")),
+        (false, None) => Some(format!(
+            "{ready} of {min} workers ready; waiting for workers to start"
+        )),
+        (true, Some(b)) => Some(format!("running with {ready} of {desired} workers; {b}")),
+        (true, None) => None,
     };
     let unrepaired = ring.lost_member && plan.publish.is_none();
     let phase = if obs.ring.is_none() && plan.publish.is_none() {
@@ -100,6 +112,11 @@ pub fn running(
                 status.ring.as_ref().map_or(0, |r| r.generation)
             ),
         ),
+        // What keeps the ring from forming names the conditions' reason.
+        _ if !ring.enough && blocked.is_some() => (
+            blocked.map_or("", |b| b.reason.as_str()),
+            status.waiting.clone().unwrap_or_default(),
+        ),
         _ => (
             phase_reason(phase),
             status
@@ -116,6 +133,41 @@ pub fn running(
         obs.now,
         job.metadata.generation,
     );
+    // Each worker that does not start is announced when what the job waits for changes, not on
+    // every reconcile.
+    if plan.status.waiting != prev.waiting {
+        plan.events.extend(
+            workers
+                .blocked
+                .iter()
+                .map(|b| EventNote::warning("WorkerBlocked", "Start", b.to_string()).about(&b.pod)),
+        );
+    }
+}
+
+/// The status of a job whose spec cannot be decoded: `prev` kept (counts, ring, phase, or
+/// `Pending` for a new job), `waiting` is `message`, and the conditions say `InvalidSpec` (Ready
+/// and Progressing False).
+pub fn invalid(
+    prev: DiphomaJobStatus,
+    generation: Option<i64>,
+    message: &str,
+    now: Timestamp,
+) -> DiphomaJobStatus {
+    DiphomaJobStatus {
+        phase: Some(prev.phase.unwrap_or(Phase::Pending)),
+        conditions: conditions(
+            &prev.conditions,
+            Phase::Pending,
+            "InvalidSpec",
+            message,
+            now,
+            generation,
+        ),
+        waiting: Some(message.to_owned()),
+        observed_generation: generation,
+        ..prev
+    }
 }
 
 fn phase_reason(p: Phase) -> &'static str {

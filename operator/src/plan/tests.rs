@@ -29,6 +29,7 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         progress: None,
         reports: vec![],
         now: t(100),
+        refused: BTreeMap::new(),
     }
 }
 
@@ -185,14 +186,7 @@ fn process_exit_is_counted_replaced_and_the_ring_shrinks() {
         (f.cause, f.exit_code, f.rank, f.retryable),
         (Cause::ProcessExit, Some(137), Some(1), true)
     );
-    assert_eq!(
-        p.delete,
-        vec![Deletion {
-            pod: "train-worker-1".into(),
-            force: false,
-            reason: "Replaced"
-        }]
-    );
+    assert!(p.delete.is_empty(), "the failed pod stays for its logs");
     assert_eq!(
         p.create[0].name_any(),
         "train-worker-1-1",
@@ -228,7 +222,8 @@ fn a_counted_failure_is_not_counted_again() {
         .insert(ANNOT_FAILURE_COUNTED.into(), "ProcessExit".into());
     let p = plan(&j, &obs(pods, Some(ring(&j, 4, &[0, 2, 3]))));
     assert!(p.failures.is_empty());
-    assert_eq!(p.delete[0].pod, "train-worker-1");
+    assert!(p.delete.is_empty(), "the failed pod stays for its logs");
+    assert_eq!(p.create[0].name_any(), "train-worker-1-1");
     assert_eq!(p.status.failures.total, 0);
 }
 
@@ -438,12 +433,9 @@ fn gang_waits_below_min_replicas_with_the_scheduler_reason() {
     }
     let p = plan(&j, &obs(pods, None));
     assert!(p.publish.is_none(), "2 < minReplicas 4: no ring");
-    assert!(
-        p.status
-            .waiting
-            .unwrap()
-            .contains("2 of 4 workers ready; the scheduler says: Insufficient nvidia.com/gpu")
-    );
+    assert!(p.status.waiting.unwrap().contains(
+        "2 of 4 workers ready; train-worker-2: Unschedulable: Insufficient nvidia.com/gpu"
+    ));
 }
 
 #[test]
@@ -883,4 +875,227 @@ fn a_template_without_containers_is_an_error_naming_the_job() {
         err.to_string(),
         "job train: spec.template.spec.containers is empty"
     );
+}
+
+#[test]
+fn a_job_that_does_not_decode_is_reported_on_itself_with_the_field_named() {
+    let mut object = serde_json::to_value(with_status(basic(), Phase::Running)).unwrap();
+    object["metadata"]["generation"] = json!(3);
+    object["spec"]["template"]["spec"]["containers"][0]["args"] = json!("train --steps 100");
+    let p = invalid(&object, t(5)).expect("does not decode");
+    let field = "spec.template.spec.containers[0].args";
+    assert_eq!(p.events.len(), 1);
+    assert!(p.events[0].warning && p.events[0].reason == "InvalidSpec");
+    assert!(p.events[0].note.contains(field), "{}", p.events[0].note);
+    let ready = p
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "InvalidSpec")
+    );
+    assert!(ready.message.contains(field));
+    assert_eq!(p.status.observed_generation, Some(3));
+    assert!(p.status.waiting.as_deref().unwrap().contains(field));
+    assert!(p.create.is_empty() && p.delete.is_empty() && p.publish.is_none());
+    // A job that decodes has nothing to report.
+    assert!(invalid(&serde_json::to_value(basic()).unwrap(), t(5)).is_none());
+}
+
+#[test]
+fn each_lost_worker_is_its_own_event_naming_its_pod() {
+    let j = with_status(basic(), Phase::Running);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[1] = exited(pod(&j, 1, "Running"), 137, "Error");
+    pods[2] = exited(pod(&j, 2, "Running"), 137, "Error");
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    let lost: Vec<&EventNote> = p
+        .events
+        .iter()
+        .filter(|e| e.reason == "WorkerFailed")
+        .collect();
+    let about: Vec<Option<&str>> = lost.iter().map(|e| e.pod.as_deref()).collect();
+    assert_eq!(about, [Some("train-worker-1"), Some("train-worker-2")]);
+    // The recorder keys on (type, reason, action, related object): these never merge, and no
+    // event says only "Reconcile".
+    assert!(
+        p.events
+            .iter()
+            .all(|e| e.action != "Reconcile" && !e.action.is_empty())
+    );
+    let created: Vec<Option<&str>> = p
+        .events
+        .iter()
+        .filter(|e| e.reason == "WorkerCreated")
+        .map(|e| e.pod.as_deref())
+        .collect();
+    assert_eq!(
+        created,
+        [Some("train-worker-1-1"), Some("train-worker-2-1")]
+    );
+}
+
+#[test]
+fn status_replicas_counts_the_workers_that_exist() {
+    let j = with_status(basic(), Phase::Running); // spec.replicas 4
+    let pods = vec![
+        pod(&j, 0, "Running"),
+        pod(&j, 1, "Pending"),
+        exited(pod(&j, 2, "Running"), 137, "Error"),
+    ];
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2]))));
+    assert_eq!(
+        p.status.replicas, 2,
+        "worker 2 failed, worker 3 is not there yet"
+    );
+}
+
+#[test]
+fn a_job_that_fails_without_a_repair_counts_none() {
+    let j = with_status(basic(), Phase::Running);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[3] = exited(pod(&j, 3, "Running"), 1, "Error"); // 1: not retryable
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    assert_eq!(p.status.phase, Some(Phase::Failed));
+    assert_eq!(p.status.failures.total, 1);
+    assert_eq!(p.status.repairs.total, 0, "RESTARTS counts repairs only");
+}
+
+/// `basic()` with 4 replicas, elastic 2..4, running workers 0 and 1 and no ring yet.
+fn elastic_pair() -> (DiphomaJob, Vec<Pod>) {
+    let mut j = basic();
+    j.spec.elastic = Some(crate::api::Elastic {
+        min_replicas: 2,
+        max_replicas: 4,
+    });
+    let pods = (0..2).map(|i| pod(&j, i, "Running")).collect();
+    (j, pods)
+}
+
+#[test]
+fn refused_workers_are_reported_and_the_ring_forms_at_min_replicas() {
+    let (j, pods) = elastic_pair();
+    let quota = "exceeded quota: gpu, requested: requests.nvidia.com/gpu=2, used: 4, limited: 4";
+    let refused: BTreeMap<String, String> = ["train-worker-2", "train-worker-3"]
+        .map(|p| (p.to_owned(), quota.to_owned()))
+        .into();
+    // Before any refusal the missing workers are starting: the ring waits for them.
+    let first = plan(&j, &obs(pods.clone(), None));
+    assert!(first.publish.is_none());
+    let o = Observed {
+        refused,
+        ..obs(pods, None)
+    };
+    let p = plan(&j, &o);
+    assert_eq!(p.create.len(), 2, "refused workers are retried");
+    let m = p.publish.as_ref().expect("the ring forms at minReplicas");
+    assert_eq!(m.members.len(), 2);
+    let waiting = p.status.waiting.as_deref().unwrap();
+    assert!(
+        waiting.contains("train-worker-2: CreateRefused: exceeded quota"),
+        "{waiting}"
+    );
+    let blocked: Vec<Option<&str>> = p
+        .events
+        .iter()
+        .filter(|e| e.reason == "WorkerBlocked" && e.warning)
+        .map(|e| e.pod.as_deref())
+        .collect();
+    assert_eq!(blocked, [Some("train-worker-2"), Some("train-worker-3")]);
+}
+
+#[test]
+fn a_worker_that_cannot_pull_its_image_is_named_once() {
+    let (j, mut pods) = elastic_pair();
+    let mut stuck = build::worker_pod(&j, 2, 0).unwrap();
+    stuck.status = Some(serde_json::from_value(json!({"phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "True"}],
+        "containerStatuses": [{"name": "w", "image": "x", "imageID": "", "ready": false, "restartCount": 0,
+            "state": {"waiting": {"reason": "ErrImagePull", "message": "no such image diphoma-ghost:1"}}}]})).unwrap());
+    pods.truncate(1); // one worker ready: below minReplicas 2
+    pods.push(stuck);
+    let p = plan(&j, &obs(pods.clone(), None));
+    assert!(p.publish.is_none());
+    let waiting = p.status.waiting.clone().unwrap();
+    assert!(
+        waiting.contains("train-worker-2: ErrImagePull: no such image diphoma-ghost:1"),
+        "{waiting}"
+    );
+    let ready = p
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert_eq!(ready.reason, "ErrImagePull");
+    let warned = |p: &Plan| {
+        p.events
+            .iter()
+            .filter(|e| e.reason == "WorkerBlocked")
+            .count()
+    };
+    assert_eq!(warned(&p), 1);
+    // The next reconcile sees the same thing: no second event.
+    let mut again = j.clone();
+    again.status = Some(p.status.clone());
+    assert_eq!(warned(&plan(&again, &obs(pods, None))), 0);
+}
+
+/// Worker `i`, attempt `attempt`, exited 137 and already counted.
+fn counted_exit(j: &DiphomaJob, i: i32, attempt: i32) -> Pod {
+    let mut p = exited(build::worker_pod(j, i, attempt).unwrap(), 137, "Error");
+    p.metadata.annotations = Some(
+        [(
+            build::ANNOT_FAILURE_COUNTED.to_owned(),
+            "ProcessExit".to_owned(),
+        )]
+        .into(),
+    );
+    p
+}
+
+#[test]
+fn failed_pods_stay_for_their_logs_as_clean_pod_policy_says() {
+    let mut j = with_status(basic(), Phase::Repairing);
+    let mut pods: Vec<Pod> = [0, 2, 3].map(|i| pod(&j, i, "Running")).to_vec();
+    pods.push(counted_exit(&j, 1, 0));
+    pods.push(exited(build::worker_pod(&j, 1, 1).unwrap(), 137, "Error")); // new failure
+    let o = obs(pods, Some(ring(&j, 2, &[0, 2, 3])));
+    // Running (the default): the most recent failed pod of worker 1 stays, the older goes.
+    let p = plan(&j, &o);
+    assert_eq!(p.failures.len(), 1);
+    let deleted: Vec<(&str, &str)> = p
+        .delete
+        .iter()
+        .map(|d| (d.pod.as_str(), d.reason))
+        .collect();
+    assert_eq!(deleted, [("train-worker-1", "Pruned")]);
+    assert_eq!(p.create[0].name_any(), "train-worker-1-2");
+    // None: every failed pod stays.
+    j.spec.run_policy.clean_pod_policy = crate::api::CleanPodPolicy::None;
+    let p = plan(&j, &o);
+    assert!(p.delete.is_empty(), "{:?}", p.delete);
+    assert_eq!(p.create[0].name_any(), "train-worker-1-2");
+}
+
+#[test]
+fn a_job_that_fails_keeps_only_the_newest_failed_pod_of_each_worker() {
+    let mut j = with_status(basic(), Phase::Repairing);
+    j.spec.run_policy.backoff_limit = 1;
+    j.status.as_mut().unwrap().failures.add("ProcessExit");
+    let mut pods: Vec<Pod> = [0, 2, 3].map(|i| pod(&j, i, "Running")).to_vec();
+    pods.push(counted_exit(&j, 1, 0));
+    pods.push(exited(build::worker_pod(&j, 1, 1).unwrap(), 137, "Error"));
+    let p = plan(&j, &obs(pods, Some(ring(&j, 2, &[0, 2, 3]))));
+    assert_eq!(p.status.phase, Some(Phase::Failed));
+    let deleted: Vec<(&str, &str)> = p
+        .delete
+        .iter()
+        .map(|d| (d.pod.as_str(), d.reason))
+        .filter(|(pod, _)| pod.starts_with("train-worker-1"))
+        .collect();
+    assert_eq!(deleted, [("train-worker-1", "Pruned")]);
 }

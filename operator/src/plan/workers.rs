@@ -17,9 +17,31 @@ use crate::build::{self, BuildError};
 pub struct Workers<'a> {
     /// The live pod of each index below `replicas` (not lost, not being deleted, not finished).
     pub live: BTreeMap<i32, &'a Pod>,
-    /// Workers on their way to the ring: live ones not yet ready and not waiting for the
-    /// scheduler, plus the ones this plan creates.
+    /// Workers on their way to the ring: live ones not yet ready and not blocked, plus the
+    /// ones this plan creates whose creation was not refused before.
     pub starting: usize,
+    /// Workers that do not start, and why, in index order.
+    pub blocked: Vec<Blocked>,
+}
+
+/// Why a worker does not start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Blocked {
+    /// The pod.
+    pub pod: String,
+    /// Who says so, as a PascalCase reason: `CreateRefused` (the API server refused the pod),
+    /// the scheduler's (`Unschedulable`), or the container's waiting reason (`ErrImagePull`,
+    /// `ImagePullBackOff`, `CreateContainerConfigError`, …).
+    pub reason: String,
+    /// The message that came with it.
+    pub message: String,
+}
+
+impl std::fmt::Display for Blocked {
+    /// `<pod>: <reason>: <message>`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}: {}", self.pod, self.reason, self.message)
+    }
 }
 
 /// Step 3: creates the missing workers and deletes those above `replicas`.
@@ -63,19 +85,38 @@ pub fn workers<'a>(
             let attempt = attempts.get(&i).map_or(0, |a| a + 1);
             let mut pod = build::worker_pod(job, i, attempt)?;
             build::avoid_nodes(&mut pod, &found.dead_nodes);
-            plan.events.push(EventNote::normal(
-                "WorkerCreated",
-                format!("created worker {}", pod.name_any()),
-            ));
+            plan.events.push(
+                EventNote::normal(
+                    "WorkerCreated",
+                    "Create",
+                    format!("created worker {}", pod.name_any()),
+                )
+                .about(&pod.name_any()),
+            );
             plan.create.push(pod);
         }
     }
+    let mut blocked: Vec<Blocked> = live.values().filter_map(|p| blocked(p)).collect();
+    blocked.extend(plan.create.iter().filter_map(|p| {
+        let message = obs.refused.get(&p.name_any())?;
+        Some(Blocked {
+            pod: p.name_any(),
+            reason: "CreateRefused".into(),
+            message: message.clone(),
+        })
+    }));
     let starting = live
         .values()
-        .filter(|p| !ready_member(p) && unschedulable(p).is_none())
-        .count()
-        + plan.create.len();
-    Ok(Workers { live, starting })
+        .copied()
+        .filter(|p| !ready_member(p))
+        .chain(plan.create.iter())
+        .filter(|p| !blocked.iter().any(|b| b.pod == p.name_any()))
+        .count();
+    Ok(Workers {
+        live,
+        starting,
+        blocked,
+    })
 }
 
 /// Whether a pod is a healthy worker that can be a ring member now.
@@ -86,11 +127,34 @@ pub fn ready_member(p: &Pod) -> bool {
         && condition(p, "Ready").is_some_and(|c| c.status == "True")
 }
 
-/// Whether a live pod is waiting for the scheduler (PodScheduled False), with its message.
-pub fn unschedulable(p: &Pod) -> Option<String> {
-    condition(p, "PodScheduled")
-        .filter(|c| c.status == "False")
-        .map(|c| c.message.clone().unwrap_or_default())
+/// Why a live pod does not start, if something says so: the scheduler (PodScheduled False), or
+/// a container waiting for a reason other than the normal `ContainerCreating` and
+/// `PodInitializing` (an image that cannot be pulled, a missing ConfigMap, a crash loop).
+pub fn blocked(p: &Pod) -> Option<Blocked> {
+    let pod = p.name_any();
+    if let Some(c) = condition(p, "PodScheduled").filter(|c| c.status == "False") {
+        return Some(Blocked {
+            pod,
+            reason: c.reason.clone().unwrap_or_else(|| "Unschedulable".into()),
+            message: c.message.clone().unwrap_or_default(),
+        });
+    }
+    let status = p.status.as_ref()?;
+    let containers = status.init_container_statuses.iter().flatten();
+    let waiting = containers
+        .chain(status.container_statuses.iter().flatten())
+        .find_map(|c| c.state.as_ref()?.waiting.clone())
+        .filter(|w| {
+            !matches!(
+                w.reason.as_deref(),
+                None | Some("ContainerCreating" | "PodInitializing")
+            )
+        })?;
+    Some(Blocked {
+        pod,
+        reason: waiting.reason.unwrap_or_default(),
+        message: waiting.message.unwrap_or_default(),
+    })
 }
 
 #[cfg(test)]
@@ -115,6 +179,7 @@ mod tests {
             progress: None,
             reports: vec![],
             now: jiff::Timestamp::UNIX_EPOCH,
+            refused: Default::default(),
         };
         let dead = Found {
             dead_nodes: ["n1".to_owned()].into(),
