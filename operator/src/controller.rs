@@ -332,7 +332,7 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
         .get(&job_key(job))
         .cloned()
         .unwrap_or_default();
-    let plan = plan::plan(job, &obs)?; // pure
+    let plan = plan::plan(job, &obs); // pure
     apply(ctx, job, &plan).await?; // writes
     ctx.metrics.observe_plan(&plan);
     Ok(plan

@@ -5,8 +5,6 @@
 
 use diphoma_contract::ContractError;
 
-use crate::build::BuildError;
-
 /// Why one reconcile of one job failed.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -29,9 +27,6 @@ pub enum Error {
         #[source]
         source: ContractError,
     },
-    /// A worker pod could not be built from the job's template.
-    #[error("build a worker pod: {0}")]
-    Build(#[from] BuildError),
     /// Applying a static child (Service, RBAC, NetworkPolicy, key Secret, heartbeat ConfigMap)
     /// failed.
     #[error("apply {kind} {name}: {source}")]
@@ -98,10 +93,9 @@ pub enum Error {
 
 impl Error {
     /// Every value of [`Error::metric_label`] (metric label values are initialized from it).
-    pub const LABELS: [&'static str; 10] = [
+    pub const LABELS: [&'static str; 9] = [
         "observe",
         "ring",
-        "build",
         "apply_child",
         "patch_status",
         "mark_pod",
@@ -116,7 +110,6 @@ impl Error {
         match self {
             Error::Observe { .. } => "observe",
             Error::Ring { .. } => "ring",
-            Error::Build(_) => "build",
             Error::ApplyChild { .. } => "apply_child",
             Error::PatchStatus { .. } => "patch_status",
             Error::MarkPod { .. } => "mark_pod",
@@ -144,7 +137,6 @@ mod tests {
                 name: "r".into(),
                 source: diphoma_contract::Membership::parse("{").unwrap_err(),
             },
-            Error::Build(BuildError::NoPodSpec { job: "j".into() }),
             Error::ApplyChild {
                 kind: "Service",
                 name: "s".into(),

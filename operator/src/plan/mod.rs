@@ -23,7 +23,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
 use crate::api::{DiphomaJob, DiphomaJobStatus, Phase};
-use crate::build::{ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED, BuildError};
+use crate::build::{ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED};
 
 pub mod failures;
 pub mod lifecycle;
@@ -224,19 +224,18 @@ pub struct Plan {
     pub events: Vec<EventNote>,
 }
 
-/// Computes the plan. Pure: same inputs, same plan.
-///
-/// Errors: [`BuildError`] when a worker to create cannot be built from the job's template.
-pub fn plan(job: &DiphomaJob, obs: &Observed) -> Result<Plan, BuildError> {
+/// Computes the plan. Pure: same inputs, same plan. Infallible: what cannot be done (a worker
+/// the template cannot build) is reported in the plan's status and events.
+pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
     let mut plan = Plan {
         apply_children: children_due(job),
         status: status::carried(job),
         ..Plan::default()
     };
-    decide(job, obs, &mut plan)?;
+    decide(job, obs, &mut plan);
     plan.status.replicas = status::observed_replicas(obs, &plan);
     plan.look_again = look_again(job, &plan);
-    Ok(plan)
+    plan
 }
 
 /// The plan for a job the operator cannot decode (`object`: the job as the API server stores
@@ -262,11 +261,11 @@ pub fn invalid(object: &serde_json::Value, now: Timestamp) -> Option<Plan> {
 }
 
 /// The steps, in order; each later step sees what the earlier ones planned.
-fn decide(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) -> Result<(), BuildError> {
+fn decide(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
     let prev_phase = job.status.as_ref().and_then(|s| s.phase);
     if prev_phase.is_some_and(Phase::is_terminal) {
         lifecycle::finished(job, obs, plan); // finished jobs stay finished
-        return Ok(());
+        return;
     }
     status::progress(&mut plan.status, obs);
     // 1. Failures: which nodes are lost or late, then which pods and members are lost.
@@ -275,16 +274,15 @@ fn decide(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) -> Result<(), Build
     let found = failures::detect(job, obs, &nodes, plan);
     // 2. Lifecycle: fail, complete or suspend the job.
     if lifecycle::lifecycle(job, obs, &found, plan) == lifecycle::Next::Done {
-        return Ok(());
+        return;
     }
     failures::count_repairs(plan); // the job runs on: its lost members will be replaced
     // 3. Workers: create the missing ones, scale away the surplus.
-    let workers = workers::workers(job, obs, &found, plan)?;
+    let workers = workers::workers(job, obs, &found, plan);
     // 4. Ring: the next generation, when the membership changed.
     let ring = ring::next_generation(job, obs, &workers, found, plan);
     // 5. Status: readiness, waiting, phase, conditions.
     status::running(job, obs, &workers, &ring, plan);
-    Ok(())
 }
 
 /// Whether the static children are due: the spec generation moved since the last status, and

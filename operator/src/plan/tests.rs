@@ -12,11 +12,6 @@ use crate::build;
 use crate::build::tests::{basic, job};
 use serde_json::json;
 
-/// The plan of a job whose template is valid.
-fn plan(j: &DiphomaJob, o: &Observed) -> Plan {
-    super::plan(j, o).expect("a valid template")
-}
-
 fn t(secs: i64) -> Timestamp {
     Timestamp::from_second(1_800_000_000 + secs).unwrap()
 }
@@ -868,12 +863,29 @@ fn static_children_are_applied_when_the_spec_generation_moves_until_the_job_fini
 }
 
 #[test]
-fn a_template_without_containers_is_an_error_naming_the_job() {
-    let j = job(json!({"replicas": 1, "template": {"spec": {"containers": []}}}));
-    let err = super::plan(&j, &obs(vec![], None)).unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "job train: spec.template.spec.containers is empty"
+fn a_template_that_cannot_build_a_worker_blocks_it_and_stops_nothing_else() {
+    // Stored before the schema refused it: a running elastic job whose template lost its
+    // containers.
+    let mut j = with_status(basic(), Phase::Running);
+    j.spec.elastic = serde_json::from_value(json!({"minReplicas": 2, "maxReplicas": 4})).unwrap();
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let ring4 = Some(ring(&j, 1, &[0, 1, 2, 3]));
+    j.spec.template = serde_json::from_value(json!({"spec": {"containers": []}})).unwrap();
+    let mut pods = pods;
+    pods[1] = exited(pods[1].clone(), 137, "Error");
+    let p = plan(&j, &obs(pods, ring4));
+    // The lost worker is still counted and the ring still re-formed without it…
+    assert_eq!(p.status.failures.total, 1);
+    assert_eq!(p.status.repairs.by_cause["ProcessExit"], 1);
+    assert_eq!(p.publish.as_ref().map(|r| r.members.len()), Some(3));
+    // …but no replacement is created, and the status names the pod and why.
+    assert!(p.create.is_empty());
+    let waiting = p.status.waiting.unwrap();
+    assert!(
+        waiting.contains(
+            "train-worker-1-1: InvalidTemplate: job train: spec.template.spec.containers is empty"
+        ),
+        "{waiting}"
     );
 }
 

@@ -10,7 +10,7 @@ use kube::ResourceExt;
 use super::failures::Found;
 use super::{Deletion, EventNote, Observed, Plan, condition, pod_phase};
 use crate::api::DiphomaJob;
-use crate::build::{self, BuildError};
+use crate::build;
 
 /// The workers after this plan's creations and deletions.
 #[derive(Debug, Clone, Default)]
@@ -29,8 +29,8 @@ pub struct Workers<'a> {
 pub struct Blocked {
     /// The pod.
     pub pod: String,
-    /// Who says so, as a PascalCase reason: `CreateRefused` (the API server refused the pod),
-    /// the scheduler's (`Unschedulable`), or the container's waiting reason (`ErrImagePull`,
+    /// Who says so, as a PascalCase reason: `InvalidTemplate` (the pod cannot be built from the
+    /// job's template), `CreateRefused` (the API server refused the pod), the scheduler's (`Unschedulable`), or the container's waiting reason (`ErrImagePull`,
     /// `ImagePullBackOff`, `CreateContainerConfigError`, …).
     pub reason: String,
     /// The message that came with it.
@@ -44,15 +44,15 @@ impl std::fmt::Display for Blocked {
     }
 }
 
-/// Step 3: creates the missing workers and deletes those above `replicas`.
-///
-/// Errors: [`BuildError`] when a missing worker cannot be built from the template.
+/// Step 3: creates the missing workers and deletes those above `replicas`. A worker that cannot
+/// be built from the template is not created but [`Blocked`] (`InvalidTemplate`), so that the
+/// other steps (failures counted, status, ring) still run.
 pub fn workers<'a>(
     job: &DiphomaJob,
     obs: &'a Observed,
     found: &Found,
     plan: &mut Plan,
-) -> Result<Workers<'a>, BuildError> {
+) -> Workers<'a> {
     let name = job.name_any();
     let desired = job.spec.replicas;
     let deleting: std::collections::BTreeSet<String> =
@@ -80,10 +80,21 @@ pub fn workers<'a>(
             }
         }
     }
+    let mut invalid = vec![];
     for i in 0..desired {
         if !live.contains_key(&i) {
             let attempt = attempts.get(&i).map_or(0, |a| a + 1);
-            let mut pod = build::worker_pod(job, i, attempt)?;
+            let mut pod = match build::worker_pod(job, i, attempt) {
+                Ok(pod) => pod,
+                Err(e) => {
+                    invalid.push(Blocked {
+                        pod: build::pod_name(&name, i, attempt),
+                        reason: "InvalidTemplate".into(),
+                        message: e.to_string(),
+                    });
+                    continue;
+                }
+            };
             build::avoid_nodes(&mut pod, &found.dead_nodes);
             plan.events.push(
                 EventNote::normal(
@@ -97,6 +108,7 @@ pub fn workers<'a>(
         }
     }
     let mut blocked: Vec<Blocked> = live.values().filter_map(|p| blocked(p)).collect();
+    blocked.extend(invalid);
     blocked.extend(plan.create.iter().filter_map(|p| {
         let message = obs.refused.get(&p.name_any())?;
         Some(Blocked {
@@ -112,11 +124,11 @@ pub fn workers<'a>(
         .chain(plan.create.iter())
         .filter(|p| !blocked.iter().any(|b| b.pod == p.name_any()))
         .count();
-    Ok(Workers {
+    Workers {
         live,
         starting,
         blocked,
-    })
+    }
 }
 
 /// Whether a pod is a healthy worker that can be a ring member now.
@@ -186,7 +198,7 @@ mod tests {
             ..Found::default()
         };
         let mut plan = Plan::default();
-        let w = workers(&j, &obs, &dead, &mut plan).unwrap();
+        let w = workers(&j, &obs, &dead, &mut plan);
         assert_eq!(w.live.keys().copied().collect::<Vec<_>>(), [0]);
         assert_eq!(plan.create.len(), 1);
         assert_eq!(plan.create[0].name_any(), "train-worker-1");
