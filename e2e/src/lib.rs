@@ -63,6 +63,14 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A certificate or key the kubelet's HTTPS server refused.
+    #[error("TLS {what}: {message}")]
+    Tls {
+        /// The file involved.
+        what: PathBuf,
+        /// Why it was refused.
+        message: String,
+    },
     /// A node name that this kubelet does not run.
     #[error("unknown node {name:?} (this kubelet runs: {known})")]
     UnknownNode {

@@ -475,7 +475,7 @@ async fn a_training_job_survives_a_killed_worker_and_succeeds(
         .and_then(|s| s.terminated)
         .map(|t| t.exit_code);
     ensure!(exit == Some(0), "worker 0 ended with {exit:?}");
-    let log = std::fs::read_to_string(ctx.kubelet.log_file(&w0, "worker"))?;
+    let log = ctx.kubelet.log_text(&w0, "worker")?;
     ensure!(
         log.matches("test accuracy").count() == 1,
         "worker 0 restarted or never finished:\n{log}"
