@@ -611,6 +611,10 @@ async fn the_kubectl_plugin_shows_the_ring_logs_why_and_top_of_a_repaired_job(
     ] {
         ensure!(why.contains(want), "{want:?} missing in:\n{why}");
     }
+    ensure!(
+        !why.contains("FailedToUpdateEndpoint"),
+        "the Service's events are not the job's:\n{why}"
+    );
 
     let top = plugin_ok(&ctx, &["top", "plugged", "--interval", "1", "-n", &ns])?;
     let rows: Vec<Vec<&str>> = top

@@ -162,7 +162,7 @@ impl Target {
             .map_err(|e| CliError::NotFound(format!("{cm_name}: {e}")))
     }
 
-    /// The job's worker pods, by name.
+    /// The job's worker pods (by its job-name label), by name.
     async fn workers(&self) -> Result<BTreeMap<String, Pod>, CliError> {
         let lp = ListParams::default().labels(&format!("{LABEL_JOB_NAME}={}", self.name()));
         let pods = Api::<Pod>::namespaced(self.client.clone(), &self.ns)
@@ -294,8 +294,13 @@ async fn run(cli: Cli) -> Result<(), CliError> {
                 .items
                 .into_iter()
                 .filter(|e| {
-                    let name = e.involved_object.name.as_deref().unwrap_or("");
-                    name == job || workers.contains_key(name)
+                    let o = &e.involved_object;
+                    let name = o.name.as_deref().unwrap_or("");
+                    match o.kind.as_deref() {
+                        Some("DiphomaJob") => name == job,
+                        Some("Pod") => workers.contains_key(name),
+                        _ => false,
+                    }
                 })
                 .collect();
             let workers: Vec<Pod> = workers.into_values().collect();
