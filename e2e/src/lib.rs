@@ -8,7 +8,8 @@
 //!   `make cluster-up`), temp namespaces for tests.
 //! - [`kubelet`]: the process kubelet. Its pure parts (node and lease objects, pod status, env and
 //!   path resolution, IP and GPU allocation, the image table) are plain functions with unit tests;
-//!   [`kubelet::Kubelet`] is the I/O shell that watches pods and runs processes.
+//!   [`kubelet::Kubelet`] is the I/O shell that watches pods and runs processes, captures their
+//!   output per run and serves it to `kubectl logs` (the kubelet API's `/containerLogs` over TLS).
 //! - [`prometheus`]: a real Prometheus server (Debian's package) for the dashboard tests.
 //! - [`kit`]: the test kit shared by `tests/` and the benchmark: the one `DiphomaJob` manifest
 //!   builder, JSON deep merge, process lookup for pods (pid, state, start time, signals), free

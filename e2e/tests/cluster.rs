@@ -439,7 +439,7 @@ fn kubectl(ctx: &Ctx, ns: &str, args: &[&str]) -> Result<String> {
 }
 
 /// `kubectl logs` through the API server to the kubelet's `/containerLogs` (TLS both ways):
-/// plain, `-c`, `--tail`, `--timestamps`, `-f` (lines as they are written), and `--previous`
+/// plain, `-c`, `--tail`, `--timestamps`, `--since-time`, `-f` (lines as they are written), and `--previous`
 /// after a `kill -9` of a container that restarted in place.
 async fn kubectl_logs_reaches_the_kubelet_over_tls_with_follow_tail_and_previous(
     ctx: Arc<Ctx>,
@@ -495,6 +495,33 @@ async fn kubectl_logs_reaches_the_kubelet_over_tls_with_follow_tail_and_previous
     );
     at.parse::<jiff::Timestamp>()
         .with_context(|| format!("timestamp {at:?}"))?;
+    // --since-time (whole seconds on the wire) at the newest line's second: the first line, a
+    // few probes (one a second) older, is left out; the newest line is kept.
+    eventually(30, "four probes answered", async || {
+        Ok(kubectl(&ctx, &ns, &["logs", "talker"])?
+            .matches("answered /ready")
+            .count()
+            >= 4)
+    })
+    .await?;
+    let newest = kubectl(
+        &ctx,
+        &ns,
+        &["logs", "talker", "--tail", "1", "--timestamps"],
+    )?;
+    let (newest_at, newest_text) = newest.trim_end().split_once(' ').context("no timestamp")?;
+    let second = newest_at
+        .parse::<jiff::Timestamp>()?
+        .strftime("%Y-%m-%dT%H:%M:%SZ");
+    let since = kubectl(
+        &ctx,
+        &ns,
+        &["logs", "talker", &format!("--since-time={second}")],
+    )?;
+    ensure!(
+        !since.contains("read ") && since.contains(newest_text),
+        "--since-time={second}:\n{since}"
+    );
 
     // -f with --tail 0: only lines written after it started, as they come; then stop it.
     let mut follow = tokio::process::Command::from(ctx.cp.kubectl());

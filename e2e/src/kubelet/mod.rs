@@ -221,6 +221,10 @@ impl Kubelet {
             pids: Mutex::default(),
             live_logs: Arc::default(),
         });
+        // From here on, an early return drops it: its shutdown stops the servers started so far.
+        let kubelet = Kubelet {
+            shared: shared.clone(),
+        };
         let mut tasks = vec![];
         let ips: Vec<String> = shared.nodes.values().map(|n| n.ip.clone()).collect();
         let cfg = &shared.cfg;
@@ -250,7 +254,7 @@ impl Kubelet {
         }
         tasks.push(tokio::spawn(watch_pods(shared.clone())));
         shared.tasks.lock().unwrap().extend(tasks);
-        Ok(Kubelet { shared })
+        Ok(kubelet)
     }
 
     /// Fails a node: its Lease is no longer renewed (so the node-lifecycle controller marks it
