@@ -78,7 +78,7 @@ pub struct KubeletConfig {
     pub api_server: String,
     /// CA certificate file of the API server, for pods' kubeconfigs.
     pub ca_file: PathBuf,
-    /// Second octet of every node and pod IP (127.<cluster>.<node>.<n>); distinct clusters on
+    /// Second octet of every node and pod IP (`127.<cluster>.<node>.<n>`); distinct clusters on
     /// one machine should differ.
     pub cluster_octet: u8,
     /// Interval between Lease renewals.
