@@ -77,8 +77,7 @@ kubectl -n "$ns" get dpj digits
 echo "test accuracy in the job's status: $(field .status.progress.testAccuracy)"
 now=$(kubectl -n "$ns" get pod digits-worker-0 -o jsonpath='{.status.containerStatuses[0].state.terminated.exitCode}')
 echo "worker 0 kept its process through the repair (${survivor}); it exited with code ${now}"
-uid=$(kubectl -n "$ns" get pod digits-worker-0 -o jsonpath='{.metadata.uid}')
-grep -E "generation|accuracy" "$D/kubelet/logs/${ns}_digits-worker-0_${uid}/worker.log" | tail -4
+kubectl -n "$ns" logs digits-worker-0 | grep -E "generation|accuracy" | tail -4
 echo "checkpoints: $(ls "$D/volumes/digits-checkpoints" | tr '\n' ' ')"
 kubectl -n "$ns" get events --field-selector involvedObject.kind=DiphomaJob -o custom-columns=REASON:.reason,MESSAGE:.message | tail -8
 
@@ -97,7 +96,6 @@ spec:
 YAML
 kubectl -n "$ns" wait --for=jsonpath='{.status.phase}'=Succeeded pod/allreduce-bench --timeout=300s >/dev/null || {
   kubectl -n "$ns" get pod allreduce-bench -o yaml >&2; exit 1; }
-uid=$(kubectl -n "$ns" get pod allreduce-bench -o jsonpath='{.metadata.uid}')
-cat "$D/kubelet/logs/${ns}_allreduce-bench_${uid}/bench.log"
+kubectl -n "$ns" logs allreduce-bench
 echo
 echo "demo done. Logs: $D/logs (kubelet.log) and $D/kubelet/logs (the operator's and the workers')."

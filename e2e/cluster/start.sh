@@ -20,7 +20,7 @@ if [[ -n ${OWNER_PID:-} ]]; then
     </dev/null >/dev/null 2>&1 &
   echo $! >"$W/watchdog.pid"
 fi
-[[ -f "$P/ca.crt" ]] || "$HERE/gen-pki.sh" "$P"
+[[ -f "$P/apiserver-kubelet-client.crt" ]] || "$HERE/gen-pki.sh" "$P"
 
 freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 ETCD_PORT=${ETCD_PORT:-$(freeport)}
@@ -90,6 +90,10 @@ wait_for etcd 30 curl -fsS "http://127.0.0.1:${ETCD_PORT}/health"
   --service-account-signing-key-file="$P/sa.key" \
   --service-cluster-ip-range=10.0.0.0/24 \
   --authorization-mode=Node,RBAC \
+  --kubelet-client-certificate="$P/apiserver-kubelet-client.crt" \
+  --kubelet-client-key="$P/apiserver-kubelet-client.key" \
+  --kubelet-certificate-authority="$P/ca.crt" \
+  --kubelet-preferred-address-types=InternalIP \
   --allow-privileged=true \
   ${APISERVER_EXTRA_ARGS:-} \
   --v="${KLOG_V:-1}" >"$W/logs/kube-apiserver.log" 2>&1 &

@@ -8,7 +8,8 @@
 //!   `make cluster-up`), temp namespaces for tests.
 //! - [`kubelet`]: the process kubelet. Its pure parts (node and lease objects, pod status, env and
 //!   path resolution, IP and GPU allocation, the image table) are plain functions with unit tests;
-//!   [`kubelet::Kubelet`] is the I/O shell that watches pods and runs processes.
+//!   [`kubelet::Kubelet`] is the I/O shell that watches pods and runs processes, captures their
+//!   output per run and serves it to `kubectl logs` (the kubelet API's `/containerLogs` over TLS).
 //! - [`prometheus`]: a real Prometheus server (Debian's package) for the dashboard tests.
 //! - [`kit`]: the test kit shared by `tests/` and the benchmark: the one `DiphomaJob` manifest
 //!   builder, JSON deep merge, process lookup for pods (pid, state, start time, signals), free
@@ -62,6 +63,14 @@ pub enum Error {
         /// The OS error.
         #[source]
         source: std::io::Error,
+    },
+    /// A certificate or key the kubelet's HTTPS server refused.
+    #[error("TLS {what}: {message}")]
+    Tls {
+        /// The file involved.
+        what: PathBuf,
+        /// Why it was refused.
+        message: String,
     },
     /// A node name that this kubelet does not run.
     #[error("unknown node {name:?} (this kubelet runs: {known})")]

@@ -66,7 +66,10 @@ impl Prometheus {
         let file = dir.join("prometheus.yml");
         std::fs::write(&file, config.to_string()).map_err(io(&file))?;
         let port = crate::kit::free_addr().map_err(io(dir))?.port();
-        let child = spawn(&Launch {
+        let log = dir.join("prometheus.log");
+        let out = std::fs::File::create(&log).map_err(io(&log))?;
+        let err = out.try_clone().map_err(io(&log))?;
+        let launch = Launch {
             program: bin.to_owned(),
             args: vec![
                 format!("--config.file={}", file.display()),
@@ -76,9 +79,9 @@ impl Prometheus {
             ],
             env: vec![],
             cwd: dir.to_owned(),
-            log: dir.join("prometheus.log"),
             hostname: "prometheus".into(),
-        })?;
+        };
+        let child = spawn(&launch, out.into(), err.into())?;
         let p = Prometheus {
             child,
             url: format!("http://127.0.0.1:{port}"),

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
 use common::*;
-use diphoma_e2e::kit::{alive, pid_of, proc_state};
+use diphoma_e2e::kit::{alive, pid_of, proc_state, signal};
 use diphoma_e2e::kubelet::FailMode;
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::kubelet::status::is_ready;
@@ -37,6 +37,7 @@ fn main() -> Result<()> {
             restart_policy_and_graceful_deletion_are_honoured,
             readiness_and_liveness_probes_gate_ready_and_restart_the_container,
             bad_requests_name_what_is_wrong,
+            kubectl_logs_reaches_the_kubelet_over_tls_with_follow_tail_and_previous,
             failed_node_turns_notready_while_its_pods_stay_running,
         ],
     )
@@ -44,8 +45,7 @@ fn main() -> Result<()> {
 
 fn log(ctx: &Ctx, pod: &Pod) -> Result<String> {
     let container = &pod.spec.as_ref().context("pod without spec")?.containers[0].name;
-    let f = ctx.kubelet.log_file(pod, container);
-    std::fs::read_to_string(&f).with_context(|| format!("log {}", f.display()))
+    Ok(ctx.kubelet.log_text(pod, container)?)
 }
 
 async fn gpu_pod_is_bound_to_a_node_with_room_and_reports_its_exit_code(
@@ -424,6 +424,167 @@ async fn restart_policy_and_graceful_deletion_are_honoured(
         log(&ctx, &p)?.contains("sigterm"),
         "the process did not get SIGTERM first"
     );
+    Ok(())
+}
+
+/// `kubectl ARGS` in `ns`; its stdout, or an error with its stderr.
+fn kubectl(ctx: &Ctx, ns: &str, args: &[&str]) -> Result<String> {
+    let out = ctx.cp.kubectl().args(["-n", ns]).args(args).output()?;
+    ensure!(
+        out.status.success(),
+        "kubectl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// `kubectl logs` through the API server to the kubelet's `/containerLogs` (TLS both ways):
+/// plain, `-c`, `--tail`, `--timestamps`, `--since-time`, `-f` (lines as they are written), and `--previous`
+/// after a `kill -9` of a container that restarted in place.
+async fn kubectl_logs_reaches_the_kubelet_over_tls_with_follow_tail_and_previous(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    use tokio::io::AsyncBufReadExt;
+    // /flag/run is missing in the first run and says "second" in the next one.
+    let flag_dir = ctx.cp.dir.join(format!("logs-{ns}"));
+    std::fs::create_dir_all(&flag_dir)?;
+    let args = [
+        "--read",
+        "/flag/run",
+        "--serve",
+        "$(POD_IP):8080",
+        "--sleep",
+        "3600",
+    ];
+    // Each readiness probe makes the container print a line: output that goes on.
+    let talker = json!({"spec": {"restartPolicy": "Always",
+        "volumes": [{"name": "flag", "hostPath": {"path": flag_dir, "type": "Directory"}}],
+        "containers": [{
+            "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+            "volumeMounts": [{"name": "flag", "mountPath": "/flag"}],
+            "readinessProbe": {"httpGet": {"path": "/ready", "port": 8080}, "periodSeconds": 1},
+    }]}});
+    create(&ctx.client, &ns, &probe_pod("talker", &args, talker)).await?;
+    let p = wait_pod(&ctx.client, &ns, "talker", 60, "Running", |p| {
+        phase(p) == "Running"
+    })
+    .await?;
+    eventually(30, "two probes answered", async || {
+        Ok(kubectl(&ctx, &ns, &["logs", "talker"])?
+            .matches("answered /ready")
+            .count()
+            >= 2)
+    })
+    .await?;
+    let plain = kubectl(&ctx, &ns, &["logs", "talker", "-c", "main"])?;
+    let first = plain.lines().next().unwrap_or_default();
+    ensure!(
+        first.starts_with("read ") && first.contains("error"),
+        "{plain}"
+    );
+    let tail = kubectl(
+        &ctx,
+        &ns,
+        &["logs", "talker", "--tail", "1", "--timestamps"],
+    )?;
+    let (at, text) = tail.trim_end().split_once(' ').context("no timestamp")?;
+    ensure!(
+        tail.lines().count() == 1 && text.starts_with("answered /ready"),
+        "{tail}"
+    );
+    at.parse::<jiff::Timestamp>()
+        .with_context(|| format!("timestamp {at:?}"))?;
+    // --since-time (whole seconds on the wire) at the newest line's second: the first line, a
+    // few probes (one a second) older, is left out; the newest line is kept.
+    eventually(30, "four probes answered", async || {
+        Ok(kubectl(&ctx, &ns, &["logs", "talker"])?
+            .matches("answered /ready")
+            .count()
+            >= 4)
+    })
+    .await?;
+    let newest = kubectl(
+        &ctx,
+        &ns,
+        &["logs", "talker", "--tail", "1", "--timestamps"],
+    )?;
+    let (newest_at, newest_text) = newest.trim_end().split_once(' ').context("no timestamp")?;
+    let second = newest_at
+        .parse::<jiff::Timestamp>()?
+        .strftime("%Y-%m-%dT%H:%M:%SZ");
+    let since = kubectl(
+        &ctx,
+        &ns,
+        &["logs", "talker", &format!("--since-time={second}")],
+    )?;
+    ensure!(
+        !since.contains("read ") && since.contains(newest_text),
+        "--since-time={second}:\n{since}"
+    );
+
+    // -f with --tail 0: only lines written after it started, as they come; then stop it.
+    let mut follow = tokio::process::Command::from(ctx.cp.kubectl());
+    follow.args(["-n", &ns, "logs", "-f", "--tail", "0", "talker"]);
+    let mut child = follow
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().context("no stdout")?).lines();
+    let mut seen = vec![];
+    // The deadline only guards against a hang: lines come about once a second.
+    tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        while seen.len() < 3 {
+            match lines.next_line().await? {
+                Some(l) => seen.push(l),
+                None => bail!("kubectl logs -f ended after {seen:?}"),
+            }
+        }
+        Ok(())
+    })
+    .await
+    .context("kubectl logs -f printed fewer than 3 lines in 60 s")??;
+    child.start_kill()?;
+    child.wait().await?;
+    ensure!(
+        seen.iter().all(|l| l.starts_with("answered /ready")),
+        "{seen:?}"
+    );
+
+    // kill -9, restart in place: --previous is the first run, the plain log the second.
+    std::fs::write(flag_dir.join("run"), "second")?;
+    signal(pid_of(&p)?, libc::SIGKILL);
+    wait_pod(
+        &ctx.client,
+        &ns,
+        "talker",
+        60,
+        "restarted and running",
+        |p| {
+            first_container(p).is_some_and(|c| {
+                c.restart_count == 1 && c.state.as_ref().is_some_and(|s| s.running.is_some())
+            })
+        },
+    )
+    .await?;
+    eventually(30, "the second run's first line", async || {
+        Ok(kubectl(&ctx, &ns, &["logs", "talker"])?.starts_with("read "))
+    })
+    .await?;
+    let current = kubectl(&ctx, &ns, &["logs", "talker"])?;
+    ensure!(
+        current
+            .lines()
+            .next()
+            .is_some_and(|l| l.ends_with(" second")),
+        "{current}"
+    );
+    let previous = kubectl(&ctx, &ns, &["logs", "talker", "--previous"])?;
+    ensure!(
+        previous.starts_with(&plain) && !previous.contains(" second"),
+        "--previous is not the first run:\n{previous}"
+    );
+    std::fs::remove_dir_all(&flag_dir)?;
     Ok(())
 }
 

@@ -183,8 +183,7 @@ fn condition_reason<'a>(st: &'a DiphomaJobStatus, type_: &str) -> Option<&'a str
 
 /// The log of a pod's worker container (the kubelet keeps it after the pod is deleted).
 fn log_of(ctx: &Ctx, pod: &Pod) -> Result<String> {
-    let path = ctx.kubelet.log_file(pod, "worker");
-    std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
+    Ok(ctx.kubelet.log_text(pod, "worker")?)
 }
 
 /// The last step rank 0 logged (`step N generation G loss L`, one line per step).

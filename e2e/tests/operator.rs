@@ -36,6 +36,7 @@ fn main() -> Result<()> {
             kubectl_scale_resizes_the_ring_without_counting_failures,
             a_silent_worker_blamed_by_its_neighbours_is_replaced,
             a_training_job_survives_a_killed_worker_and_succeeds,
+            the_kubectl_plugin_shows_the_ring_logs_why_and_top_of_a_repaired_job,
             two_replicas_elect_one_leader_that_serves_metrics,
             node_loss_is_detected_from_its_lease_and_workers_move,
             a_job_the_operator_cannot_read_is_reported_on_itself_and_others_go_on,
@@ -484,7 +485,7 @@ async fn a_training_job_survives_a_killed_worker_and_succeeds(
         .and_then(|s| s.terminated)
         .map(|t| t.exit_code);
     ensure!(exit == Some(0), "worker 0 ended with {exit:?}");
-    let log = std::fs::read_to_string(ctx.kubelet.log_file(&w0, "worker"))?;
+    let log = ctx.kubelet.log_text(&w0, "worker")?;
     ensure!(
         log.matches("test accuracy").count() == 1,
         "worker 0 restarted or never finished:\n{log}"
@@ -492,6 +493,190 @@ async fn a_training_job_survives_a_killed_worker_and_succeeds(
     let acc = accuracy(&log).0.context("no accuracy")?;
     ensure!(acc >= 0.95, "test accuracy {acc}");
     ensure!(!alive(survivor) && !alive(victim), "processes left");
+    Ok(())
+}
+
+/// `kubectl diphoma ARGS` (kubectl finds the plugin on `PATH`); its output.
+fn plugin(ctx: &Ctx, args: &[&str]) -> Result<std::process::Output> {
+    let exe = bin_dir().join("kubectl-diphoma");
+    ensure!(
+        exe.exists(),
+        "{} missing: cargo build -p kubectl-diphoma",
+        exe.display()
+    );
+    let path = std::env::join_paths(std::iter::once(bin_dir()).chain(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    )))?;
+    Ok(ctx
+        .cp
+        .kubectl()
+        .arg("diphoma")
+        .args(args)
+        .env("PATH", path)
+        .output()?)
+}
+
+/// [`plugin`]'s stdout, or an error with its stderr.
+fn plugin_ok(ctx: &Ctx, args: &[&str]) -> Result<String> {
+    let out = plugin(ctx, args)?;
+    ensure!(
+        out.status.success(),
+        "kubectl diphoma {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// The plugin on a training job after a `kill -9` and its repair: `ring` (every member, its
+/// node and step), `logs --rank` (plain and `-f`), `why` (the failure and the repair in words),
+/// `top` (samples/s and allreduce share per rank); exit codes for a missing job and no cluster.
+async fn the_kubectl_plugin_shows_the_ring_logs_why_and_top_of_a_repaired_job(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    use tokio::io::AsyncBufReadExt;
+    let job = JobManifest {
+        gpus_per_worker: 2,
+        grace_seconds: 2,
+        detection_seconds: Some(5),
+        // long enough to still be training when the plugin looks
+        ..JobManifest::training("plugged", 3, 1_000_000, 20)
+    };
+    let g1 = start_job(&ctx, &ns, &job, 3).await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    signal(pid_of(&pods.get("plugged-worker-1").await?)?, libc::SIGKILL);
+    let ring = running_ring(&ctx, &ns, "plugged", 3, g1.generation).await?;
+
+    let mut out = String::new();
+    eventually(60, "every rank ready and rank 0 with a step", async || {
+        out = plugin_ok(&ctx, &["ring", "plugged", "-n", &ns])?;
+        let rows: Vec<Vec<&str>> = out
+            .lines()
+            .skip(2)
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        Ok(rows.len() == 3
+            && rows.iter().all(|r| r[4] == "true")
+            && rows[0][5].parse::<u64>().is_ok())
+    })
+    .await
+    .with_context(|| out.clone())?;
+    let lines: Vec<&str> = out.lines().collect();
+    let generation: u64 = lines[0]
+        .strip_prefix("generation ")
+        .context("no generation")?
+        .parse()?;
+    ensure!(generation >= ring.generation, "{out}");
+    for (row, member) in lines[2..].iter().zip(&ring.members) {
+        let cells: Vec<&str> = row.split_whitespace().collect();
+        ensure!(
+            cells[0] == member.rank.to_string() && cells[1] == member.pod,
+            "{out}"
+        );
+        ensure!(
+            cells[2].starts_with("gpu-") && cells[3].ends_with(":29500"),
+            "{out}"
+        );
+    }
+
+    let logs = plugin_ok(
+        &ctx,
+        &["logs", "plugged", "--rank", "0", "--tail", "3", "-n", &ns],
+    )?;
+    ensure!(
+        logs.lines().count() == 3 && logs.contains("step "),
+        "{logs}"
+    );
+    let mut follow = tokio::process::Command::from(ctx.cp.kubectl());
+    let path = std::env::join_paths(std::iter::once(bin_dir()).chain(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    )))?;
+    follow.args([
+        "diphoma", "logs", "plugged", "--rank", "0", "-f", "--tail", "0", "-n", &ns,
+    ]);
+    let mut child = follow
+        .env("PATH", path)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().context("no stdout")?).lines();
+    // The deadline only guards against a hang: rank 0 logs every 20 steps.
+    let line = tokio::time::timeout(std::time::Duration::from_secs(60), lines.next_line())
+        .await
+        .context("no line from logs -f in 60 s")??;
+    child.start_kill()?;
+    child.wait().await?;
+    ensure!(
+        line.as_deref().is_some_and(|l| l.starts_with("step ")),
+        "{line:?}"
+    );
+
+    let why = plugin_ok(&ctx, &["why", "plugged", "-n", &ns])?;
+    for want in [
+        "phase: Running",
+        "last failure: pod plugged-worker-1 (rank 1) lost by ProcessExit",
+        "repaired 1 time(s): ProcessExit 1",
+        "RingReformed",
+    ] {
+        ensure!(why.contains(want), "{want:?} missing in:\n{why}");
+    }
+    ensure!(
+        !why.contains("FailedToUpdateEndpoint"),
+        "the Service's events are not the job's:\n{why}"
+    );
+
+    let top = plugin_ok(&ctx, &["top", "plugged", "--interval", "1", "-n", &ns])?;
+    let rows: Vec<Vec<&str>> = top
+        .lines()
+        .skip(2)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    ensure!(rows.len() == 3, "{top}");
+    for r in &rows {
+        ensure!(
+            r[2].parse::<f64>().is_ok_and(|s| s > 0.0),
+            "samples/s: {top}"
+        );
+        ensure!(r[5].ends_with('%'), "allreduce share: {top}");
+    }
+
+    let missing = plugin(&ctx, &["why", "nope", "-n", &ns])?;
+    let err = String::from_utf8_lossy(&missing.stderr);
+    ensure!(
+        missing.status.code() == Some(1)
+            && err.contains(&format!("diphomajob {ns}/nope not found")),
+        "{err}"
+    );
+
+    let dir = ctx.cp.dir.join(format!("plugin-{ns}"));
+    std::fs::create_dir_all(&dir)?;
+    let unreachable = dir.join("unreachable.kubeconfig");
+    let port = free_addr()?.port();
+    let kc = std::fs::read_to_string(&ctx.cp.kubeconfig)?;
+    let server = kc
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("server: "))
+        .context("no server")?;
+    std::fs::write(
+        &unreachable,
+        kc.replace(server, &format!("https://127.0.0.1:{port}")),
+    )?;
+    for (kubeconfig, says) in [
+        (dir.join("none"), "no usable kubeconfig"),
+        (unreachable, "cannot be reached"),
+    ] {
+        let out = std::process::Command::new(bin_dir().join("kubectl-diphoma"))
+            .args(["ring", "plugged", "-n", &ns])
+            .env("KUBECONFIG", &kubeconfig)
+            .env("HOME", &dir)
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            out.status.code() == Some(3) && err.contains("no cluster") && err.contains(says),
+            "{err}"
+        );
+    }
+    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 

@@ -2,16 +2,20 @@
 //! pods bound to them as local processes (one [`pod`] worker per pod).
 //!
 //! Pure parts: [`node`] (Node and Lease objects), [`spec`] (env, expansion, mount paths),
-//! [`status`] (pod status), [`alloc`] (pod IPs, GPUs), [`images`] (image → binary).
+//! [`status`] (pod status), [`alloc`] (pod IPs, GPUs), [`images`] (image → binary), the log
+//! format and selection in [`logs`].
 //! I/O: this module (watch loop, heartbeats, node failure), [`pod`], [`volumes`], [`process`],
-//! [`probe`] (readiness and liveness probes).
+//! [`probe`] (readiness and liveness probes), [`logs`] (capture, follow) and [`server`] (the
+//! kubelet API over TLS: `GET /containerLogs`, what `kubectl logs` reaches through the API server).
 
 pub mod alloc;
 pub mod images;
+pub mod logs;
 pub mod node;
 pub mod pod;
 pub mod probe;
 pub mod process;
+pub mod server;
 pub mod spec;
 pub mod status;
 pub mod volumes;
@@ -74,7 +78,7 @@ pub struct KubeletConfig {
     pub api_server: String,
     /// CA certificate file of the API server, for pods' kubeconfigs.
     pub ca_file: PathBuf,
-    /// Second octet of every node and pod IP (127.<cluster>.<node>.<n>); distinct clusters on
+    /// Second octet of every node and pod IP (`127.<cluster>.<node>.<n>`); distinct clusters on
     /// one machine should differ.
     pub cluster_octet: u8,
     /// Interval between Lease renewals.
@@ -147,6 +151,8 @@ pub(crate) struct Shared {
     shutdown: watch::Sender<bool>,
     /// Process-group ids of every running container, killed when the kubelet is dropped.
     pids: Mutex<HashSet<u32>>,
+    /// Container runs whose output is still being written.
+    live_logs: Arc<logs::LiveLogs>,
 }
 
 /// `namespace/name` of a pod, for messages.
@@ -174,11 +180,14 @@ impl Drop for Kubelet {
 }
 
 impl Kubelet {
-    /// Registers the nodes (with their Leases), starts heartbeats and the pod watch, and returns
-    /// once every node exists in the API.
+    /// Starts the kubelet API on every node's IP (a serving certificate issued by the CA of
+    /// `cfg.ca_file`, whose key is `ca.key` next to it), registers the nodes (with their Leases
+    /// and their kubelet port), starts heartbeats and the pod watch, and returns once every node
+    /// exists in the API.
     ///
     /// Errors: API errors while registering; [`Error::Config`] for duplicate node names or more
-    /// than 254 nodes.
+    /// than 254 nodes; [`Error::Script`], [`Error::Tls`] or [`Error::Io`] when the serving
+    /// certificate cannot be issued or a node's address bound.
     pub async fn start(client: Client, cfg: KubeletConfig) -> Result<Self, Error> {
         if cfg.nodes.len() > 254 {
             return Err(Error::Config {
@@ -210,19 +219,42 @@ impl Kubelet {
             tasks: Mutex::default(),
             shutdown: watch::channel(false).0,
             pids: Mutex::default(),
+            live_logs: Arc::default(),
         });
-        for n in &shared.cfg.nodes {
-            let state = &shared.nodes[&n.name];
-            let ips = state.ips.lock().unwrap().clone();
-            register(&shared.client, n, &ips, shared.cfg.heartbeat).await?;
-        }
+        // From here on, an early return drops it: its shutdown stops the servers started so far.
+        let kubelet = Kubelet {
+            shared: shared.clone(),
+        };
         let mut tasks = vec![];
+        let ips: Vec<String> = shared.nodes.values().map(|n| n.ip.clone()).collect();
+        let cfg = &shared.cfg;
+        let (crt, key) =
+            server::issue_serving_cert(&cfg.ca_file, &cfg.root.join("pki"), &ips).await?;
+        let tls = server::tls_config(&crt, &key, &cfg.ca_file)?;
+        let app = server::router(server::LogSource {
+            client: shared.client.clone(),
+            root: cfg.root.clone(),
+            live: shared.live_logs.clone(),
+        });
+        for n in &cfg.nodes {
+            let ips = shared.nodes[&n.name].ips.lock().unwrap().clone();
+            let listener = server::bind(&ips.node_ip()).await?;
+            let port = listener.local_addr().map_or(0, |a| a.port());
+            let stop = shared.shutdown.subscribe();
+            tasks.push(tokio::spawn(server::serve(
+                listener,
+                tls.clone(),
+                app.clone(),
+                stop,
+            )));
+            register(&shared.client, n, &ips, port, cfg.heartbeat).await?;
+        }
         for name in shared.nodes.keys() {
             tasks.push(tokio::spawn(heartbeat(shared.clone(), name.clone())));
         }
         tasks.push(tokio::spawn(watch_pods(shared.clone())));
         shared.tasks.lock().unwrap().extend(tasks);
-        Ok(Kubelet { shared })
+        Ok(kubelet)
     }
 
     /// Fails a node: its Lease is no longer renewed (so the node-lifecycle controller marks it
@@ -248,17 +280,18 @@ impl Kubelet {
         Ok(())
     }
 
-    /// The log file of a container (stdout and stderr, appended across restarts).
-    pub fn log_file(&self, pod: &Pod, container: &str) -> PathBuf {
+    /// What a container printed (stdout and stderr), every run in order; the kubelet keeps it
+    /// after the pod is deleted. Errors: [`Error::Io`] naming a run that cannot be read.
+    pub fn log_text(&self, pod: &Pod, container: &str) -> Result<String, Error> {
         let m = &pod.metadata;
         let s = |o: &Option<String>| o.clone().unwrap_or_default();
-        pod::log_file(
+        logs::read_text(&logs::container_dir(
             &self.shared.cfg.root,
             &s(&m.namespace),
             &s(&m.name),
             &s(&m.uid),
             container,
-        )
+        ))
     }
 
     /// Stops heartbeats and the watch, kills every pod process and waits until all are reaped.
@@ -283,10 +316,11 @@ async fn register(
     client: &Client,
     cfg: &NodeConfig,
     ips: &IpPool,
+    kubelet_port: u16,
     renew: Duration,
 ) -> Result<(), Error> {
     let nodes: Api<Node> = Api::all(client.clone());
-    let obj = node::node_object(cfg, &ips.node_ip(), &ips.cidr());
+    let obj = node::node_object(cfg, &ips.node_ip(), &ips.cidr(), kubelet_port);
     let node = match nodes.create(&PostParams::default(), &obj).await {
         Ok(n) => n,
         Err(kube::Error::Api(s)) if s.is_already_exists() => {

@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{
-    Node, NodeAddress, NodeCondition, NodeSpec, NodeStatus, NodeSystemInfo,
+    DaemonEndpoint, Node, NodeAddress, NodeCondition, NodeDaemonEndpoints, NodeSpec, NodeStatus,
+    NodeSystemInfo,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference, Time};
@@ -53,8 +54,9 @@ fn now() -> Time {
 
 /// The Node object, status included (the API accepts status on create), with GPU labels,
 /// capacity/allocatable for cpu, memory, pods and `nvidia.com/gpu`, and a Ready condition.
-/// `ip` is the node's InternalIP (a loopback address); `pod_cidr` its pod range.
-pub fn node_object(cfg: &NodeConfig, ip: &str, pod_cidr: &str) -> Node {
+/// `ip` is the node's InternalIP (a loopback address); `pod_cidr` its pod range; `kubelet_port`
+/// the port of its kubelet API on `ip` (`status.daemonEndpoints.kubeletEndpoint.port`).
+pub fn node_object(cfg: &NodeConfig, ip: &str, pod_cidr: &str, kubelet_port: u16) -> Node {
     let q = |s: String| Quantity(s);
     let mut res = BTreeMap::from([
         ("cpu".to_owned(), q(cfg.cpu.to_string())),
@@ -131,6 +133,11 @@ pub fn node_object(cfg: &NodeConfig, ip: &str, pod_cidr: &str) -> Node {
                     address: cfg.name.clone(),
                 },
             ]),
+            daemon_endpoints: Some(NodeDaemonEndpoints {
+                kubelet_endpoint: Some(DaemonEndpoint {
+                    port: kubelet_port.into(),
+                }),
+            }),
             node_info: Some(NodeSystemInfo {
                 architecture: "amd64".into(),
                 operating_system: "linux".into(),
@@ -186,9 +193,19 @@ mod tests {
 
     #[test]
     fn gpu_node_advertises_gpus_and_labels() {
-        let n = node_object(&NodeConfig::gpu("g0", 4), "127.9.0.1", "127.9.0.0/24");
+        let n = node_object(
+            &NodeConfig::gpu("g0", 4),
+            "127.9.0.1",
+            "127.9.0.0/24",
+            10250,
+        );
         let st = n.status.unwrap();
         assert_eq!(st.allocatable.unwrap()[GPU_RESOURCE].0, "4");
+        let port = st
+            .daemon_endpoints
+            .and_then(|d| d.kubelet_endpoint)
+            .map(|e| e.port);
+        assert_eq!(port, Some(10250));
         let labels = n.metadata.labels.unwrap();
         assert_eq!(labels["nvidia.com/gpu.count"], "4");
         assert_eq!(labels["nvidia.com/gpu.present"], "true");
@@ -197,7 +214,12 @@ mod tests {
 
     #[test]
     fn cpu_node_has_no_gpu_resource() {
-        let n = node_object(&NodeConfig::gpu("c0", 0), "127.9.1.1", "127.9.1.0/24");
+        let n = node_object(
+            &NodeConfig::gpu("c0", 0),
+            "127.9.1.1",
+            "127.9.1.0/24",
+            10250,
+        );
         assert!(
             !n.status
                 .unwrap()

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::process::ExitStatus;
+use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +17,7 @@ use kube::{Api, Client};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use super::logs;
 use super::node::GPU_RESOURCE;
 use super::probe::{self, Kind};
 use super::process::{self, Launch};
@@ -65,19 +66,6 @@ fn gpus_requested(pod: &Pod) -> u32 {
             q.0.parse::<u32>().ok()
         })
         .sum()
-}
-
-/// The directory of a pod's container logs: `<root>/logs/<namespace>_<name>_<uid>/<container>.log`.
-pub fn log_file(
-    root: &std::path::Path,
-    namespace: &str,
-    name: &str,
-    uid: &str,
-    container: &str,
-) -> PathBuf {
-    root.join("logs")
-        .join(format!("{namespace}_{name}_{uid}"))
-        .join(format!("{container}.log"))
 }
 
 struct Worker {
@@ -249,11 +237,7 @@ impl Worker {
             extra.push(("CUDA_VISIBLE_DEVICES".to_owned(), ids.clone()));
             extra.push(("NVIDIA_VISIBLE_DEVICES".to_owned(), ids));
         }
-        let (ns, name, uid) = (
-            self.pod.metadata.namespace.clone().unwrap_or_default(),
-            self.pod.metadata.name.clone().unwrap_or_default(),
-            self.pod.metadata.uid.clone().unwrap_or_default(),
-        );
+        let name = self.pod.metadata.name.clone().unwrap_or_default();
         spec.containers
             .iter()
             .zip(binaries)
@@ -279,7 +263,6 @@ impl Worker {
                     args,
                     env,
                     cwd: self.dir.clone(),
-                    log: log_file(&self.sh.cfg.root, &ns, &name, &uid, &c.name),
                     hostname: name.clone(),
                 })
             })
@@ -320,12 +303,23 @@ impl Worker {
         Ok(out)
     }
 
-    /// Starts container `i`'s process and a task that reports its exit.
+    /// Starts container `i`'s process, its output captured into the run's log file
+    /// ([`logs::run_file`] of its restart count), and a task that reports its exit.
     fn spawn(&mut self, i: usize) {
         let Some(launch) = &self.launches[i] else {
             return;
         };
-        match process::spawn(launch) {
+        let m = &self.pod.metadata;
+        let s = |o: &Option<String>| o.clone().unwrap_or_default();
+        let (ns, name, uid) = (s(&m.namespace), s(&m.name), s(&m.uid));
+        let dir = logs::container_dir(&self.sh.cfg.root, &ns, &name, &uid, &self.records[i].name);
+        let log = logs::run_file(&dir, self.records[i].restart_count);
+        let started = logs::open_run(&log).and_then(|file| {
+            let mut child = process::spawn(launch, Stdio::piped(), Stdio::piped())?;
+            logs::capture(&mut child, file, &log, &self.sh.live_logs);
+            Ok(child)
+        });
+        match started {
             Ok(mut child) => {
                 let pid = child.id().unwrap_or_default();
                 self.records[i].state = RunState::Running {

@@ -1,9 +1,8 @@
-//! Container processes: spawn one in its own process group with its output in a log file, and
-//! signal the whole group. A process dies with the kubelet thread that started it
+//! Container processes: spawn one in its own process group with the output the caller chooses
+//! (pipes for containers, handed to [`super::logs::capture`]), and signal the whole group. A process dies with the kubelet thread that started it
 //! (`PR_SET_PDEATHSIG`), so a crashed test binary never leaves pods running.
 
-use std::fs::OpenOptions;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 
 use tokio::process::{Child, Command};
@@ -24,27 +23,14 @@ pub struct Launch {
     pub env: Vec<(String, String)>,
     /// Working directory (the pod's directory).
     pub cwd: PathBuf,
-    /// File that receives stdout and stderr (appended, so restarts keep earlier output).
-    pub log: PathBuf,
     /// The pod's name, for `HOSTNAME`.
     pub hostname: String,
 }
 
-/// Starts the process. Errors: [`Error::Io`] naming the log file or the program.
-pub fn spawn(l: &Launch) -> Result<Child, Error> {
-    let io = |path: &Path| {
-        let path = path.to_owned();
-        move |source| Error::Io { path, source }
-    };
-    if let Some(dir) = l.log.parent() {
-        std::fs::create_dir_all(dir).map_err(io(dir))?;
-    }
-    let out = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&l.log)
-        .map_err(io(&l.log))?;
-    let err = out.try_clone().map_err(io(&l.log))?;
+/// Starts the process with its stdout and stderr going to `out` and `err` (pipes for a
+/// container, whose output [`super::logs::capture`] reads). Errors: [`Error::Io`] naming the
+/// program.
+pub fn spawn(l: &Launch, out: Stdio, err: Stdio) -> Result<Child, Error> {
     let mut cmd = Command::new(&l.program);
     cmd.args(&l.args)
         .env_clear()
@@ -65,7 +51,10 @@ pub fn spawn(l: &Launch) -> Result<Child, Error> {
             Ok(())
         });
     }
-    cmd.spawn().map_err(io(&l.program))
+    cmd.spawn().map_err(|source| Error::Io {
+        path: l.program.clone(),
+        source,
+    })
 }
 
 /// Sends `signal` to the process group led by `pid` (the container's process and its children).
