@@ -624,10 +624,16 @@ async fn a_crash_loop_spends_the_backoff_limit_and_stays_failed(
         "{:?}",
         st.last_failure
     );
-    // The older attempts were pruned; the last failed one stays for its logs.
+    // The older attempts are pruned (their deletion may still be under way when the job shows
+    // Failed); the last failed one stays for its logs.
     let attempts = |list: Vec<Pod>| -> Vec<String> { list.iter().map(|p| p.name_any()).collect() };
-    let before = attempts(worker_pods(&ctx, &ns, "digits").await?);
-    ensure!(before == ["digits-worker-0-2"], "{before:?}");
+    let mut before = vec![];
+    eventually(30, "the older attempts pruned", async || {
+        before = attempts(worker_pods(&ctx, &ns, "digits").await?);
+        Ok(before == ["digits-worker-0-2"])
+    })
+    .await
+    .with_context(|| format!("{before:?}"))?;
     // Stays Failed: a later reconcile changes nothing.
     let again = reconciled(&ctx.client, &ns, "digits").await?;
     ensure!(
