@@ -8,4 +8,9 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 ns=diphoma-system
 kubectl create namespace "$ns" >/dev/null
 kubectl label namespace "$ns" pod-security.kubernetes.io/enforce=restricted >/dev/null
-helm install diphoma-operator "$ROOT/charts/diphoma-operator" -n "$ns" --wait --timeout 120s "$@" >/dev/null
+if ! helm install diphoma-operator "$ROOT/charts/diphoma-operator" -n "$ns" --wait --timeout 300s "$@" >/dev/null; then
+  # Say why the operator is not ready (its pods, their events and conditions), then fail.
+  kubectl -n "$ns" get pods -o wide >&2 || true
+  kubectl -n "$ns" describe pods >&2 || true
+  exit 1
+fi
