@@ -70,6 +70,12 @@ pub const LABEL_JOB_NAME: &str = "diphoma.io/job-name";
 /// Label on every worker pod: its replica index (stable pod identity, not the ring rank, which
 /// changes with each generation).
 pub const LABEL_REPLICA_INDEX: &str = "diphoma.io/replica-index";
+/// Label on a worker pod that is a ring member: its rank in the current generation (absent on a
+/// worker outside the ring). Kept up to date by the operator when the ring re-forms, so that
+/// `kubectl logs -l diphoma.io/job-name=J,diphoma.io/rank=0` finds rank 0.
+pub const LABEL_RANK: &str = "diphoma.io/rank";
+/// Label on a worker pod that is a ring member: the generation its [`LABEL_RANK`] belongs to.
+pub const LABEL_GENERATION: &str = "diphoma.io/generation";
 
 /// Key inside the job's Secret, and file name inside its mount, of the per-job HMAC key.
 pub const KEY_FILE_NAME: &str = "ring.key";

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, ensure};
 use common::*;
+use diphoma_contract::{LABEL_GENERATION, LABEL_JOB_NAME, LABEL_RANK};
 use diphoma_e2e::cluster::http_get;
 use diphoma_e2e::kit::{JobManifest, alive, free_addr, pid_of, signal};
 use diphoma_e2e::kubelet::node::NodeConfig;
@@ -240,6 +241,47 @@ async fn lost_workers_are_replaced_at_a_new_generation_and_counted_once(
         "counted again: {:?}",
         again.failures
     );
+    // Every member is labelled with its rank in generation 3, and listed in the status.
+    let mut seen = vec![];
+    eventually(30, "rank labels of generation 3", async || {
+        seen = vec![];
+        for m in &g3.members {
+            let labels = pods.get(&m.pod).await?.metadata.labels.unwrap_or_default();
+            seen.push((
+                m.pod.clone(),
+                labels.get(LABEL_RANK).cloned(),
+                labels.get(LABEL_GENERATION).cloned(),
+            ));
+        }
+        Ok(g3
+            .members
+            .iter()
+            .zip(&seen)
+            .all(|(m, (_, rank, generation))| {
+                rank.as_deref() == Some(m.rank.to_string().as_str())
+                    && generation.as_deref() == Some(g3.generation.to_string().as_str())
+            }))
+    })
+    .await
+    .with_context(|| format!("{seen:?}"))?;
+    let rank0 = pods
+        .list(&ListParams::default().labels(&format!("{LABEL_JOB_NAME}=train,{LABEL_RANK}=0")))
+        .await?;
+    ensure!(
+        rank0.items.iter().map(|p| p.name_any()).collect::<Vec<_>>() == [g3.members[0].pod.clone()],
+        "rank 0 by label"
+    );
+    let listed: Vec<(i32, String)> = again
+        .ring
+        .as_ref()
+        .map(|r| r.members.iter().map(|m| (m.rank, m.pod.clone())).collect())
+        .unwrap_or_default();
+    let expected: Vec<(i32, String)> = g3
+        .members
+        .iter()
+        .map(|m| (m.rank as i32, m.pod.clone()))
+        .collect();
+    ensure!(listed == expected, "status.ring.members {listed:?}");
     Ok(())
 }
 

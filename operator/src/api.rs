@@ -78,6 +78,18 @@ const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers
         description = "Last committed training step"
     ),
     printcolumn(
+        name = "Progress",
+        type_ = "string",
+        json_path = ".status.progress.percentage",
+        description = "Share of totalSteps done"
+    ),
+    printcolumn(
+        name = "ETA",
+        type_ = "integer",
+        json_path = ".status.progress.etaSeconds",
+        description = "Seconds to the last step at the recent step rate"
+    ),
+    printcolumn(
         name = "Restarts",
         type_ = "integer",
         json_path = ".status.repairs.total",
@@ -370,7 +382,7 @@ impl Phase {
 }
 
 /// The ring's current generation.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct RingStatus {
     /// Generation number (strictly increasing).
@@ -383,6 +395,26 @@ pub struct RingStatus {
     /// failure or an operator deletion); cleared by the next generation.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub departed: Vec<String>,
+    /// The members, rank by rank, when there are at most [`MAX_LISTED_MEMBERS`] (the ConfigMap
+    /// always holds them all).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub members: Vec<RingMember>,
+}
+
+/// Rings up to this size list their members in `status.ring.members`.
+pub const MAX_LISTED_MEMBERS: usize = 16;
+
+/// One ring member in the job's status.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RingMember {
+    /// Rank in this generation.
+    pub rank: i32,
+    /// The worker pod.
+    pub pod: String,
+    /// The node it runs on, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 /// Training progress reported by the workers.
@@ -406,6 +438,18 @@ pub struct Progress {
     /// Accuracy of the trained model on the held-out test split, in [0, 1] (after the last step).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_accuracy: Option<f64>,
+    /// `step / totalSteps` as a whole percentage, e.g. `"42%"` (the `Progress` column).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub percentage: Option<String>,
+    /// Steps per second between the two latest reports that moved the step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps_per_second: Option<f64>,
+    /// Seconds until `totalSteps` at [`Progress::steps_per_second`], rounded up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eta_seconds: Option<i64>,
+    /// When the workers reported reaching `step` (RFC 3339, the reporting worker's clock).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_time: Option<String>,
 }
 
 /// A total with a breakdown by cause.

@@ -525,6 +525,9 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
             source,
         })?;
     }
+    for r in &plan.relabel {
+        relabel(&pods, r).await?;
+    }
     publish(ctx, &job.object_ref(&()), &plan.events).await;
     first_refusal.map_or(Ok(()), Err)
 }
@@ -582,7 +585,34 @@ async fn publish(ctx: &Context, reference: &ObjectReference, events: &[plan::Eve
 
 /// Sets annotation `key` to `value` on `pod` (a pod already gone is fine).
 async fn annotate(pods: &Api<Pod>, pod: &str, key: &str, value: &str) -> Result<(), Error> {
-    let body = serde_json::json!({"metadata": {"annotations": {key: value}}});
+    mark(
+        pods,
+        pod,
+        serde_json::json!({"metadata": {"annotations": {key: value}}}),
+    )
+    .await
+}
+
+/// Sets (or, for a pod outside the ring, removes) the rank labels of `r.pod`.
+async fn relabel(pods: &Api<Pod>, r: &plan::Relabel) -> Result<(), Error> {
+    let (rank, generation) = r
+        .rank
+        .map(|(rank, g)| (rank.to_string(), g.to_string()))
+        .unzip();
+    let labels = serde_json::json!({
+        contract::LABEL_RANK: rank,
+        contract::LABEL_GENERATION: generation,
+    });
+    mark(
+        pods,
+        &r.pod,
+        serde_json::json!({"metadata": {"labels": labels}}),
+    )
+    .await
+}
+
+/// Merge-patches `body` into `pod` (a pod already gone is fine).
+async fn mark(pods: &Api<Pod>, pod: &str, body: serde_json::Value) -> Result<(), Error> {
     let r = pods
         .patch(pod, &PatchParams::default(), &Patch::Merge(&body))
         .await;

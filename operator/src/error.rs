@@ -46,8 +46,9 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
-    /// Annotating a pod (failure counted, deleted by the operator) failed.
-    #[error("annotate pod {pod}: {source}")]
+    /// Marking a pod (the annotations failure counted and deleted by the operator, the rank
+    /// labels) failed.
+    #[error("mark pod {pod}: {source}")]
     MarkPod {
         /// The pod.
         pod: String,

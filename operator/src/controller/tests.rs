@@ -61,6 +61,11 @@ fn mock(objects: Vec<(String, Value)>) -> (Client, Log) {
 fn worker(job: &DiphomaJob, i: i32, phase: &str, exit: Option<i32>) -> Value {
     let mut p = serde_json::to_value(build::worker_pod(job, i, 0).unwrap()).unwrap();
     p["spec"]["nodeName"] = json!("n0");
+    if exit.is_none() {
+        // As the operator labelled it in generation 1 of [`world`].
+        p["metadata"]["labels"][contract::LABEL_RANK] = json!(i.to_string());
+        p["metadata"]["labels"][contract::LABEL_GENERATION] = json!("1");
+    }
     p["status"] = match exit {
         None => json!({"phase": phase, "podIP": format!("127.0.0.{}", i + 2),
             "conditions": [{"type": "Ready", "status": "True"}]}),

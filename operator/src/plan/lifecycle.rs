@@ -189,6 +189,7 @@ fn suspend(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
             &job.name_any(),
             r,
             r.members.iter().map(|m| m.pod.clone()).collect(),
+            &obs.pods,
         ));
     }
     status.phase = Some(Phase::Suspended);

@@ -222,6 +222,18 @@ pub struct Plan {
     pub delete_job: bool,
     /// Events to publish.
     pub events: Vec<EventNote>,
+    /// Worker pods whose rank labels are to be set (or removed) to match the ring.
+    pub relabel: Vec<Relabel>,
+}
+
+/// New rank labels for one worker pod ([`diphoma_contract::LABEL_RANK`],
+/// [`diphoma_contract::LABEL_GENERATION`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Relabel {
+    /// The pod.
+    pub pod: String,
+    /// Its rank and generation; none: remove both labels (not a ring member).
+    pub rank: Option<(u32, u64)>,
 }
 
 /// Computes the plan. Pure: same inputs, same plan. Infallible: what cannot be done (a worker

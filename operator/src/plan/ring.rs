@@ -4,14 +4,14 @@
 
 use std::collections::BTreeSet;
 
-use diphoma_contract::{Member, Membership};
+use diphoma_contract::{LABEL_GENERATION, LABEL_RANK, Member, Membership};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
 use super::failures::Found;
 use super::workers::{Workers, ready_member};
-use super::{EventNote, Observed, Plan, parse_ts};
-use crate::api::{DiphomaJob, RingStatus};
+use super::{EventNote, Observed, Plan, Relabel, parse_ts};
+use crate::api::{DiphomaJob, MAX_LISTED_MEMBERS, RingMember, RingStatus};
 
 /// What the ring step saw of the workers, for the status.
 #[derive(Debug, Clone, Default)]
@@ -89,7 +89,7 @@ pub fn next_generation(
             "Publish",
             format!("generation {generation} with {} workers", m.members.len()),
         ));
-        status.ring = Some(ring_status(&job.name_any(), &m, vec![]));
+        status.ring = Some(ring_status(&job.name_any(), &m, vec![], &obs.pods));
         plan.publish = Some(m);
     } else if let Some(r) = ring {
         found.departed.extend(
@@ -108,8 +108,10 @@ pub fn next_generation(
             &job.name_any(),
             r,
             found.departed.into_iter().collect(),
+            &obs.pods,
         ));
     }
+    plan.relabel = relabel(obs, plan);
     RingView {
         ready: ready_names,
         lost_member,
@@ -117,14 +119,63 @@ pub fn next_generation(
     }
 }
 
-/// The status view of ring generation `m` of job `job`.
-pub fn ring_status(job: &str, m: &Membership, departed: Vec<String>) -> RingStatus {
+/// The status view of ring generation `m` of job `job`; `pods` give the members' nodes.
+pub fn ring_status(job: &str, m: &Membership, departed: Vec<String>, pods: &[Pod]) -> RingStatus {
+    let node = |pod: &str| {
+        let p = pods.iter().find(|p| p.name_any() == pod)?;
+        super::node_of(p).map(str::to_owned)
+    };
+    let listed = m.members.len() <= MAX_LISTED_MEMBERS;
     RingStatus {
         generation: m.generation as i64,
         size: m.members.len() as i32,
         config_map: diphoma_contract::membership_configmap_name(job),
         departed,
+        members: m
+            .members
+            .iter()
+            .filter(|_| listed)
+            .map(|mem| RingMember {
+                rank: mem.rank as i32,
+                pod: mem.pod.clone(),
+                node: node(&mem.pod),
+            })
+            .collect(),
     }
+}
+
+/// The rank and generation labels of worker `pod`: its rank in the ring in effect (published
+/// by this plan, else observed), none outside the ring.
+pub fn rank_labels(ring: Option<&Membership>, pod: &str) -> Option<(u32, u64)> {
+    let m = ring?;
+    Some((m.rank_of(pod)? as u32, m.generation))
+}
+
+/// The pods whose [`LABEL_RANK`]/[`LABEL_GENERATION`] differ from [`rank_labels`] (pods being
+/// deleted are left alone).
+pub fn relabel(obs: &Observed, plan: &Plan) -> Vec<Relabel> {
+    let ring = plan.publish.as_ref().or(obs.ring.as_ref());
+    let deleting: BTreeSet<&str> = plan.delete.iter().map(|d| d.pod.as_str()).collect();
+    obs.pods
+        .iter()
+        .filter(|p| {
+            p.metadata.deletion_timestamp.is_none() && !deleting.contains(p.name_any().as_str())
+        })
+        .filter_map(|p| {
+            let want = rank_labels(ring, &p.name_any());
+            let labels = p.labels();
+            let have = (labels.get(LABEL_RANK), labels.get(LABEL_GENERATION));
+            let want_text = want.map(|(r, g)| (r.to_string(), g.to_string()));
+            let same = match &want_text {
+                Some((r, g)) => have == (Some(r), Some(g)),
+                None => have == (None, None),
+            };
+            (!same).then(|| Relabel {
+                pod: p.name_any(),
+                rank: want,
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -167,5 +218,76 @@ mod tests {
         let ring = plan.status.ring.unwrap();
         assert_eq!((ring.generation, ring.size), (4, 1));
         assert_eq!(ring.departed, ["train-worker-0"]);
+    }
+
+    fn pod(name: &str, node: &str, labels: &[(&str, &str)]) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": labels.iter().copied().collect::<std::collections::BTreeMap<_, _>>()},
+            "spec": {"containers": [], "nodeName": node},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn ranks_are_labelled_as_the_ring_says_and_small_rings_list_their_members() {
+        let ring = Membership {
+            generation: 7,
+            job_uid: "uid-1".into(),
+            members: ["w-2", "w-0"]
+                .iter()
+                .enumerate()
+                .map(|(rank, pod)| Member {
+                    rank: rank as u32,
+                    pod: (*pod).into(),
+                    address: [127, 0, 0, 2].into(),
+                    port: 29500,
+                })
+                .collect(),
+        };
+        let obs = Observed {
+            pods: vec![
+                pod("w-0", "n0", &[(LABEL_RANK, "0"), (LABEL_GENERATION, "6")]), // rank moved
+                pod("w-1", "n1", &[(LABEL_RANK, "1"), (LABEL_GENERATION, "6")]), // left the ring
+                pod("w-2", "n2", &[(LABEL_RANK, "0"), (LABEL_GENERATION, "7")]), // up to date
+                pod("w-3", "n3", &[]), // not a member, no labels: nothing to do
+            ],
+            ring: Some(ring.clone()),
+            nodes: Default::default(),
+            progress: None,
+            reports: vec![],
+            now: jiff::Timestamp::UNIX_EPOCH,
+            refused: Default::default(),
+        };
+        let plan = Plan::default();
+        assert_eq!(
+            relabel(&obs, &plan),
+            [
+                Relabel {
+                    pod: "w-0".into(),
+                    rank: Some((1, 7))
+                },
+                Relabel {
+                    pod: "w-1".into(),
+                    rank: None
+                },
+            ]
+        );
+        let status = ring_status("j", &ring, vec![], &obs.pods);
+        let listed: Vec<_> = status
+            .members
+            .iter()
+            .map(|m| (m.rank, m.pod.as_str(), m.node.as_deref()))
+            .collect();
+        assert_eq!(listed, [(0, "w-2", Some("n2")), (1, "w-0", Some("n0"))]);
+        let mut big = ring;
+        big.members = (0..=MAX_LISTED_MEMBERS as u32)
+            .map(|rank| Member {
+                rank,
+                pod: format!("w-{rank}"),
+                address: [127, 0, 0, 2].into(),
+                port: 29500,
+            })
+            .collect();
+        assert!(ring_status("j", &big, vec![], &[]).members.is_empty());
     }
 }

@@ -2,13 +2,14 @@
 //! the workers report, readiness, why the ring waits, the phase, and the conditions (each with
 //! its own reason and message; `lastTransitionTime` moves only when a condition flips). Pure.
 
+use diphoma_contract::ProgressReport;
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::ResourceExt;
 
 use super::ring::RingView;
 use super::workers::Workers;
-use super::{EventNote, Observed, Plan, ts};
+use super::{EventNote, Observed, Plan, parse_ts, ts};
 use crate::api::{DiphomaJob, DiphomaJobStatus, Phase, Progress};
 use crate::build;
 
@@ -40,14 +41,52 @@ pub fn progress(status: &mut DiphomaJobStatus, obs: &Observed) {
         status.start_time = Some(ts(obs.now));
     }
     if let Some(p) = &obs.progress {
-        status.progress = Some(Progress {
-            step: p.step as i64,
-            total_steps: p.total_steps.map(|t| t as i64),
-            loss: p.loss,
-            samples_per_second: p.samples_per_second,
-            last_checkpoint_step: p.last_checkpoint_step.map(|s| s as i64),
-            test_accuracy: p.test_accuracy,
-        });
+        status.progress = Some(next_progress(status.progress.take(), p));
+    }
+}
+
+/// The status' progress after report `p`, given the previous one: the report's fields, plus
+/// the percentage done and, from the step rate between the two reports (both times written by
+/// the same reporting worker, so no clock skew enters), the ETA. A report that did not move the
+/// step forward (the same step again, or a roll-back after a repair) keeps the previous rate and
+/// step time, so a stalled job's status does not change with every report.
+pub fn next_progress(prev: Option<Progress>, p: &ProgressReport) -> Progress {
+    let step = p.step as i64;
+    let total = p.total_steps.map(|t| t as i64);
+    let (steps_per_second, step_time) = match prev {
+        Some(prev) if step <= prev.step => (prev.steps_per_second, prev.step_time),
+        Some(prev) => {
+            let rate = prev
+                .step_time
+                .as_deref()
+                .and_then(parse_ts)
+                .zip(parse_ts(&p.time))
+                .map(|(t0, t1)| t1.duration_since(t0).as_secs_f64())
+                .filter(|dt| *dt > 0.0)
+                .map(|dt| (step - prev.step) as f64 / dt);
+            (rate.or(prev.steps_per_second), Some(p.time.clone()))
+        }
+        None => (None, Some(p.time.clone())),
+    };
+    let left = total.map(|t| (t - step).max(0));
+    let eta_seconds = match (left, steps_per_second) {
+        (Some(0), _) => Some(0),
+        (Some(left), Some(rate)) if rate > 0.0 => Some((left as f64 / rate).ceil() as i64),
+        _ => None,
+    };
+    Progress {
+        step,
+        total_steps: total,
+        loss: p.loss,
+        samples_per_second: p.samples_per_second,
+        last_checkpoint_step: p.last_checkpoint_step.map(|s| s as i64),
+        test_accuracy: p.test_accuracy,
+        percentage: total
+            .filter(|t| *t > 0)
+            .map(|t| format!("{}%", (step.min(t) * 100) / t)),
+        steps_per_second,
+        eta_seconds,
+        step_time,
     }
 }
 
@@ -267,6 +306,49 @@ mod tests {
     fn find<'a>(c: &'a [Condition], t: &str) -> (&'a str, &'a str) {
         let c = c.iter().find(|c| c.type_ == t).unwrap();
         (c.status.as_str(), c.reason.as_str())
+    }
+
+    fn report(step: u64, secs: i64) -> ProgressReport {
+        ProgressReport {
+            generation: 1,
+            step,
+            total_steps: Some(1000),
+            loss: Some(0.5),
+            samples_per_second: None,
+            last_checkpoint_step: None,
+            test_accuracy: None,
+            time: t(secs).to_string(),
+        }
+    }
+
+    #[test]
+    fn progress_gives_the_percentage_and_an_eta_from_the_recent_step_rate() {
+        let first = next_progress(None, &report(100, 0));
+        assert_eq!(first.percentage.as_deref(), Some("10%"));
+        assert_eq!((first.steps_per_second, first.eta_seconds), (None, None));
+        // 150 steps in 10 s: 15 steps/s, 750 left: 50 s.
+        let second = next_progress(Some(first), &report(250, 10));
+        assert_eq!(second.steps_per_second, Some(15.0));
+        assert_eq!(second.eta_seconds, Some(50));
+        assert_eq!(second.percentage.as_deref(), Some("25%"));
+        // The rate follows the latest interval: 30 steps in 10 s.
+        let third = next_progress(Some(second.clone()), &report(280, 20));
+        assert_eq!(third.steps_per_second, Some(3.0));
+        assert_eq!(third.eta_seconds, Some(240));
+        // A stalled report (same step, later time) changes nothing but what it reports.
+        let stalled = next_progress(Some(third.clone()), &report(280, 25));
+        assert_eq!(stalled, third);
+        // A roll-back after a repair keeps the rate; the ETA grows by the lost steps.
+        let back = next_progress(Some(third), &report(270, 30));
+        assert_eq!(
+            (back.steps_per_second, back.eta_seconds),
+            (Some(3.0), Some(244))
+        );
+        let done = next_progress(Some(back), &report(1000, 40));
+        assert_eq!(
+            (done.percentage.as_deref(), done.eta_seconds),
+            (Some("100%"), Some(0))
+        );
     }
 
     #[test]

@@ -799,6 +799,7 @@ fn resumed_workers_named_like_departed_members_get_a_new_generation_and_are_not_
         size: 4,
         config_map: "train-ring".into(),
         departed: r.members.iter().map(|m| m.pod.clone()).collect(),
+        ..Default::default()
     });
     let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
     let mut o = obs(pods, Some(r));
