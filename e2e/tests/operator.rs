@@ -16,6 +16,7 @@ use diphoma_e2e::kit::{JobManifest, alive, free_addr, pid_of, signal};
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_operator::api::{DiphomaJob, Phase};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
+use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::rbac::v1::Role;
 use kube::api::{DeleteParams, ListParams};
 use kube::{Api, ResourceExt};
@@ -282,6 +283,23 @@ async fn lost_workers_are_replaced_at_a_new_generation_and_counted_once(
         .map(|m| (m.rank as i32, m.pod.clone()))
         .collect();
     ensure!(listed == expected, "status.ring.members {listed:?}");
+    // Each re-formation is its own event with its own note (not one series keeping the first).
+    let notes: Vec<String> = Api::<Event>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("RingReformed"))
+        .filter_map(|e| e.note)
+        .collect();
+    for g in [g1.generation, g2.generation, g3.generation] {
+        ensure!(
+            notes
+                .iter()
+                .any(|n| n.starts_with(&format!("generation {g} "))),
+            "no RingReformed event for generation {g}: {notes:?}"
+        );
+    }
     Ok(())
 }
 

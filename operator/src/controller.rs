@@ -50,8 +50,8 @@ use crate::plan::{self, NodeHealth, Observed, Plan};
 pub struct Context {
     /// API client.
     pub client: Client,
-    /// Publishes Kubernetes Events for the jobs.
-    pub recorder: Recorder,
+    /// Who reports the jobs' Kubernetes Events.
+    pub reporter: Reporter,
     /// Prometheus metrics.
     pub metrics: Metrics,
     /// Whether each job gets a NetworkPolicy ([`Options::network_policy`]).
@@ -90,7 +90,7 @@ impl Context {
             instance: std::env::var("POD_NAME").ok(),
         };
         Context {
-            recorder: Recorder::new(client.clone(), reporter),
+            reporter,
             client,
             metrics,
             network_policy: false,
@@ -510,6 +510,16 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
             }
         }
     }
+    // A refused creation is no WorkerCreated fact: its WorkerBlocked says what happened.
+    let events: Vec<plan::EventNote> = plan
+        .events
+        .iter()
+        .filter(|e| {
+            !(e.reason == "WorkerCreated"
+                && e.pod.as_ref().is_some_and(|p| refused.contains_key(p)))
+        })
+        .cloned()
+        .collect();
     ctx.refused
         .lock()
         .expect("refused lock")
@@ -528,7 +538,7 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
     for r in &plan.relabel {
         relabel(&pods, r).await?;
     }
-    publish(ctx, &job.object_ref(&()), &plan.events).await;
+    publish(ctx, &job.object_ref(&()), &events).await;
     first_refusal.map_or(Ok(()), Err)
 }
 
@@ -577,7 +587,11 @@ async fn publish(ctx: &Context, reference: &ObjectReference, events: &[plan::Eve
                 ..Default::default()
             }),
         };
-        if let Err(e) = ctx.recorder.publish(&ev, reference).await {
+        // A Recorder of its own per event: kube's Recorder folds events with the same reason,
+        // action and objects into one series that keeps the first note, and each of these is a
+        // distinct fact (the plan states a fact once), e.g. each generation's RingReformed.
+        let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
+        if let Err(e) = recorder.publish(&ev, reference).await {
             tracing::debug!(error = %e, "event");
         }
     }
