@@ -62,6 +62,10 @@ pub struct Context {
     /// Per job (`namespace/name`): reconciles failed in a row, for the exponential back-off of
     /// the error policy ([`retry_delay`]); cleared by a reconcile that succeeds.
     pub retries: Mutex<BTreeMap<String, u32>>,
+    /// Per job (`namespace/name`): rounds of refused creations in a row, and until when the
+    /// refused workers are not tried again ([`retry_delay`]). Only their creation backs off:
+    /// the job is still reconciled at its usual cadence (progress, node loss, hangs).
+    pub create_hold: Mutex<BTreeMap<String, (u32, std::time::Instant)>>,
 }
 
 /// `namespace/name` of a job, the key of [`Context`]'s per-job maps.
@@ -96,6 +100,7 @@ impl Context {
             network_policy: false,
             refused: Mutex::default(),
             retries: Mutex::default(),
+            create_hold: Mutex::default(),
         }
     }
 }
@@ -320,6 +325,10 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
             .lock()
             .expect("refused lock")
             .remove(&job_key(job));
+        ctx.create_hold
+            .lock()
+            .expect("hold lock")
+            .remove(&job_key(job));
         return Ok(Action::await_change()); // owner references clean up the children
     }
     ctx.metrics.reconciles.inc();
@@ -491,23 +500,54 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
     // A pod the API server refuses (a quota, a pod it finds invalid) stops neither the other
     // creations nor the ring: it is remembered for the next plan, and retried with back-off.
     let mut refused = BTreeMap::new();
-    let mut first_refusal = None;
+    let key = job_key(job);
+    let now = std::time::Instant::now();
+    let hold = ctx
+        .create_hold
+        .lock()
+        .expect("hold lock")
+        .get(&key)
+        .copied();
+    let held = hold.is_some_and(|(_, until)| now < until);
+    let before = ctx
+        .refused
+        .lock()
+        .expect("refused lock")
+        .get(&key)
+        .cloned()
+        .unwrap_or_default();
+    let mut refusals = 0;
     for p in &plan.create {
+        let pod = p.name_any();
+        if let Some(message) = before.get(&pod).filter(|_| held) {
+            refused.insert(pod, message.clone()); // not tried again before its back-off ends
+            continue;
+        }
         match apply_one(&pods, p).await {
             Ok(()) => {}
             Err(kube::Error::Api(s)) => {
-                refused.insert(p.name_any(), s.message.clone());
-                first_refusal.get_or_insert(Error::CreatePod {
-                    pod: p.name_any(),
+                refused.insert(pod.clone(), s.message.clone());
+                refusals += 1;
+                let err = Error::CreatePod {
+                    pod,
                     source: kube::Error::Api(s),
-                });
+                };
+                ctx.metrics
+                    .errors
+                    .with_label_values(&[err.metric_label()])
+                    .inc();
+                tracing::warn!(job = %name, error = %err, "worker refused");
             }
-            Err(source) => {
-                return Err(Error::CreatePod {
-                    pod: p.name_any(),
-                    source,
-                });
-            }
+            Err(source) => return Err(Error::CreatePod { pod, source }),
+        }
+    }
+    {
+        let mut holds = ctx.create_hold.lock().expect("hold lock");
+        if refusals > 0 {
+            let n = hold.map_or(0, |(n, _)| n) + 1;
+            holds.insert(key, (n, now + retry_delay(n)));
+        } else if !held {
+            holds.remove(&key);
         }
     }
     // A refused creation is no WorkerCreated fact: its WorkerBlocked says what happened.
@@ -539,7 +579,7 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
         relabel(&pods, r).await?;
     }
     publish(ctx, &job.object_ref(&()), &events).await;
-    first_refusal.map_or(Ok(()), Err)
+    Ok(())
 }
 
 /// Writes `status` on job `name` (server-side apply) unless it equals `prev`; `K` is the job

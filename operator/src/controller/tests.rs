@@ -17,6 +17,12 @@ type Log = Arc<Mutex<Vec<(String, String)>>>;
 /// A mocked API server answering GETs from `objects` (path → JSON, 404 otherwise) and every write
 /// with its own body echoed back.
 fn mock(objects: Vec<(String, Value)>) -> (Client, Log) {
+    mock_refusing(objects, None)
+}
+
+/// [`mock`], refusing (403, as a ResourceQuota does) every server-side apply to a path that
+/// starts with `refuse`.
+fn mock_refusing(objects: Vec<(String, Value)>, refuse: Option<&'static str>) -> (Client, Log) {
     let (svc, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let log: Log = Arc::default();
     let seen = log.clone();
@@ -24,6 +30,11 @@ fn mock(objects: Vec<(String, Value)>) -> (Client, Log) {
         while let Some((req, send)) = handle.next_request().await {
             let (method, path) = (req.method().to_string(), req.uri().path().to_owned());
             seen.lock().unwrap().push((method.clone(), path.clone()));
+            let apply = req
+                .headers()
+                .get(http::header::CONTENT_TYPE)
+                .is_some_and(|c| c.as_bytes().starts_with(b"application/apply-patch"));
+            let refused = apply && refuse.is_some_and(|r| path.starts_with(r));
             let body = req.into_body().collect_bytes().await.unwrap_or_default();
             let found = objects
                 .iter()
@@ -34,6 +45,10 @@ fn mock(objects: Vec<(String, Value)>) -> (Client, Log) {
                 .and_then(|p| objects.iter().find(|(o, _)| o == p))
                 .map(|(_, v)| v.clone());
             let (status, reply) = match (method.as_str(), found) {
+                _ if refused => (
+                    StatusCode::FORBIDDEN,
+                    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403, "message": "exceeded quota"}),
+                ),
                 ("GET", Some(v)) => (StatusCode::OK, v),
                 ("PATCH", None) if parent.is_some() => (StatusCode::OK, parent.unwrap()),
                 ("GET", None) => (
@@ -246,6 +261,42 @@ async fn a_job_that_does_not_decode_gets_a_status_and_an_event_and_nothing_else(
         writes[1..].iter().all(|(_, p)| p.contains("/events")) && writes.len() > 1,
         "only the status and the event: {writes:?}"
     );
+}
+
+/// A refused worker does not fail the reconcile (the job keeps its usual cadence: progress,
+/// node loss and hangs are still looked at), and is not tried again before its back-off ends.
+#[tokio::test]
+async fn a_refused_worker_backs_off_alone() {
+    let mut job = basic();
+    let objects = world(
+        &job,
+        (0..4).map(|i| worker(&job, i, "Running", None)).collect(),
+    );
+    job.spec.replicas = 5; // worker 4 is refused
+    let job = settled(job, &objects).await;
+    let mut objects = objects;
+    objects.push((
+        "/apis/diphoma.io/v1alpha1/namespaces/ml/diphomajobs/train".into(),
+        serde_json::to_value(&job).unwrap(),
+    ));
+    let job = Arc::new(DeserializeGuard(Ok(job)));
+    let (client, log) = mock_refusing(objects, Some("/api/v1/namespaces/ml/pods/train-worker-4"));
+    let ctx = Arc::new(Context::new(client, Metrics::default()));
+    let creates = |log: &Log| {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|(m, p)| m == "PATCH" && p.ends_with("/pods/train-worker-4"))
+            .count()
+    };
+    let first = reconcile(job.clone(), ctx.clone()).await;
+    assert!(first.is_ok(), "{first:?}");
+    assert_eq!(creates(&log), 1);
+    let again = reconcile(job, ctx.clone()).await;
+    assert!(again.is_ok(), "{again:?}");
+    assert_eq!(creates(&log), 1, "retried before its back-off ended");
+    let held = ctx.create_hold.lock().unwrap()["ml/train"];
+    assert_eq!(held.0, 1);
 }
 
 #[test]
