@@ -99,6 +99,7 @@ async fn invalid_manifests_are_refused_with_the_field_named(
             "spec.ringPort",
         ),
         ("no-template", "apiVersion: diphoma.io/v1alpha1\nkind: DiphomaJob\nmetadata: {name: no-template}\nspec: {replicas: 2}\n".to_owned(), "spec.template"),
+        ("no-containers", "apiVersion: diphoma.io/v1alpha1\nkind: DiphomaJob\nmetadata: {name: no-containers}\nspec: {replicas: 2, template: {spec: {containers: []}}}\n".to_owned(), "spec.template.spec.containers"),
     ];
     for (name, yaml, field) in cases {
         let out = kubectl_apply(&ctx, &ns, &yaml)?;
@@ -107,6 +108,11 @@ async fn invalid_manifests_are_refused_with_the_field_named(
         ensure!(
             err.contains(field),
             "{name}: the error does not name {field}: {err}"
+        );
+        // Only what is wrong: no rule may fail on the input instead of judging it.
+        ensure!(
+            !err.contains("evaluating rule"),
+            "{name}: a rule failed: {err}"
         );
     }
     let jobs = Api::<DiphomaJob>::namespaced(ctx.client.clone(), &ns)

@@ -27,9 +27,10 @@ const GPU_MESSAGE: &str = "an nvidia.com/gpu limit or request on the worker cont
 /// CEL rule: the worker container's `nvidia.com/gpu` `limits` or `requests` (`kind`), when the
 /// template has one, equals `gpusPerWorker`.
 fn gpu_rule(kind: &str) -> String {
+    // An empty container list is refused by its own minItems; this rule must not fail on it.
     let c = "self.template.spec.containers[0]";
     format!(
-        "!has({c}.resources) || !has({c}.resources.{kind}) || !('nvidia.com/gpu' in {c}.resources.{kind}) || string({c}.resources.{kind}['nvidia.com/gpu']) == string(self.gpusPerWorker)"
+        "size(self.template.spec.containers) == 0 || !has({c}.resources) || !has({c}.resources.{kind}) || !('nvidia.com/gpu' in {c}.resources.{kind}) || string({c}.resources.{kind}['nvidia.com/gpu']) == string(self.gpusPerWorker)"
     )
 }
 
