@@ -56,16 +56,26 @@ pub struct Context {
     pub metrics: Metrics,
     /// Whether each job gets a NetworkPolicy ([`Options::network_policy`]).
     pub network_policy: bool,
-    /// Per job (`namespace/name`): the worker pods whose creation the API server refused at the
-    /// last apply, with its message; the next plan observes them ([`Observed::refused`]).
-    pub refused: Mutex<BTreeMap<String, BTreeMap<String, String>>>,
+    /// Per job (`namespace/name`): the worker creations the API server refused and their
+    /// back-off.
+    pub refused: Mutex<BTreeMap<String, Refusals>>,
     /// Per job (`namespace/name`): reconciles failed in a row, for the exponential back-off of
     /// the error policy ([`retry_delay`]); cleared by a reconcile that succeeds.
     pub retries: Mutex<BTreeMap<String, u32>>,
-    /// Per job (`namespace/name`): rounds of refused creations in a row, and until when the
-    /// refused workers are not tried again ([`retry_delay`]). Only their creation backs off:
-    /// the job is still reconciled at its usual cadence (progress, node loss, hangs).
-    pub create_hold: Mutex<BTreeMap<String, (u32, std::time::Instant)>>,
+}
+
+/// The worker creations the API server refused for one job at the last apply. Only their
+/// creation backs off ([`retry_delay`]): the job is still reconciled at its usual cadence
+/// (progress, node loss, hangs).
+#[derive(Debug, Clone, Default)]
+pub struct Refusals {
+    /// Refused pod → the API server's message; the next plan observes them
+    /// ([`Observed::refused`]).
+    pub pods: BTreeMap<String, String>,
+    /// Apply rounds with a refusal in a row.
+    pub rounds: u32,
+    /// Until when the refused pods are not tried again.
+    pub until: Option<std::time::Instant>,
 }
 
 /// `namespace/name` of a job, the key of [`Context`]'s per-job maps.
@@ -100,7 +110,6 @@ impl Context {
             network_policy: false,
             refused: Mutex::default(),
             retries: Mutex::default(),
-            create_hold: Mutex::default(),
         }
     }
 }
@@ -325,24 +334,21 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
             .lock()
             .expect("refused lock")
             .remove(&job_key(job));
-        ctx.create_hold
-            .lock()
-            .expect("hold lock")
-            .remove(&job_key(job));
         return Ok(Action::await_change()); // owner references clean up the children
     }
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
     let mut obs = observe(&ctx.client, job).await?; // reads
-    obs.refused = ctx
+    let refusals = ctx
         .refused
         .lock()
         .expect("refused lock")
         .get(&job_key(job))
         .cloned()
         .unwrap_or_default();
+    obs.refused = refusals.pods.clone();
     let plan = plan::plan(job, &obs); // pure
-    apply(ctx, job, &plan).await?; // writes
+    apply(ctx, job, &plan, refusals).await?; // writes
     ctx.metrics.observe_plan(&plan);
     Ok(plan
         .look_again
@@ -459,8 +465,14 @@ where
     Ok(())
 }
 
-/// Carries out the plan, in the order the module doc lists.
-async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error> {
+/// Carries out the plan, in the order the module doc lists; `before`: the refusals of the last
+/// apply.
+async fn apply(
+    ctx: &Context,
+    job: &DiphomaJob,
+    plan: &Plan,
+    before: Refusals,
+) -> Result<(), Error> {
     let client = &ctx.client;
     let ns = job.namespace().unwrap_or_default();
     let name = job.name_any();
@@ -500,26 +512,12 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
     // A pod the API server refuses (a quota, a pod it finds invalid) stops neither the other
     // creations nor the ring: it is remembered for the next plan, and retried with back-off.
     let mut refused = BTreeMap::new();
-    let key = job_key(job);
     let now = std::time::Instant::now();
-    let hold = ctx
-        .create_hold
-        .lock()
-        .expect("hold lock")
-        .get(&key)
-        .copied();
-    let held = hold.is_some_and(|(_, until)| now < until);
-    let before = ctx
-        .refused
-        .lock()
-        .expect("refused lock")
-        .get(&key)
-        .cloned()
-        .unwrap_or_default();
+    let held = before.until.is_some_and(|until| now < until);
     let mut refusals = 0;
     for p in &plan.create {
         let pod = p.name_any();
-        if let Some(message) = before.get(&pod).filter(|_| held) {
+        if let Some(message) = before.pods.get(&pod).filter(|_| held) {
             refused.insert(pod, message.clone()); // not tried again before its back-off ends
             continue;
         }
@@ -541,15 +539,6 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
             Err(source) => return Err(Error::CreatePod { pod, source }),
         }
     }
-    {
-        let mut holds = ctx.create_hold.lock().expect("hold lock");
-        if refusals > 0 {
-            let n = hold.map_or(0, |(n, _)| n) + 1;
-            holds.insert(key, (n, now + retry_delay(n)));
-        } else if !held {
-            holds.remove(&key);
-        }
-    }
     // A refused creation is no WorkerCreated fact: its WorkerBlocked says what happened.
     let events: Vec<plan::EventNote> = plan
         .events
@@ -560,10 +549,23 @@ async fn apply(ctx: &Context, job: &DiphomaJob, plan: &Plan) -> Result<(), Error
         })
         .cloned()
         .collect();
+    let (rounds, until) = match refusals {
+        0 if held => (before.rounds, before.until),
+        0 => (0, None),
+        _ => (
+            before.rounds + 1,
+            Some(now + retry_delay(before.rounds + 1)),
+        ),
+    };
+    let after = Refusals {
+        pods: refused,
+        rounds,
+        until,
+    };
     ctx.refused
         .lock()
         .expect("refused lock")
-        .insert(job_key(job), refused);
+        .insert(job_key(job), after);
     if let Some(m) = &plan.publish {
         apply_one(
             &Api::<ConfigMap>::namespaced(client.clone(), &ns),

@@ -295,8 +295,8 @@ async fn a_refused_worker_backs_off_alone() {
     let again = reconcile(job, ctx.clone()).await;
     assert!(again.is_ok(), "{again:?}");
     assert_eq!(creates(&log), 1, "retried before its back-off ended");
-    let held = ctx.create_hold.lock().unwrap()["ml/train"];
-    assert_eq!(held.0, 1);
+    let held = ctx.refused.lock().unwrap()["ml/train"].rounds;
+    assert_eq!(held, 1);
 }
 
 #[test]
