@@ -96,6 +96,16 @@ pub enum Error {
         /// The binary it maps to.
         path: PathBuf,
     },
+    /// Container mode: an image that is not in the local image store (nothing is pulled).
+    #[error(
+        "image {image:?} is not in the local image store (podman images); this kubelet pulls nothing: build it with `make images`"
+    )]
+    ImageNotPresent {
+        /// The pod's image reference.
+        image: String,
+        /// Whether the container's `imagePullPolicy` is `Never`.
+        never: bool,
+    },
     /// A pod's spec uses something the process kubelet cannot provide.
     #[error("pod {pod}: {what}")]
     Unsupported {

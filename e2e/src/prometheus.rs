@@ -80,6 +80,7 @@ impl Prometheus {
             env: vec![],
             cwd: dir.to_owned(),
             hostname: "prometheus".into(),
+            container: None,
         };
         let child = spawn(&launch, out.into(), err.into())?;
         let p = Prometheus {

@@ -43,9 +43,14 @@ fn check() -> Result<()> {
                 }
             }
             let client = cp.client().await.unwrap();
-            let _kubelet = start_kubelet(&cp, &client, vec![NodeConfig::gpu("n0", 1)])
-                .await
-                .unwrap();
+            let _kubelet = start_kubelet(
+                &cp,
+                &client,
+                vec![NodeConfig::gpu("n0", 1)],
+                Runtime::Process,
+            )
+            .await
+            .unwrap();
             let ns = TempNamespace::create(&client, "teardown").await.unwrap();
             create(
                 &client,

@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 use diphoma_e2e::Error;
 use diphoma_e2e::cluster::client_from_kubeconfig;
 use diphoma_e2e::kubelet::node::NodeConfig;
-use diphoma_e2e::kubelet::{FailMode, Kubelet, KubeletConfig};
+use diphoma_e2e::kubelet::{FailMode, Kubelet, KubeletConfig, Runtime};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
@@ -50,6 +50,10 @@ enum Cmd {
         /// Extra image mappings, `NAME=PATH` (repeatable).
         #[arg(long = "image")]
         images: Vec<String>,
+        /// `process` (images map to workspace binaries) or `podman` (containers of images in the
+        /// local image store).
+        #[arg(long, default_value = "process")]
+        runtime: Runtime,
     },
     /// Fail a node of a running kubelet.
     FailNode {
@@ -81,7 +85,13 @@ async fn main() {
             gpus,
             bin_dir,
             images,
-        } => run(kubeconfig, root, socket, nodes, gpus, bin_dir, images).await,
+            runtime,
+        } => {
+            let nodes = (0..nodes)
+                .map(|i| NodeConfig::gpu(&format!("gpu-node-{i}"), gpus))
+                .collect();
+            run(kubeconfig, root, socket, nodes, bin_dir, images, runtime).await
+        }
         Cmd::FailNode { socket, node, mode } => fail_node(socket, node, mode).await,
     };
     if let Err(e) = result {
@@ -94,10 +104,10 @@ async fn run(
     kubeconfig: PathBuf,
     root: PathBuf,
     socket: PathBuf,
-    nodes: u32,
-    gpus: u32,
+    nodes: Vec<NodeConfig>,
     bin_dir: Option<PathBuf>,
     images: Vec<String>,
+    runtime: Runtime,
 ) -> Result<(), Error> {
     let bin_dir = match bin_dir {
         Some(d) => d,
@@ -106,10 +116,8 @@ async fn run(
             .and_then(|p| p.parent().map(PathBuf::from))
             .unwrap_or_default(),
     };
-    let nodes = (0..nodes)
-        .map(|i| NodeConfig::gpu(&format!("gpu-node-{i}"), gpus))
-        .collect();
     let mut cfg = KubeletConfig::from_kubeconfig(&kubeconfig, nodes, &bin_dir, root)?;
+    cfg.runtime = runtime;
     for spec in &images {
         cfg.images.insert_spec(spec)?;
     }

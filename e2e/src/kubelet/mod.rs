@@ -4,11 +4,13 @@
 //! Pure parts: [`node`] (Node and Lease objects), [`spec`] (env, expansion, mount paths),
 //! [`status`] (pod status), [`alloc`] (pod IPs, GPUs), [`images`] (image → binary), the log
 //! format and selection in [`logs`].
-//! I/O: this module (watch loop, heartbeats, node failure), [`pod`], [`volumes`], [`process`],
+//! I/O: this module (watch loop, heartbeats, node failure), [`pod`], [`volumes`], [`process`]
+//! and [`container`] (container mode: podman),
 //! [`probe`] (readiness and liveness probes), [`logs`] (capture, follow) and [`server`] (the
 //! kubelet API over TLS: `GET /containerLogs`, what `kubectl logs` reaches through the API server).
 
 pub mod alloc;
+pub mod container;
 pub mod images;
 pub mod logs;
 pub mod node;
@@ -65,13 +67,39 @@ impl std::str::FromStr for FailMode {
     }
 }
 
+/// How a kubelet runs pods' containers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Runtime {
+    /// As processes of the binaries the image table maps images to: fast, no isolation.
+    #[default]
+    Process,
+    /// As podman containers of images in the local image store ([`container`]).
+    Podman,
+}
+
+impl std::str::FromStr for Runtime {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "process" => Ok(Runtime::Process),
+            "podman" => Ok(Runtime::Podman),
+            _ => Err(Error::Config {
+                field: "--runtime".into(),
+                message: format!("{s:?} is not process or podman"),
+            }),
+        }
+    }
+}
+
 /// Configuration of a process kubelet.
 #[derive(Debug, Clone)]
 pub struct KubeletConfig {
     /// The nodes to register and run.
     pub nodes: Vec<NodeConfig>,
-    /// Which binary each image runs.
+    /// Which binary each image runs (process mode).
     pub images: ImageTable,
+    /// Processes or containers.
+    pub runtime: Runtime,
     /// Directory for pod directories (`pods/<uid>`) and logs (`logs/…`).
     pub root: PathBuf,
     /// API server URL written into pods' kubeconfigs (`https://127.0.0.1:<port>`).
@@ -124,6 +152,7 @@ impl KubeletConfig {
         Ok(KubeletConfig {
             nodes,
             images: ImageTable::with_defaults(bin_dir),
+            runtime: Runtime::Process,
             root,
             api_server,
             ca_file,

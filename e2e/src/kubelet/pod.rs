@@ -10,13 +10,14 @@ use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{DeleteParams, Patch, PatchParams, Preconditions};
 use kube::{Api, Client};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use super::container::{self, ContainerRun, Mount};
 use super::logs;
 use super::node::GPU_RESOURCE;
 use super::probe::{self, Kind};
@@ -24,7 +25,7 @@ use super::process::{self, Launch};
 use super::spec::{self, PodFacts, Sources};
 use super::status::{self, ContainerRecord, RunState};
 use super::volumes;
-use super::{FailMode, NodeState, Shared, pod_key};
+use super::{FailMode, NodeState, Runtime, Shared, pod_key};
 use crate::Error;
 
 /// What the watch loop tells a pod worker.
@@ -46,6 +47,20 @@ const GPU_WAIT: Duration = Duration::from_secs(30);
 /// 5 min; shorter here so that tests of crash loops finish).
 fn backoff(restarts: i32) -> Duration {
     Duration::from_secs(1u64 << restarts.clamp(0, 3)).min(Duration::from_secs(10))
+}
+
+/// Container mode: `c`'s image must be in the local image store; nothing is pulled.
+///
+/// Errors: [`Error::ImageNotPresent`] naming the image (`never` under `imagePullPolicy: Never`).
+async fn present_image(c: &Container) -> Result<(), Error> {
+    let image = c.image.clone().unwrap_or_default();
+    if container::image_present(&image).await? {
+        return Ok(());
+    }
+    Err(Error::ImageNotPresent {
+        never: c.image_pull_policy.as_deref() == Some("Never"),
+        image,
+    })
 }
 
 fn now() -> Time {
@@ -157,12 +172,14 @@ impl Worker {
             Ok(launches) => {
                 self.launches = launches.into_iter().map(Some).collect();
                 for i in 0..self.records.len() {
-                    self.spawn(i);
+                    self.spawn(i).await;
                 }
             }
             Err(e) => {
                 let reason = match e {
                     Error::UnknownImage { .. } | Error::MissingBinary { .. } => "ErrImagePull",
+                    Error::ImageNotPresent { never: true, .. } => "ErrImageNeverPull",
+                    Error::ImageNotPresent { .. } => "ImagePullBackOff",
                     _ => "CreateContainerConfigError",
                 };
                 tracing::warn!(pod = %self.key(), error = %e, "cannot start pod");
@@ -179,11 +196,17 @@ impl Worker {
 
     async fn prepare(&mut self) -> Result<Vec<Launch>, Error> {
         let spec = self.pod.spec.clone().unwrap_or_default();
-        let binaries = spec
-            .containers
-            .iter()
-            .map(|c| self.sh.cfg.images.resolve(c.image.as_deref().unwrap_or("")))
-            .collect::<Result<Vec<_>, _>>()?;
+        let podman = self.sh.cfg.runtime == Runtime::Podman;
+        let mut binaries = vec![];
+        for c in &spec.containers {
+            let image = c.image.as_deref().unwrap_or("");
+            binaries.push(if podman {
+                present_image(c).await?;
+                PathBuf::from("podman")
+            } else {
+                self.sh.cfg.images.resolve(image)?
+            });
+        }
         let want = gpus_requested(&self.pod);
         // The scheduler frees a deleted pod's GPUs as soon as its object is gone, which can be a
         // moment before this kubelet has reaped its processes: wait for them briefly, as the
@@ -221,11 +244,18 @@ impl Worker {
             volumes::materialize(&self.sh.client, &self.pod, &facts, &sources, &self.dir).await?;
 
         let mut extra = vec![];
+        let mut kubeconfig = vec![]; // container mode: mounted read-only at KUBECONFIG_PATH
         if spec.automount_service_account_token != Some(false) {
             let token = volumes::pod_token(&self.sh.client, &self.pod, None).await?;
             let kc = self.dir.join("kubeconfig");
             volumes::write_kubeconfig(&kc, &self.sh.cfg.api_server, &self.sh.cfg.ca_file, &token)?;
-            extra.push(("KUBECONFIG".to_owned(), kc.display().to_string()));
+            let seen_as = if podman {
+                kubeconfig.push((kc, container::KUBECONFIG_PATH.to_owned(), true));
+                container::KUBECONFIG_PATH.to_owned()
+            } else {
+                kc.display().to_string()
+            };
+            extra.push(("KUBECONFIG".to_owned(), seen_as));
         }
         if !self.gpus.is_empty() {
             let ids = self
@@ -242,29 +272,58 @@ impl Worker {
             .iter()
             .zip(binaries)
             .map(|(c, binary)| {
-                let mounts: Vec<(String, PathBuf)> = c
+                let mounts: Vec<Mount> = c
                     .volume_mounts
                     .iter()
                     .flatten()
                     .filter_map(|m| {
                         let dir = volume_dirs.get(&m.name)?;
                         let dir = m.sub_path.as_ref().map_or(dir.clone(), |s| dir.join(s));
-                        Some((m.mount_path.clone(), dir))
+                        Some((dir, m.mount_path.clone(), m.read_only == Some(true)))
                     })
                     .collect();
                 let env = spec::container_env(&self.pod, c, &facts, &sources, &extra)?;
-                let env: Vec<_> = env
-                    .into_iter()
-                    .map(|(k, v)| (k, spec::rewrite_path(&v, &mounts)))
-                    .collect();
-                let (program, args) = spec::command_line(c, &binary, &env, &mounts);
-                Ok(Launch {
-                    program,
-                    args,
+                let mut launch = Launch {
+                    program: binary,
+                    args: vec![],
                     env,
                     cwd: self.dir.clone(),
                     hostname: name.clone(),
-                })
+                    container: None,
+                };
+                if podman {
+                    let (entrypoint, args) = spec::command_args(c, &launch.env);
+                    launch.args = args;
+                    launch.container = Some(ContainerRun {
+                        image: c.image.clone().unwrap_or_default(),
+                        name: format!(
+                            "dpk-{}-{}",
+                            self.pod.metadata.uid.as_deref().unwrap_or(""),
+                            c.name
+                        ),
+                        root: self.sh.cfg.root.clone(),
+                        pidfile: self.dir.join(format!("{}.pid", c.name)),
+                        mounts: mounts.into_iter().chain(kubeconfig.clone()).collect(),
+                        entrypoint,
+                        user: container::user(
+                            spec.security_context.as_ref(),
+                            c.security_context.as_ref(),
+                        ),
+                        security: container::security_flags(c),
+                        nofile: container::nofile_limit(),
+                    });
+                } else {
+                    let mounts: Vec<(String, PathBuf)> = mounts
+                        .into_iter()
+                        .map(|(dir, path, _)| (path, dir))
+                        .collect();
+                    for (_, v) in &mut launch.env {
+                        *v = spec::rewrite_path(v, &mounts);
+                    }
+                    (launch.program, launch.args) =
+                        spec::command_line(c, &launch.program, &launch.env, &mounts);
+                }
+                Ok(launch)
             })
             .collect()
     }
@@ -305,8 +364,8 @@ impl Worker {
 
     /// Starts container `i`'s process, its output captured into the run's log file
     /// ([`logs::run_file`] of its restart count), and a task that reports its exit.
-    fn spawn(&mut self, i: usize) {
-        let Some(launch) = &self.launches[i] else {
+    async fn spawn(&mut self, i: usize) {
+        let Some(launch) = self.launches[i].clone() else {
             return;
         };
         let m = &self.pod.metadata;
@@ -315,13 +374,18 @@ impl Worker {
         let dir = logs::container_dir(&self.sh.cfg.root, &ns, &name, &uid, &self.records[i].name);
         let log = logs::run_file(&dir, self.records[i].restart_count);
         let started = logs::open_run(&log).and_then(|file| {
-            let mut child = process::spawn(launch, Stdio::piped(), Stdio::piped())?;
+            let mut child = process::spawn(&launch, Stdio::piped(), Stdio::piped())?;
             logs::capture(&mut child, file, &log, &self.sh.live_logs);
             Ok(child)
         });
+        let started = match started {
+            Ok(mut child) => process::main_pid(&launch, &mut child)
+                .await
+                .map(|pid| (child, pid)),
+            Err(e) => Err(e),
+        };
         match started {
-            Ok(mut child) => {
-                let pid = child.id().unwrap_or_default();
+            Ok((mut child, pid)) => {
                 self.records[i].state = RunState::Running {
                     started: now(),
                     pid,
@@ -535,7 +599,7 @@ impl Worker {
                         if self.restart_at[i].is_some_and(|t| t <= now) {
                             self.restart_at[i] = None;
                             self.records[i].restart_count += 1;
-                            self.spawn(i);
+                            self.spawn(i).await;
                         }
                     }
                     self.report().await;

@@ -268,6 +268,20 @@ pub fn rewrite_path(s: &str, mounts: &[(String, PathBuf)]) -> String {
     }
 }
 
+/// A container's `command` (none or empty: the image's entrypoint) and `args`, each
+/// `$(VAR)`-expanded against `env`. Returns (command, args).
+pub fn command_args(
+    container: &Container,
+    env: &[(String, String)],
+) -> (Option<Vec<String>>, Vec<String>) {
+    let vars: BTreeMap<String, String> = env.iter().cloned().collect();
+    let x = |l: &Option<Vec<String>>| -> Vec<String> {
+        l.iter().flatten().map(|s| expand(s, &vars)).collect()
+    };
+    let command = Some(x(&container.command)).filter(|c| !c.is_empty());
+    (command, x(&container.args))
+}
+
 /// The command line of a container: `command` (or the image's binary) followed by `args`, each
 /// `$(VAR)`-expanded against `env` and path-rewritten. Returns (program, arguments).
 pub fn command_line(
@@ -276,9 +290,9 @@ pub fn command_line(
     env: &[(String, String)],
     mounts: &[(String, PathBuf)],
 ) -> (PathBuf, Vec<String>) {
-    let vars: BTreeMap<String, String> = env.iter().cloned().collect();
-    let fix = |s: &String| rewrite_path(&expand(s, &vars), mounts);
-    let mut argv: Vec<String> = container.command.iter().flatten().map(fix).collect();
+    let fix = |s: String| rewrite_path(&s, mounts);
+    let (command, args) = command_args(container, env);
+    let mut argv: Vec<String> = command.into_iter().flatten().map(fix).collect();
     // The image *is* the binary: a command naming the image's program (or none) runs it.
     let program = if argv.is_empty() {
         binary.to_owned()
@@ -291,7 +305,7 @@ pub fn command_line(
             PathBuf::from(first)
         }
     };
-    argv.extend(container.args.iter().flatten().map(fix));
+    argv.extend(args.into_iter().map(fix));
     (program, argv)
 }
 

@@ -113,9 +113,12 @@ pub fn write_kubeconfig(
     ca_file: &Path,
     token: &str,
 ) -> Result<(), Error> {
+    // The CA inline, so that the file alone works wherever it is mounted (container mode).
+    let ca = std::fs::read(ca_file).map_err(io(ca_file))?;
+    let ca = serde_json::to_value(k8s_openapi::ByteString(ca)).expect("bytes serialize");
     let kc = serde_json::json!({
         "apiVersion": "v1", "kind": "Config", "current-context": "pod",
-        "clusters": [{"name": "local", "cluster": {"server": server, "certificate-authority": ca_file}}],
+        "clusters": [{"name": "local", "cluster": {"server": server, "certificate-authority-data": ca}}],
         "users": [{"name": "pod", "user": {"token": token}}],
         "contexts": [{"name": "pod", "context": {"cluster": "local", "user": "pod"}}],
     });
@@ -158,6 +161,11 @@ async fn volume_dir(
 ) -> Result<PathBuf, Error> {
     let own = pod_dir.join("volumes").join(&v.name);
     std::fs::create_dir_all(&own).map_err(io(&own))?;
+    if v.empty_dir.is_some() {
+        // World-writable, as the real kubelet makes it: a container's non-root user writes it.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&own, std::fs::Permissions::from_mode(0o777)).map_err(io(&own))?;
+    }
     if let Some(hp) = &v.host_path {
         let path = PathBuf::from(&hp.path);
         if hp.type_.as_deref() == Some("DirectoryOrCreate") {

@@ -13,6 +13,7 @@ use anyhow::{Context, Result, bail, ensure};
 use diphoma_contract::{MEMBERSHIP_KEY, Membership};
 use diphoma_e2e::cluster::{ControlPlane, TempNamespace};
 use diphoma_e2e::kit::{JobManifest, merge};
+pub use diphoma_e2e::kubelet::Runtime;
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::kubelet::{Kubelet, KubeletConfig};
 use diphoma_operator::api::{DiphomaJob, DiphomaJobStatus, Phase};
@@ -31,14 +32,17 @@ pub fn bin_dir() -> std::path::PathBuf {
         .to_owned()
 }
 
-/// Starts the process kubelet on `cp` with `nodes`; `diphoma-ghost` maps to a missing binary.
+/// Starts the process kubelet on `cp` with `nodes` and `runtime`; `diphoma-ghost` maps to a
+/// missing binary.
 pub async fn start_kubelet(
     cp: &ControlPlane,
     client: &Client,
     nodes: Vec<NodeConfig>,
+    runtime: Runtime,
 ) -> Result<Kubelet> {
     let mut cfg =
         KubeletConfig::from_kubeconfig(&cp.kubeconfig, nodes, &bin_dir(), cp.kubelet_root())?;
+    cfg.runtime = runtime;
     cfg.images
         .insert("diphoma-ghost", "/nonexistent/diphoma-ghost".into());
     Ok(Kubelet::start(client.clone(), cfg).await?)
@@ -233,15 +237,18 @@ pub struct Ctx {
     pub kubelet: Kubelet,
     pub cp: ControlPlane,
     pub mode: OperatorMode,
+    pub runtime: Runtime,
     operator: Mutex<Option<(oneshot::Sender<()>, tokio::task::JoinHandle<()>)>>,
 }
 
 impl Ctx {
-    /// Starts the control plane and the kubelet with `nodes`, then the operator per `mode`.
+    /// Starts the control plane and the kubelet with `nodes` and `runtime`, then the operator per
+    /// `mode` (in container mode the chart runs the images of `images/build.sh debug`).
     pub fn start(
         rt: &tokio::runtime::Runtime,
         nodes: Vec<NodeConfig>,
         mode: OperatorMode,
+        runtime: Runtime,
     ) -> Result<Arc<Ctx>> {
         let cp = ControlPlane::start()?;
         if mode == OperatorMode::InProcess {
@@ -249,12 +256,13 @@ impl Ctx {
         }
         rt.block_on(async {
             let client = cp.client().await?;
-            let kubelet = start_kubelet(&cp, &client, nodes).await?;
+            let kubelet = start_kubelet(&cp, &client, nodes, runtime).await?;
             let ctx = Arc::new(Ctx {
                 client,
                 kubelet,
                 cp,
                 mode,
+                runtime,
                 operator: Mutex::new(None),
             });
             match mode {
@@ -273,9 +281,14 @@ impl Ctx {
         let path = std::env::var_os("PATH").unwrap_or_default();
         let mut dirs = vec![self.cp.bin_dir.clone()];
         dirs.extend(std::env::split_paths(&path));
+        let images: &[&str] = match self.runtime {
+            Runtime::Process => &[],
+            Runtime::Podman => &LOCAL_IMAGES,
+        };
         run_ok(
             std::process::Command::new("bash")
                 .arg(repo_root().join("e2e/cluster/install-operator.sh"))
+                .args(images)
                 .env("KUBECONFIG", &self.cp.kubeconfig)
                 .env("PATH", std::env::join_paths(dirs)?),
         )
@@ -319,9 +332,26 @@ impl Ctx {
     }
 }
 
-/// Runs a binary's tests one at a time on a cluster of `nodes` with the operator per `mode`,
-/// then tears everything down (also when tests fail).
+/// The chart's values that run the images of the local image store (`make images`).
+pub const LOCAL_IMAGES: [&str; 3] = [
+    "--set=image.repository=localhost/diphoma-operator",
+    "--set=image.pullPolicy=Never",
+    "--set=helmTest.image.repository=localhost/diphoma-probe",
+];
+
+/// Runs a binary's tests one at a time on a cluster of `nodes` (process mode) with the operator
+/// per `mode`, then tears everything down (also when tests fail).
 pub fn run_tests(
+    nodes: Vec<NodeConfig>,
+    mode: OperatorMode,
+    list: Vec<(&'static str, TestFn<Ctx>)>,
+) -> Result<()> {
+    run_tests_in(Runtime::Process, nodes, mode, list)
+}
+
+/// [`run_tests`] with the kubelet's `containers` runtime.
+pub fn run_tests_in(
+    containers: Runtime,
     nodes: Vec<NodeConfig>,
     mode: OperatorMode,
     list: Vec<(&'static str, TestFn<Ctx>)>,
@@ -334,7 +364,7 @@ pub fn run_tests(
         .init();
     let args = sequential_args();
     let rt = runtime()?;
-    let ctx = Ctx::start(&rt, nodes, mode)?;
+    let ctx = Ctx::start(&rt, nodes, mode, containers)?;
     let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
     let conclusion = libtest_mimic::run(&args, trials);
     ctx.shutdown(&rt)?;
