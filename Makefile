@@ -5,8 +5,10 @@ CLUSTER_DIR ?= $(CURDIR)/.local/cluster
 NODES ?= 4
 GPUS ?= 8
 CARGO ?= cargo
+# How the local kubelet runs pods: process (fast) or podman (containers of the local images).
+RUNTIME ?= process
 
-.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair cluster-up cluster-down demo wheel test-python
+.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair cluster-up cluster-down demo wheel test-python images
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -50,11 +52,16 @@ bench: deps ## allreduce benchmark side by side with gloo and Open MPI (prints t
 bench-repair: tools build ## ring repair on the local control plane: time-to-repair, node-loss detection, join time, repeated steps (median/min/max of 5 runs)
 	DIPHOMA_K8S_BIN="$$(bash e2e/cluster/build-bins.sh)" target/debug/diphoma-repair-bench --runs 5
 
-cluster-up: tools build ## start the control plane and the process kubelet; writes .local/cluster/env
-	@bash e2e/cluster/cluster-up.sh "$(CLUSTER_DIR)" $(NODES) $(GPUS)
+images: deps ## build the release binaries and the images (operator, worker, probe) into the local image store, tagged with the chart's appVersion
+	$(CARGO) build --release --locked -p diphoma-operator -p diphoma-worker -p diphoma-e2e --bin diphoma-operator --bin diphoma-worker --bin diphoma-probe
+	bash images/build.sh release
+
+cluster-up: tools build ## start the control plane and the local kubelet (RUNTIME=process or podman); writes .local/cluster/env
+	@bash e2e/cluster/cluster-up.sh "$(CLUSTER_DIR)" $(NODES) $(GPUS) $(RUNTIME)
 
 cluster-down: ## stop what cluster-up started
 	@bash e2e/cluster/stop.sh "$(CLUSTER_DIR)"
 
-demo: cluster-up ## helm install the operator, train the digits example through a kill -9 to Succeeded, then tear down (KEEP=1 keeps it)
+demo: RUNTIME = podman
+demo: cluster-up ## from the images: helm install the operator, train the digits example through a kill -9 to Succeeded, then tear down (KEEP=1 keeps it)
 	@bash e2e/cluster/demo.sh "$(CLUSTER_DIR)"; rc=$$?; [[ -n "$(KEEP)" ]] || bash e2e/cluster/stop.sh "$(CLUSTER_DIR)"; exit $$rc

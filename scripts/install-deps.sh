@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # install-deps.sh — installs what the build, the tests and the demo need on a fresh Debian machine
-# (root or sudo): Debian packages for the control-plane scripts, and a Rust toolchain check.
+# (root or sudo): Debian packages for the control-plane scripts and the images, and a Rust
+# toolchain check.
 # Go builds of Kubernetes, etcd and helm are done by e2e/cluster/build-bins.sh (cached).
 set -euo pipefail
 need=()
-for cmd_pkg in curl:curl openssl:openssl python3:python3 git:git cc:gcc; do
+# buildah, podman, runc and mmdebstrap: the images and the kubelet's container mode (no daemon).
+for cmd_pkg in curl:curl openssl:openssl python3:python3 git:git cc:gcc buildah:buildah \
+  podman:podman runc:runc mmdebstrap:mmdebstrap; do
   command -v "${cmd_pkg%%:*}" >/dev/null 2>&1 || need+=("${cmd_pkg#*:}")
 done
 if ((${#need[@]})); then

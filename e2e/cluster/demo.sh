@@ -3,7 +3,8 @@
 # apply manifests/examples/digits.yaml (4 GPU workers, elastic 2–6, checkpoints), stream the job's
 # progress, kill -9 one worker mid-training and show the ring re-formed at a new generation
 # (survivors keep their processes, a replacement joins), wait for Succeeded and print the test
-# accuracy; then run the allreduce benchmark as a 4-GPU pod.
+# accuracy; then run the allreduce benchmark as a 4-GPU pod. With DIPHOMA_RUNTIME=podman (what
+# `make demo` starts) the operator and the workers run as containers of the local images.
 set -euo pipefail
 D=${1:?usage: $0 DIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -29,19 +30,32 @@ follow() { # what timeout_s cond
   echo "timed out waiting for $what" >&2; kubectl -n "$ns" get dpj,pods -o wide >&2; return 1
 }
 
-step "GPU nodes of the process kubelet"
+step "GPU nodes of the local kubelet"
 kubectl get nodes -L nvidia.com/gpu.product,nvidia.com/gpu.count
 
+# Container mode: the images of the local store (images/build.sh), never pulled.
+images=(); image_of() { echo "$1"; }
+if [[ "${DIPHOMA_RUNTIME:-process}" == podman ]]; then
+  # shellcheck source=images/env.sh
+  source "$ROOT/images/env.sh"
+  images=(--set image.repository=localhost/diphoma-operator --set image.pullPolicy=Never
+    --set helmTest.image.repository=localhost/diphoma-probe)
+  image_of() { echo "localhost/${1##*/}"; }
+  step "the images, in the local image store"
+  podman images --filter "reference=localhost/diphoma-*:$(diphoma_image_version)"
+fi
+
 step "helm install the operator (namespace $op_ns enforces Pod Security 'restricted')"
-bash "$ROOT/e2e/cluster/install-operator.sh"
-kubectl -n "$op_ns" get deploy,pods -o wide
+bash "$ROOT/e2e/cluster/install-operator.sh" "${images[@]}"
+kubectl -n "$op_ns" get pods -o custom-columns='NAME:.metadata.name,STATUS:.status.phase,IMAGE:.spec.containers[0].image,CONTAINER:.status.containerStatuses[0].containerID'
 
 step "apply manifests/examples/digits.yaml"
 kubectl create namespace "$ns" >/dev/null
 kubectl -n "$ns" wait --for=create serviceaccount/default --timeout=60s >/dev/null
 # The local cluster has no storage provisioner: a hostPath PersistentVolume, bound to the
 # example's claim, holds the checkpoints (a real cluster's StorageClass provides one).
-mkdir -p "$D/volumes/digits-checkpoints"
+# (World-writable, as local-path-provisioner makes its directories: the worker image runs as 65532.)
+mkdir -p -m 0777 "$D/volumes/digits-checkpoints"
 kubectl apply -f - >/dev/null <<YAML
 apiVersion: v1
 kind: PersistentVolume
@@ -53,14 +67,16 @@ spec:
   hostPath: {path: $D/volumes/digits-checkpoints}
   claimRef: {namespace: $ns, name: digits-checkpoints}
 YAML
-kubectl -n "$ns" apply -f "$ROOT/manifests/examples/digits.yaml"
+worker_image=$(image_of ghcr.io/diphoma/diphoma-worker:0.1.0)
+sed "s#image: ghcr.io/diphoma/diphoma-worker:0.1.0#image: $worker_image#" "$ROOT/manifests/examples/digits.yaml" |
+  kubectl -n "$ns" apply -f -
 follow "the first ring" 120 '[[ $phase == Running && ${step:-0} =~ ^[0-9]+$ && $step -ge 1 ]]'
 kubectl -n "$ns" get pods -o wide
 echo "ring membership (generation $(field .status.ring.generation)):"
 kubectl -n "$ns" get configmap digits-ring -o jsonpath='{.data.membership\.json}'; echo
 follow "step 600" 180 '[[ ${step:-0} =~ ^[0-9]+$ && $step -ge 600 ]]'
 
-step "kill -9 the process of worker 1 mid-training"
+step "kill -9 the process of worker 1 mid-training (its container's main process)"
 pid=$(kubectl -n "$ns" get pod digits-worker-1 -o jsonpath='{.status.containerStatuses[0].containerID}')
 survivor=$(kubectl -n "$ns" get pod digits-worker-0 -o jsonpath='{.status.containerStatuses[0].containerID}')
 kill -9 "${pid#process://}"
@@ -82,7 +98,7 @@ echo "checkpoints: $(ls "$D/volumes/digits-checkpoints" | tr '\n' ' ')"
 kubectl -n "$ns" get events --field-selector involvedObject.kind=DiphomaJob -o custom-columns=REASON:.reason,MESSAGE:.message | tail -8
 
 step "the allreduce runtime: a benchmark pod with 4 GPUs (4 ranks)"
-kubectl -n "$ns" apply -f - >/dev/null <<'YAML'
+kubectl -n "$ns" apply -f - >/dev/null <<YAML
 apiVersion: v1
 kind: Pod
 metadata: {name: allreduce-bench}
@@ -90,7 +106,7 @@ spec:
   restartPolicy: Never
   containers:
   - name: bench
-    image: diphoma-worker:dev
+    image: $worker_image
     args: [bench, --world, "4", --sizes, "1K,64K,1M", --samples, "5"]
     resources: {limits: {nvidia.com/gpu: "4"}}
 YAML
