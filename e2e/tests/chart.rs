@@ -380,12 +380,7 @@ async fn users_bound_to_edit_and_view_get_diphomajobs_through_aggregation(
 async fn helm_test_finds_the_operator_answering(ctx: Arc<Ctx>, _ns: String) -> Result<()> {
     // The probe exits 0 only when some operator pod answered and both /healthz and /readyz
     // answered 200 on every one (diphoma-probe --pods). No `--logs`: the passed Pod is deleted.
-    let out =
-        run_ok(
-            ctx.cp
-                .helm()
-                .args(["test", RELEASE, "-n", OPERATOR_NS, "--timeout", "120s"]),
-        )?;
+    let out = helm_test(&ctx)?;
     ensure!(
         out.contains("diphoma-operator-test") && out.contains("Succeeded"),
         "helm test: {out}"

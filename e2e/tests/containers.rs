@@ -56,12 +56,7 @@ fn main() -> Result<()> {
 }
 
 async fn helm_test_reaches_the_operator_container(ctx: Arc<Ctx>, _ns: String) -> Result<()> {
-    let out =
-        run_ok(
-            ctx.cp
-                .helm()
-                .args(["test", RELEASE, "-n", OPERATOR_NS, "--timeout", "120s"]),
-        )?;
+    let out = helm_test(&ctx)?;
     ensure!(out.contains("Succeeded"), "helm test: {out}");
     let op = operator_pods(&ctx.client).await?;
     let image = op

@@ -332,6 +332,15 @@ impl Ctx {
     }
 }
 
+/// `helm test` of the chart's release (the probe pod calling every operator pod); its output.
+pub fn helm_test(ctx: &Ctx) -> Result<String> {
+    run_ok(
+        ctx.cp
+            .helm()
+            .args(["test", RELEASE, "-n", OPERATOR_NS, "--timeout", "120s"]),
+    )
+}
+
 /// The chart's values that run the images of the local image store (`make images`).
 pub const LOCAL_IMAGES: [&str; 3] = [
     "--set=image.repository=localhost/diphoma-operator",
