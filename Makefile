@@ -8,7 +8,7 @@ CARGO ?= cargo
 # How the local kubelet runs pods: process (fast) or podman (containers of the local images).
 RUNTIME ?= process
 
-.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair cluster-up cluster-down demo wheel test-python images
+.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair cluster-up cluster-down demo wheel test-python images image-pytorch
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -55,6 +55,9 @@ bench-repair: tools build ## ring repair on the local control plane: time-to-rep
 images: deps ## build the release binaries and the images (operator, worker, probe) into the local image store, tagged with the chart's appVersion
 	$(CARGO) build --release --locked -p diphoma-operator -p diphoma-worker -p diphoma-e2e --bin diphoma-operator --bin diphoma-worker --bin diphoma-probe
 	bash images/build.sh release
+
+image-pytorch: deps wheel ## build the PyTorch worker image (Python, torch from PyPI, the diphoma wheel) into the local image store: several GB, not part of make test
+	bash images/build-pytorch.sh
 
 cluster-up: tools build ## start the control plane and the local kubelet (RUNTIME=process or podman); writes .local/cluster/env
 	@bash e2e/cluster/cluster-up.sh "$(CLUSTER_DIR)" $(NODES) $(GPUS) $(RUNTIME)

@@ -1,11 +1,31 @@
-# Sourced by the image scripts: the local image store's settings. Root and no daemon; the vfs
-# storage driver (no overlay mounts needed), runc with cgroupfs (crun raises RLIMIT_NOFILE above
-# the hard limit and refuses the hybrid cgroup layout of these machines).
+# Sourced by the image scripts: the local image store's settings and the two steps every local
+# build shares. Root and no daemon; the vfs storage driver (no overlay mounts needed), runc with
+# cgroupfs and explicit ulimits (crun raises RLIMIT_NOFILE above the hard limit and refuses the
+# hybrid cgroup layout of these machines).
 podman() { command podman --storage-driver vfs "$@"; }
 buildah() { command buildah --storage-driver vfs "$@"; }
-# The flags every `podman run` here needs (see above).
-PODMAN_RUN_FLAGS=(--runtime runc --cgroup-manager cgroupfs)
+
 # The chart's appVersion: the tag of every image.
 diphoma_image_version() {
   sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$(dirname "${BASH_SOURCE[0]}")/../charts/diphoma-operator/Chart.yaml"
+}
+
+# ensure_base IMAGE VARIANT PACKAGES — a Debian bookworm root filesystem with PACKAGES (comma
+# separated; mmdebstrap VARIANT: extract unpacks only, apt also configures), imported as IMAGE
+# once. The local stand-in for a base image, as no image registry is reachable here.
+ensure_base() {
+  podman image exists "$1" && return 0
+  local tar; tar=$(mktemp --suffix=.tar)
+  mmdebstrap --quiet --variant="$2" --include="$3" bookworm "$tar" && podman import --quiet "$tar" "$1" >/dev/null
+  local rc=$?; rm -f "$tar"; return $rc
+}
+
+# build_image NAME CONTAINERFILE CONTEXT [BUILDAH ARGS...] — builds localhost/NAME:VERSION (nothing
+# pulled) and prints its name, size and build seconds.
+build_image() {
+  local ref start=$SECONDS; ref=localhost/$1:$(diphoma_image_version)
+  buildah bud --quiet --pull=never --layers=false --runtime=runc --ulimit=nofile=20000:20000 \
+    --ulimit=nproc=32768:32768 -t "$ref" -f "$2" "${@:4}" "$3" >/dev/null || return 1
+  buildah rmi --prune >/dev/null 2>&1 || true   # the intermediate stages
+  printf '%s\t%s MB\t%s s\n' "$ref" "$(($(podman image inspect --format '{{.Size}}' "$ref") / 1000000))" "$((SECONDS - start))"
 }
