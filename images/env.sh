@@ -21,11 +21,16 @@ ensure_base() {
 }
 
 # build_image NAME CONTAINERFILE CONTEXT [BUILDAH ARGS...] — builds localhost/NAME:VERSION (nothing
-# pulled) and prints its name, size and build seconds.
+# pulled) and prints its name, size and build seconds. The working containers that buildah keeps
+# for the intermediate stages of this build are removed, and the untagged images they leave.
 build_image() {
-  local ref start=$SECONDS; ref=localhost/$1:$(diphoma_image_version)
+  local ref before start=$SECONDS; ref=localhost/$1:$(diphoma_image_version)
+  before=$(buildah containers --quiet | sort)
   buildah bud --quiet --pull=never --layers=false --runtime=runc --ulimit=nofile=20000:20000 \
     --ulimit=nproc=32768:32768 -t "$ref" -f "$2" "${@:4}" "$3" >/dev/null || return 1
-  buildah rmi --prune >/dev/null 2>&1 || true   # the intermediate stages
+  for c in $(comm -13 <(echo "$before") <(buildah containers --quiet | sort)); do
+    buildah rm "$c" >/dev/null
+  done
+  buildah rmi --prune >/dev/null 2>&1 || true
   printf '%s\t%s MB\t%s s\n' "$ref" "$(($(podman image inspect --format '{{.Size}}' "$ref") / 1000000))" "$((SECONDS - start))"
 }
