@@ -52,7 +52,8 @@ fn main() -> Result<()> {
     )
 }
 
-/// Detection time of every job here; the workers' collective timeout is below half of it.
+/// Detection time of every job here (unless a test sets its own): the workers probe a silent peer
+/// after a quarter of it and blame it after half; their `--op-timeout-s 1` bounds connects.
 const DETECTION_SECONDS: u64 = 4;
 
 /// A digits training job `name` of `replicas` real workers (one GPU each) for `steps` steps,
