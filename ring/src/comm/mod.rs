@@ -62,7 +62,7 @@ pub struct Config {
     /// that does not is blamed with [`CommError::Timeout`] naming its rank. So a step may take
     /// as long as it takes, a hung peer is blamed within twice this window, and a new
     /// generation still aborts the wait at once. Peers must run a
-    /// [`liveness::Responder`](crate::liveness::Responder) at their ring address (UDP). `None`
+    /// [`liveness::Responder`] at their ring address (UDP). `None`
     /// (the default): each collective is bounded by `timeout`.
     pub liveness: Option<Duration>,
     /// How long a collective busy-polls its sockets before sleeping in `poll(2)`. Spinning cuts
