@@ -12,6 +12,10 @@
 //!    [`ENV_RING_PORT`] at [`ENV_POD_IP`], and connects to its peers with the per-job key read
 //!    from the file at [`ENV_KEY_FILE`] (a Secret volume; the file holds at least
 //!    [`MIN_KEY_LEN`] raw bytes, used as the HMAC-SHA256 key).
+//! 3. The worker answers liveness pings on UDP at the same address and port as its ring
+//!    listener (the ring crate's `liveness` module), from the start of its process: a peer
+//!    whose collective waits on it asks whether the process is alive before blaming it. Both
+//!    windows follow [`ENV_DETECTION_SECONDS`].
 //!
 //! # Layout
 //!
@@ -50,6 +54,11 @@ pub const ENV_RING_PORT: &str = "DIPHOMA_RING_PORT";
 pub const ENV_KEY_FILE: &str = "DIPHOMA_KEY_FILE";
 /// Env: name of the ConfigMap holding the ring membership.
 pub const ENV_MEMBERSHIP: &str = "DIPHOMA_MEMBERSHIP";
+/// Env: the job's `faultTolerance.detectionSeconds`, a positive whole number of seconds: a
+/// silent worker must be blamed within it, a slow one never. The ring derives from it how long
+/// a collective waits on a silent peer before probing its liveness, and how long the probe
+/// waits for an answer.
+pub const ENV_DETECTION_SECONDS: &str = "DIPHOMA_DETECTION_SECONDS";
 /// Env: directory of the checkpoints (the mount path of `spec.checkpoint.volume`); unset: none.
 pub const ENV_CHECKPOINT_DIR: &str = "DIPHOMA_CHECKPOINT_DIR";
 /// Env: steps between two checkpoints (`spec.checkpoint.everySteps`).
@@ -59,6 +68,8 @@ pub const ENV_CHECKPOINT_EVERY: &str = "DIPHOMA_CHECKPOINT_EVERY";
 pub const DEFAULT_RING_PORT: u16 = 29500;
 /// Name of the ring port on the worker container.
 pub const RING_PORT_NAME: &str = "ring";
+/// Name of the liveness port on the worker container: UDP, the ring port's number.
+pub const LIVENESS_PORT_NAME: &str = "liveness";
 
 /// Default TCP port of the worker's `/metrics` endpoint (on the pod IP).
 pub const DEFAULT_METRICS_PORT: u16 = 9400;

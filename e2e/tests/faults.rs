@@ -1,7 +1,7 @@
 //! The fault catalogue with real `diphoma-worker train` workers (the digits MLP) under the
 //! operator installed by its Helm chart (a pod under the chart's RBAC) on the local control plane:
 //! the happy path, kill -9 against an undisturbed run, a pod deleted and a pod evicted, a hung
-//! (SIGSTOPped) worker, an unschedulable scale-up, a non-retryable exit, a crash loop, suspend and
+//! (SIGSTOPped) worker, a slow rank that is not a hung one, an unschedulable scale-up, a non-retryable exit, a crash loop, suspend and
 //! resume, activeDeadlineSeconds, ttlSecondsAfterFinished, the loss of every worker at once, and
 //! the operator's own process killed mid-job.
 
@@ -37,6 +37,7 @@ fn main() -> Result<()> {
             a_killed_worker_changes_nothing_in_the_final_parameters,
             deleted_and_evicted_pods_are_counted_with_their_cause,
             a_hung_worker_is_detected_and_replaced,
+            a_slow_rank_is_waited_for_and_never_counted_hung,
             an_unschedulable_scale_up_keeps_training_and_names_the_short_resource,
             a_non_retryable_exit_fails_the_job,
             a_crash_loop_spends_the_backoff_limit_and_stays_failed,
@@ -51,7 +52,8 @@ fn main() -> Result<()> {
     )
 }
 
-/// Detection time of every job here; the workers' collective timeout is below half of it.
+/// Detection time of every job here (unless a test sets its own): the workers probe a silent peer
+/// after a quarter of it and blame it after half; their `--op-timeout-s 1` bounds connects.
 const DETECTION_SECONDS: u64 = 4;
 
 /// A digits training job `name` of `replicas` real workers (one GPU each) for `steps` steps,
@@ -503,6 +505,44 @@ async fn a_hung_worker_is_detected_and_replaced(ctx: Arc<Ctx>, ns: String) -> Re
         "{:?}",
         st.repairs
     );
+    Ok(())
+}
+
+/// Slow is not hung: rank 0's steps take three times detectionSeconds longer than its peers'
+/// (as a slow GPU, a data-loading stall or a large checkpoint would). Its neighbours wait for it
+/// (its process answers their liveness probes): nothing is counted and the ring keeps its first
+/// generation. Then a peer is killed while rank 0 is in a slow step: rank 0 reaches the new
+/// generation a slow step late, catching up, and is not counted; only the kill is.
+async fn a_slow_rank_is_waited_for_and_never_counted_hung(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    const DETECTION: u64 = 2;
+    let mut job = JobManifest {
+        detection_seconds: Some(DETECTION),
+        ..JobManifest::training("digits", 3, 10, 1)
+    };
+    let delay_ms = (DETECTION * 3000).to_string();
+    job.args.extend([
+        "--step-delay-ms".into(),
+        delay_ms,
+        "--step-delay-rank=0".into(),
+    ]);
+    let g1 = start_job(&ctx, &ns, &job, 3).await?;
+    let st = progress_until(&ctx, &ns, "digits", "three slow steps", |p| p.step >= 3).await?;
+    ensure!(
+        st.failures.total == 0 && st.ring.as_ref().map(|r| r.generation) == Some(1),
+        "a slow rank was counted: {:?}, ring {:?}",
+        st.failures,
+        st.ring
+    );
+    // Rank 0 is in a slow step nearly all the time: kill another member now.
+    let victim = pid_of(&pods(&ctx, &ns).get(&g1.members[2].pod).await?)?;
+    signal(victim, libc::SIGKILL);
+    let st = succeeded(&ctx, &ns, "digits", 240).await?;
+    ensure!(
+        st.failures.total == 1 && st.failures.by_cause.get("ProcessExit") == Some(&1),
+        "only the kill counts: {:?}",
+        st.failures
+    );
+    kept_their_process(&ctx, &ns, &[&g1.members[0].pod]).await?;
     Ok(())
 }
 

@@ -195,6 +195,10 @@ fn worker_container(job: &DiphomaJob, c: &mut Container) {
         value(ENV_RING_PORT, spec.ring_port.to_string()),
         value(ENV_KEY_FILE, format!("{KEY_MOUNT_DIR}/{KEY_FILE_NAME}")),
         value(ENV_MEMBERSHIP, contract::membership_configmap_name(&name)),
+        value(
+            contract::ENV_DETECTION_SECONDS,
+            spec.fault_tolerance.detection_seconds.to_string(),
+        ),
     ];
     let mut contract_env = contract_env.to_vec();
     if spec.gpus_per_worker == 0 {
@@ -205,17 +209,19 @@ fn worker_container(job: &DiphomaJob, c: &mut Container) {
     let env = c.env.get_or_insert_default();
     env.retain(|e| !contract_env.iter().any(|n| n.name == e.name));
     env.extend(contract_env);
-    let port = |n: &str, p: i32| ContainerPort {
+    let port = |n: &str, p: i32, protocol: &str| ContainerPort {
         name: Some(n.into()),
         container_port: p,
-        protocol: Some("TCP".into()),
+        protocol: Some(protocol.into()),
         ..Default::default()
     };
     c.ports.get_or_insert_default().extend([
-        port(contract::RING_PORT_NAME, spec.ring_port),
+        port(contract::RING_PORT_NAME, spec.ring_port, "TCP"),
+        port(contract::LIVENESS_PORT_NAME, spec.ring_port, "UDP"),
         port(
             contract::METRICS_PORT_NAME,
             contract::DEFAULT_METRICS_PORT.into(),
+            "TCP",
         ),
     ]);
     let mounts = c.volume_mounts.get_or_insert_default();
@@ -331,15 +337,16 @@ pub fn service(job: &DiphomaJob) -> Service {
 }
 
 /// The job's NetworkPolicy (created when the operator runs with `--network-policy`): the ring
-/// port of its workers accepts only this job's workers; the metrics port stays open to scrapers.
+/// port of its workers (TCP, and UDP for liveness pings) accepts only this job's workers; the
+/// metrics port stays open to scrapers.
 /// Other ingress to the workers is denied (the policy selects them).
 pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
     let workers = LabelSelector {
         match_labels: Some(BTreeMap::from([(LABEL_JOB_NAME.into(), job.name_any())])),
         ..Default::default()
     };
-    let tcp = |port: i32| NetworkPolicyPort {
-        protocol: Some("TCP".into()),
+    let on = |protocol: &str, port: i32| NetworkPolicyPort {
+        protocol: Some(protocol.into()),
         port: Some(IntOrString::Int(port)),
         ..Default::default()
     };
@@ -354,11 +361,14 @@ pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
                         pod_selector: Some(workers),
                         ..Default::default()
                     }]),
-                    ports: Some(vec![tcp(job.spec.ring_port)]),
+                    ports: Some(vec![
+                        on("TCP", job.spec.ring_port),
+                        on("UDP", job.spec.ring_port),
+                    ]),
                 },
                 NetworkPolicyIngressRule {
                     from: None,
-                    ports: Some(vec![tcp(contract::DEFAULT_METRICS_PORT.into())]),
+                    ports: Some(vec![on("TCP", contract::DEFAULT_METRICS_PORT.into())]),
                 },
             ]),
             ..Default::default()
@@ -580,10 +590,17 @@ pub(crate) mod tests {
             ENV_RING_PORT,
             ENV_KEY_FILE,
             ENV_MEMBERSHIP,
+            contract::ENV_DETECTION_SECONDS,
         ] {
             assert!(env.contains(&n), "{n} missing from {env:?}");
         }
-        assert_eq!(c.ports.as_ref().unwrap()[0].container_port, 29500);
+        let ports = c.ports.as_ref().unwrap();
+        assert_eq!(ports[0].container_port, 29500);
+        assert_eq!(
+            (ports[1].container_port, ports[1].protocol.as_deref()),
+            (29500, Some("UDP")),
+            "liveness pings on the ring port's number"
+        );
         assert!(
             c.volume_mounts
                 .as_ref()
@@ -642,8 +659,18 @@ pub(crate) mod tests {
         assert_eq!(from.len(), 1);
         assert_eq!(from[0].pod_selector.as_ref().unwrap().match_labels, own);
         assert!(from[0].namespace_selector.is_none(), "same namespace only");
-        let port = &ring.ports.as_ref().unwrap()[0].port;
-        assert_eq!(port, &Some(IntOrString::Int(basic().spec.ring_port)));
+        let ports: Vec<_> = ring
+            .ports
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|p| (p.protocol.as_deref(), p.port.clone()))
+            .collect();
+        let ring_port = Some(IntOrString::Int(basic().spec.ring_port));
+        assert_eq!(
+            ports,
+            [(Some("TCP"), ring_port.clone()), (Some("UDP"), ring_port)]
+        );
         assert!(rules[1].from.is_none(), "metrics open to scrapers");
     }
 

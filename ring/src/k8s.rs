@@ -7,12 +7,15 @@
 //! collective in flight (so a ring stuck on a hung peer moves on as soon as the operator has
 //! re-formed it). Rank 0 patches its [`ProgressReport`] into `<job>-heartbeat` every
 //! [`PROGRESS_EVERY`]; a member whose collective fails patches one [`FailureReport`] under
-//! `report.<pod>`. Nothing is written per worker per step.
+//! `report.<pod>`. Nothing is written per worker per step. From its start, the process answers
+//! liveness pings ([`crate::liveness::Responder`]) on UDP at its ring address, and every
+//! generation it joins probes silent peers ([`Config::liveness`]) with [`liveness_window`] of
+//! the job's `detectionSeconds`: a slow or catching-up peer is waited for, a silent one blamed.
 //!
 //! It must not train or record metrics: the worker wraps it (its `metrics::Metered`) and serves
 //! `/metrics` on [`KubeRing::handle`].
 
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
@@ -24,22 +27,32 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 
 use diphoma_contract::{
-    self as contract, ENV_JOB_NAME, ENV_JOB_UID, ENV_KEY_FILE, ENV_MEMBERSHIP, ENV_NAMESPACE,
-    ENV_POD_IP, ENV_POD_NAME, ENV_RING_PORT, FailureReport, MEMBERSHIP_KEY, Membership,
-    ProgressReport,
+    self as contract, ENV_DETECTION_SECONDS, ENV_JOB_NAME, ENV_JOB_UID, ENV_KEY_FILE,
+    ENV_MEMBERSHIP, ENV_NAMESPACE, ENV_POD_IP, ENV_POD_NAME, ENV_RING_PORT, FailureReport,
+    MEMBERSHIP_KEY, Membership, ProgressReport,
 };
 
+use crate::liveness::Responder;
 use crate::source::{Control, Generation, Progress, RingSource};
 use crate::{AbortHandle, CommError, Config};
 
 /// How often rank 0 writes its progress record.
 pub const PROGRESS_EVERY: Duration = Duration::from_secs(5);
-/// Default bound on each collective in Kubernetes mode: below half the default
-/// `detectionSeconds` (10 s), so a hung peer is reported in time.
+/// Default bound on each connect in Kubernetes mode (a connect that times out blames nobody: the
+/// member re-joins). Collectives are not bounded by it: see [`liveness_window`].
 pub const OP_TIMEOUT: Duration = Duration::from_secs(4);
 /// How long a member whose collective failed waits for a newer generation before it re-joins
 /// the newest one it knows (which may be the same generation, re-formed).
 pub const REJOIN_WAIT: Duration = Duration::from_secs(1);
+
+/// The liveness window of a job whose `faultTolerance.detectionSeconds` is `detection`: a
+/// collective probes a peer it has waited on this long, and blames it when the probe gets no
+/// answer within this long again ([`Config::liveness`]). A quarter, so that a hung peer is
+/// reported within half of `detection`, and the operator's wait of another half for the other
+/// reports (its `silent_members`) still ends within `detection`.
+pub fn liveness_window(detection: Duration) -> Duration {
+    detection / 4
+}
 
 /// The contract's environment, parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,6 +73,8 @@ pub struct WorkerEnv {
     pub key_file: PathBuf,
     /// `DIPHOMA_MEMBERSHIP`: name of the ring ConfigMap.
     pub membership: String,
+    /// `DIPHOMA_DETECTION_SECONDS` (whole seconds, at least 1).
+    pub detection: Duration,
 }
 
 /// A missing or malformed contract variable; the message names it.
@@ -92,6 +107,7 @@ impl WorkerEnv {
         let invalid = |var: &'static str, problem: String| EnvError::Invalid { var, problem };
         let ip = req(ENV_POD_IP)?;
         let port = req(ENV_RING_PORT)?;
+        let detection = req(ENV_DETECTION_SECONDS)?;
         Ok(WorkerEnv {
             job_name: req(ENV_JOB_NAME)?,
             job_uid: req(ENV_JOB_UID)?,
@@ -109,6 +125,18 @@ impl WorkerEnv {
                 .ok_or_else(|| invalid(ENV_RING_PORT, format!("{port:?} is not a port 1-65535")))?,
             key_file: req(ENV_KEY_FILE)?.into(),
             membership: req(ENV_MEMBERSHIP)?,
+            detection: detection
+                .trim()
+                .parse::<u64>()
+                .ok()
+                .filter(|&s| s > 0)
+                .map(Duration::from_secs)
+                .ok_or_else(|| {
+                    invalid(
+                        ENV_DETECTION_SECONDS,
+                        format!("{detection:?} is not a positive number of seconds"),
+                    )
+                })?,
         })
     }
 
@@ -176,6 +204,8 @@ pub struct KubeRing {
     removed: bool,
     reported: Option<u64>,
     op_timeout: Duration,
+    /// Answers liveness pings for the life of the follower.
+    _responder: Responder,
 }
 
 impl std::fmt::Debug for KubeRing {
@@ -214,6 +244,15 @@ pub enum KubeError {
         #[source]
         source: contract::ContractError,
     },
+    /// The liveness responder could not be started at the ring address (UDP).
+    #[error("the liveness responder at {addr} (UDP): {source}")]
+    Liveness {
+        /// The ring address.
+        addr: SocketAddr,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
     /// A port (the ring's, or the worker's metrics port) could not be bound.
     #[error("binding {addr}: {source}")]
     Bind {
@@ -226,12 +265,19 @@ pub enum KubeError {
 }
 
 impl KubeRing {
-    /// Connects to the API server (`KUBECONFIG` or in-cluster config) and starts watching the
-    /// ring ConfigMap, on a private tokio runtime (see [`KubeRing::handle`]).
+    /// Starts the liveness responder at the ring address, connects to the API server
+    /// (`KUBECONFIG` or in-cluster config) and starts watching the ring ConfigMap, on a private
+    /// tokio runtime (see [`KubeRing::handle`]).
     ///
     /// # Errors
+    /// [`KubeError::Liveness`] when the ring address cannot be bound for UDP;
     /// [`KubeError::Runtime`] or [`KubeError::Client`] when no runtime or client can be built.
     pub fn start(env: WorkerEnv, key: Vec<u8>) -> Result<KubeRing, KubeError> {
+        // Alive from the start, so that peers never take this process for a hung one.
+        let addr = SocketAddr::new(env.pod_ip, env.ring_port);
+        let responder = UdpSocket::bind(addr)
+            .and_then(|s| Responder::spawn(s, key.clone()))
+            .map_err(|source| KubeError::Liveness { addr, source })?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -308,6 +354,7 @@ impl KubeRing {
             removed: false,
             reported: None,
             op_timeout: OP_TIMEOUT,
+            _responder: responder,
         })
     }
 
@@ -370,6 +417,7 @@ impl KubeRing {
             self.key.clone(),
         );
         config.timeout = self.op_timeout;
+        config.liveness = Some(liveness_window(self.env.detection));
         self.current = Some(m);
         Ok(Generation { config, listener })
     }
@@ -380,8 +428,8 @@ impl KubeRing {
         self.rt.handle()
     }
 
-    /// Sets the bound on each collective and connect (default [`OP_TIMEOUT`]); keep it below
-    /// half the job's `faultTolerance.detectionSeconds`.
+    /// Sets the bound on each connect (default [`OP_TIMEOUT`]). Collectives follow the job's
+    /// `detectionSeconds` instead (see [`liveness_window`]).
     pub fn set_op_timeout(&mut self, t: Duration) {
         self.op_timeout = t;
     }
@@ -598,6 +646,7 @@ mod tests {
             (ENV_RING_PORT, "29500"),
             (ENV_KEY_FILE, "/var/run/diphoma/ring.key"),
             (ENV_MEMBERSHIP, "demo-ring"),
+            (ENV_DETECTION_SECONDS, "10"),
         ]
         .into_iter()
         .map(|(k, v)| (k, v.to_string()))
@@ -610,6 +659,7 @@ mod tests {
         let w = WorkerEnv::from_lookup(|n| env.get(n).cloned()).unwrap();
         assert_eq!(w.ring_port, 29500);
         assert_eq!(w.pod_ip.to_string(), "127.0.0.5");
+        assert_eq!(w.detection, Duration::from_secs(10));
         for var in env.keys() {
             let mut e = env.clone();
             e.remove(var);
@@ -622,6 +672,8 @@ mod tests {
             (ENV_RING_PORT, "0"),
             (ENV_RING_PORT, "http"),
             (ENV_POD_IP, "pod"),
+            (ENV_DETECTION_SECONDS, "0"),
+            (ENV_DETECTION_SECONDS, "2.5s"),
         ] {
             let mut e = env.clone();
             e.insert(var, bad.to_string());

@@ -22,6 +22,7 @@
 //! | [`frame`] | the wire format: 16-byte headers, handshake messages, validating decoders, [`ProtocolError`] | touch sockets, allocate while decoding, import `error` |
 //! | [`auth`] | the HMAC-SHA256 challenge-response on one stream, refusal counters | open sockets, see data |
 //! | [`comm`] | the [`Communicator`] and its collectives (`comm/mod.rs`), the non-blocking transport (`comm/transport.rs`), joining a generation (`comm/join.rs`) | choose schedules by itself beyond size thresholds |
+//! | [`liveness`] | liveness apart from progress: the UDP [`liveness::Responder`] a process runs at its ring address, the keyed ping/pong, [`liveness::probe`] | touch the TCP ring, judge what silence means |
 //! | [`error`] | [`CommError`], the error of every communicator call | do I/O |
 //! | [`source`] | the [`source::RingSource`] a training loop follows, the standalone [`source::FixedRing`] and [`source::standalone_config`] (a launcher's env) | train |
 //! | [`k8s`] | the membership follower: contract env, the ring ConfigMap as a [`source::RingSource`], heartbeat writes | train, record metrics |
@@ -44,6 +45,10 @@
 //!   at run time, portable ones otherwise).
 //! - **Failure cascade:** on any error the communicator shuts all its sockets, so every
 //!   neighbour's call fails at once with `PeerLost` rather than at its timeout.
+//! - **Slow is not hung** ([`liveness`]): in Kubernetes mode a collective waits on a silent peer
+//!   as long as the peer's process answers a keyed UDP ping (a responder thread, independent of
+//!   the training step), and blames it only when it does not within the window derived from
+//!   `faultTolerance.detectionSeconds`.
 //! - **Kubernetes mode** ([`k8s`]): a watch of the ring ConfigMap on a private tokio runtime; a
 //!   newer generation aborts the collective in flight; after a failure a member writes one
 //!   report per generation, waits [`k8s::REJOIN_WAIT`] for a newer generation, else re-forms the
@@ -57,6 +62,7 @@ pub mod comm;
 pub mod error;
 pub mod frame;
 pub mod k8s;
+pub mod liveness;
 pub mod reduce;
 pub mod schedule;
 pub mod source;

@@ -56,6 +56,10 @@ pub struct TrainConfig {
     pub checkpoint_dir: Option<PathBuf>,
     /// Rank 0 prints the loss every this many steps (0: never).
     pub log_every: u64,
+    /// For tests of failure detection: `(rank, delay)`, the member at this rank of every
+    /// generation sleeps `delay` before each step's allreduce, as a slow GPU or a data-loading
+    /// stall would. `None`: no delay.
+    pub slow_rank: Option<(usize, std::time::Duration)>,
 }
 
 impl Default for TrainConfig {
@@ -70,6 +74,7 @@ impl Default for TrainConfig {
             checkpoint_every: 0,
             checkpoint_dir: None,
             log_every: 0,
+            slow_rank: None,
         }
     }
 }
@@ -327,6 +332,11 @@ fn step_once(
     let (grads, loss) = model.grad_sum(&train.gather(&idx[mine]))?;
     let mut buf = fuse(&grads, &[loss]);
     drop(grads);
+    if let Some((r, delay)) = cfg.slow_rank
+        && r == comm.rank()
+    {
+        std::thread::sleep(delay);
+    }
     let t0 = std::time::Instant::now();
     comm.allreduce(&mut buf, ReduceOp::Sum)
         .map_err(StepError::Comm)?;

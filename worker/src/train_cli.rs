@@ -81,10 +81,18 @@ pub(crate) struct TrainArgs {
     /// Directory of the checkpoints; training resumes from the newest valid one in it.
     #[arg(long, env = diphoma_contract::ENV_CHECKPOINT_DIR)]
     checkpoint_dir: Option<std::path::PathBuf>,
-    /// Kubernetes mode: bound on each collective and connect, in seconds; keep it below half
-    /// the job's faultTolerance.detectionSeconds.
+    /// Kubernetes mode: bound on each connect, in seconds. A collective is not bounded: it
+    /// waits on a silent peer while the peer's process answers liveness pings, within windows
+    /// of a quarter of the job's faultTolerance.detectionSeconds (DIPHOMA_DETECTION_SECONDS).
     #[arg(long, default_value_t = k8s::OP_TIMEOUT.as_secs_f64())]
     op_timeout_s: f64,
+    /// Testing failure detection: the member at --step-delay-rank of every generation sleeps
+    /// this many milliseconds before each step's allreduce (a slow GPU, a data-loading stall).
+    #[arg(long, default_value_t = 0)]
+    step_delay_ms: u64,
+    /// The rank that --step-delay-ms slows down.
+    #[arg(long, default_value_t = 0)]
+    step_delay_rank: usize,
     /// Kubernetes mode: port of `/metrics` on the pod IP (0: none).
     #[arg(long, default_value_t = diphoma_contract::DEFAULT_METRICS_PORT)]
     metrics_port: u16,
@@ -149,6 +157,8 @@ pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         checkpoint_every: a.checkpoint_every,
         checkpoint_dir: a.checkpoint_dir,
         log_every: a.log_every,
+        slow_rank: (a.step_delay_ms > 0)
+            .then(|| (a.step_delay_rank, Duration::from_millis(a.step_delay_ms))),
     };
     let (out, world, mut ring) = match kube_env {
         None => {

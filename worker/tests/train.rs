@@ -443,6 +443,7 @@ fn kubernetes_mode_names_a_missing_or_malformed_variable() {
         ENV_RING_PORT,
         ENV_KEY_FILE,
         ENV_MEMBERSHIP,
+        ENV_DETECTION_SECONDS,
     ];
     let mut bare = worker();
     bare.arg("train");
@@ -469,8 +470,16 @@ fn kubernetes_mode_names_a_missing_or_malformed_variable() {
         err.contains(ENV_RING_PORT) && err.contains("99999"),
         "{err}"
     );
+    bad.env(ENV_RING_PORT, "29500");
+    let out = bad.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains(ENV_DETECTION_SECONDS) && err.contains("\"x\""),
+        "{err}"
+    );
     // A key file that is not there is named too.
-    bad.env(ENV_RING_PORT, "29500")
+    bad.env(ENV_DETECTION_SECONDS, "10")
         .env(ENV_KEY_FILE, "/nonexistent/ring.key");
     let out = bad.output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -518,6 +527,7 @@ fn kubernetes_mode_serves_metrics_and_exits_0_on_sigterm() {
         .env(ENV_RING_PORT, ring_port.to_string())
         .env(ENV_KEY_FILE, &key)
         .env(ENV_MEMBERSHIP, "demo-ring")
+        .env(ENV_DETECTION_SECONDS, "10")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()

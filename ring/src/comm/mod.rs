@@ -17,6 +17,10 @@
 //! Failure: any error shuts down every socket of the communicator, so each neighbour's pending
 //! read ends at once and the failure cascades around the ring within one hop per rank, far inside
 //! the timeout; the communicator is then poisoned and can only be dropped.
+//!
+//! Slow is not hung: with [`Config::liveness`], a collective's wait is not bounded by
+//! `timeout`; each time it has waited a window on a silent peer it probes that peer's process
+//! (`liveness.rs`), waits on while it answers and blames it only when it does not.
 
 mod join;
 mod transport;
@@ -28,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use crate::auth::RefusalCounters;
 use crate::error::CommError;
+use crate::liveness;
 use crate::reduce::{self, Element, ReduceOp};
 pub use crate::schedule::Algorithm;
 use crate::schedule::{self, Step};
@@ -49,8 +54,17 @@ pub struct Config {
     pub job_uid: String,
     /// The per-job HMAC key (at least [`diphoma_contract::MIN_KEY_LEN`] bytes).
     pub key: Vec<u8>,
-    /// Bound on every call: connect, each collective.
+    /// Bound on every call: connect, and each collective unless `liveness` is set.
     pub timeout: Duration,
+    /// Tells a slow peer from a hung one (see [`crate::liveness`]). When set, a collective that
+    /// has waited this long on a silent peer probes that peer's process for up to this long
+    /// again: a peer that answers is waited for another window (and probed again after it), one
+    /// that does not is blamed with [`CommError::Timeout`] naming its rank. So a step may take
+    /// as long as it takes, a hung peer is blamed within twice this window, and a new
+    /// generation still aborts the wait at once. Peers must run a
+    /// [`liveness::Responder`] at their ring address (UDP). `None`
+    /// (the default): each collective is bounded by `timeout`.
+    pub liveness: Option<Duration>,
     /// How long a collective busy-polls its sockets before sleeping in `poll(2)`. Spinning cuts
     /// small-message latency roughly in half (no wake-up); default 50 µs when `world` ≤ available
     /// cores, 200 µs (yielding) when ranks outnumber cores and a wake-up costs a time slice.
@@ -85,6 +99,7 @@ impl std::fmt::Debug for Config {
             .field("job_uid", &self.job_uid)
             .field("key", &"<redacted>")
             .field("timeout", &self.timeout)
+            .field("liveness", &self.liveness)
             .field("spin", &self.spin)
             .field("yield_spin", &self.yield_spin)
             .field("socket_buffer", &self.socket_buffer)
@@ -123,6 +138,7 @@ impl Config {
             job_uid: job_uid.into(),
             key: key.into(),
             timeout: DEFAULT_TIMEOUT,
+            liveness: None,
             spin: Duration::from_micros(if world <= cores { 50 } else { 200 }),
             yield_spin: true,
             socket_buffer: DEFAULT_SOCKET_BUFFER,
@@ -203,6 +219,31 @@ pub struct Communicator {
     seq: u64,
     poisoned: bool,
     abort: AbortHandle,
+    liveness: Option<Liveness>,
+}
+
+/// What a collective needs to probe a silent peer (see [`Config::liveness`]).
+pub(super) struct Liveness {
+    /// The quiet wait before a probe, and the probe's own bound.
+    window: Duration,
+    key: Vec<u8>,
+    addresses: Vec<SocketAddr>,
+    rank: usize,
+    aborted: Arc<AtomicBool>,
+}
+
+impl Liveness {
+    /// True when `peer`'s process answered within the window (see [`liveness::probe`]).
+    fn alive(&self, peer: usize) -> bool {
+        let from = self.addresses[self.rank].ip();
+        liveness::probe(
+            from,
+            self.addresses[peer],
+            &self.key,
+            self.window,
+            &self.aborted,
+        )
+    }
 }
 
 impl std::fmt::Debug for Communicator {
@@ -264,6 +305,14 @@ impl Communicator {
             })?;
         let segment_bytes = (config.segment_bytes / 8 * 8).max(4096);
         let scratch_bytes = segment_bytes.max(config.small_bytes);
+        let aborted: Arc<AtomicBool> = Arc::default();
+        let liveness = config.liveness.map(|window| Liveness {
+            window,
+            key: config.key.clone(),
+            addresses: config.addresses.clone(),
+            rank: config.rank,
+            aborted: aborted.clone(),
+        });
         Ok(Communicator {
             rank: config.rank,
             world: config.world,
@@ -282,8 +331,9 @@ impl Communicator {
             poisoned: false,
             abort: AbortHandle {
                 streams: Arc::new(clones),
-                aborted: Arc::default(),
+                aborted,
             },
+            liveness,
         })
     }
 
@@ -468,7 +518,8 @@ impl Communicator {
     ) -> Result<(), CommError> {
         self.seq += 1;
         let start = Instant::now();
-        let deadline = start + self.timeout;
+        // With liveness, each wait past the window probes the silent peer (transport.rs).
+        let mut deadline = start + self.liveness.as_ref().map_or(self.timeout, |l| l.window);
         let steps = std::mem::take(&mut self.steps);
         let mut result = Ok(());
         for step in &steps {
@@ -486,7 +537,8 @@ impl Communicator {
                 seq: self.seq,
                 op,
                 start,
-                deadline,
+                deadline: &mut deadline,
+                liveness: self.liveness.as_ref(),
                 spin: self.spin,
                 yield_spin: self.yield_spin,
                 kern,

@@ -129,7 +129,9 @@ pub(super) struct StepCtx<'a> {
     pub(super) seq: u64,
     pub(super) op: &'static str,
     pub(super) start: Instant,
-    pub(super) deadline: Instant,
+    /// When the wait ends (pushed back a window each time the silent peer proves alive).
+    pub(super) deadline: &'a mut Instant,
+    pub(super) liveness: Option<&'a super::Liveness>,
     pub(super) spin: Duration,
     pub(super) yield_spin: bool,
     pub(super) kern: Kernel,
@@ -430,14 +432,20 @@ impl StepCtx<'_> {
                 continue;
             }
             let now = Instant::now();
-            if now >= self.deadline {
+            if now >= *self.deadline {
                 // Blame the peer we wait on: the one whose data is missing, else the one that
-                // does not read what we send.
+                // does not read what we send; unless its process answers (slow, not hung).
                 let silent = rx
                     .as_ref()
                     .filter(|r| !r.done)
                     .map(|r| r.peer)
                     .or(tx.as_ref().filter(|t| !t.done).map(|t| t.peer));
+                if let (Some(p), Some(l)) = (silent, self.liveness)
+                    && l.alive(p)
+                {
+                    *self.deadline = Instant::now() + l.window;
+                    continue;
+                }
                 return Err(timeout_err(self.op, self.start, silent));
             }
             match idle_since {
