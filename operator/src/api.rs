@@ -511,8 +511,9 @@ pub struct LastFailure {
     pub cause: String,
     /// Reason (`Error`, `OOMKilled`, `EvictionByEvictionAPI`, …).
     pub reason: String,
-    /// When it happened: its container's finish time, else when the operator observed the loss
-    /// (for a graceful deletion: not the deletion's deadline); RFC 3339.
+    /// When it happened: its container's finish time, else its deletion's request (not the
+    /// graceful deletion's deadline), else when the operator observed it; never after the
+    /// observation (RFC 3339).
     pub time: String,
 }
 

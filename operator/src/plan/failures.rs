@@ -431,17 +431,24 @@ fn record(
     }
 }
 
-/// When a finished pod's container finished, if it did. Not its `deletionTimestamp`: for a
-/// graceful deletion that is the deadline (the request plus the grace period), in the future of
-/// the loss; a loss without a finish time is timed from when it is observed.
+/// When a lost pod was lost: its container's finish time, else the request of its graceful
+/// deletion (`deletionTimestamp` is the deadline: the request plus `deletionGracePeriodSeconds`,
+/// in the future of the loss); none for a pod neither finished nor deleted (timed from when it
+/// is observed).
 pub(super) fn loss_time(p: &Pod) -> Option<Timestamp> {
-    p.status
-        .as_ref()?
-        .container_statuses
-        .iter()
+    let finished = p
+        .status
+        .as_ref()
+        .and_then(|st| st.container_statuses.as_ref())
+        .into_iter()
         .flatten()
         .find_map(|c| c.state.as_ref()?.terminated.as_ref()?.finished_at.clone())
-        .map(|t| t.0)
+        .map(|t| t.0);
+    let requested = p.metadata.deletion_timestamp.as_ref().map(|t| {
+        let grace = p.metadata.deletion_grace_period_seconds.unwrap_or(0);
+        t.0 - jiff::SignedDuration::from_secs(grace)
+    });
+    finished.or(requested)
 }
 
 #[cfg(test)]

@@ -150,7 +150,8 @@ pub struct Failure {
     pub retryable: bool,
     /// Whether the pod still exists (its failure is then recorded on it).
     pub exists: bool,
-    /// When the loss happened: its container's finish time, else when it was observed.
+    /// When the loss happened: its container's finish time, else its deletion's request, else
+    /// when it was observed; never after the observation.
     pub at: Timestamp,
 }
 
