@@ -1318,7 +1318,10 @@ async fn a_job_applied_again_while_its_predecessors_pods_terminate_runs(
     hold(&pods, &old, true).await?;
     let result = async {
         jobs.delete("again", &DeleteParams::background()).await?;
-        eventually(30, "the old job gone, its pods terminating", async || {
+        // The garbage collector deletes the pods once it sees their owner gone (it may first
+        // have to discover the CRD's kind: up to its resync).
+        let mut state = (false, 0);
+        eventually(90, "the old job gone, its pods terminating", async || {
             let gone = jobs.get_opt("again").await?.is_none();
             let mut terminating = 0;
             for n in &old {
@@ -1326,9 +1329,11 @@ async fn a_job_applied_again_while_its_predecessors_pods_terminate_runs(
                 terminating +=
                     usize::from(p.is_some_and(|p| p.metadata.deletion_timestamp.is_some()));
             }
+            state = (gone, terminating);
             Ok(gone && terminating == old.len())
         })
-        .await?;
+        .await
+        .with_context(|| format!("(job gone, pods terminating) = {state:?}"))?;
         let out = kubectl_apply(&ctx, &ns, &job.to_string())?;
         ensure!(
             out.status.success(),
