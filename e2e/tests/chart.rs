@@ -254,6 +254,12 @@ async fn the_operator_runs_as_a_pod_under_exactly_its_chart_rbac(
         in_ns(&["patch", "serviceaccounts"]),
         in_ns(&["patch", "roles.rbac.authorization.k8s.io"]),
         in_ns(&["patch", "rolebindings.rbac.authorization.k8s.io"]),
+        // Watched (metadata), so that a deleted child is restored.
+        vec!["watch", "configmaps", "-A"],
+        vec!["watch", "services", "-A"],
+        vec!["watch", "serviceaccounts", "-A"],
+        vec!["watch", "roles.rbac.authorization.k8s.io", "-A"],
+        vec!["watch", "rolebindings.rbac.authorization.k8s.io", "-A"],
         in_ns(&["create", "events.events.k8s.io"]),
         vec!["get", "nodes"],
         vec!["get", "leases.coordination.k8s.io", "-n", "kube-node-lease"],

@@ -48,6 +48,9 @@ fn main() -> Result<()> {
             workers_that_cannot_start_are_named_and_an_elastic_ring_forms_without_them,
             clean_pod_policy_none_keeps_every_failed_pod,
             gpu_workers_need_only_the_resource_and_cpu_workers_see_none,
+            a_job_applied_again_while_its_predecessors_pods_terminate_runs,
+            an_eviction_is_a_disruption_and_spends_no_backoff_limit,
+            deleted_children_are_restored_and_generations_only_grow,
         ],
     )
 }
@@ -1259,5 +1262,279 @@ async fn gpu_workers_need_only_the_resource_and_cpu_workers_see_none(
             .any(|e| e.name == "NVIDIA_VISIBLE_DEVICES" && e.value.as_deref() == Some("void")),
         "env {env:?}"
     );
+    Ok(())
+}
+
+/// Finalizer the tests put on pods to keep them (as a slow shutdown would) after their deletion.
+const HOLD: &str = "e2e.diphoma.io/hold";
+
+/// Adds [`HOLD`] to each of `pods` (or removes every finalizer, `hold` false; a pod already gone
+/// is fine).
+async fn hold(pods: &Api<Pod>, names: &[String], hold: bool) -> Result<()> {
+    let finalizers: Vec<&str> = if hold { vec![HOLD] } else { vec![] };
+    for n in names {
+        let patch = json!({"metadata": {"finalizers": finalizers}});
+        match pods
+            .patch(
+                n,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            )
+            .await
+        {
+            Err(kube::Error::Api(s)) if s.is_not_found() => {}
+            other => {
+                other?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Issue 12 case 1. A job deleted with background propagation while its pods still terminate
+/// (held by a finalizer, as a slow shutdown holds them), then applied again at once under the
+/// same name: the new job sees only its own pods (owner UID), counts nothing for the old ones,
+/// gives its workers names the old pods do not hold, and runs. Before, it counted the old pods
+/// as `PodDeleted` and failed (`backoffLimit: 0`) within a second.
+async fn a_job_applied_again_while_its_predecessors_pods_terminate_runs(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let job = JobManifest {
+        extra: json!({"spec": {"runPolicy": {"backoffLimit": 0}}}),
+        ..probe_job("again", 2)
+    };
+    start_job(&ctx, &ns, &job, 2).await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let jobs: Api<DiphomaJob> = Api::namespaced(ctx.client.clone(), &ns);
+    let old: Vec<String> = pods
+        .list(&ListParams::default().labels("diphoma.io/job-name=again"))
+        .await?
+        .items
+        .iter()
+        .map(|p| p.name_any())
+        .collect();
+    let old_uid = jobs.get("again").await?.uid();
+    hold(&pods, &old, true).await?;
+    let result = async {
+        jobs.delete("again", &DeleteParams::background()).await?;
+        // The garbage collector deletes the pods once it sees their owner gone (it may first
+        // have to discover the CRD's kind: up to its resync).
+        let mut state = (false, 0);
+        eventually(90, "the old job gone, its pods terminating", async || {
+            let gone = jobs.get_opt("again").await?.is_none();
+            let mut terminating = 0;
+            for n in &old {
+                let p = pods.get_opt(n).await?;
+                terminating +=
+                    usize::from(p.is_some_and(|p| p.metadata.deletion_timestamp.is_some()));
+            }
+            state = (gone, terminating);
+            Ok(gone && terminating == old.len())
+        })
+        .await
+        .with_context(|| format!("(job gone, pods terminating) = {state:?}"))?;
+        let out = kubectl_apply(&ctx, &ns, &job.to_string())?;
+        ensure!(
+            out.status.success(),
+            "apply: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let m = running_ring(&ctx, &ns, "again", 2, 0).await?;
+        let new = jobs.get("again").await?;
+        ensure!(new.uid() != old_uid, "the same job");
+        ensure!(
+            m.job_uid == new.uid().unwrap_or_default(),
+            "the ring is another job's: {m:?}"
+        );
+        ensure!(
+            m.members.iter().all(|x| !old.contains(&x.pod)),
+            "a member is an old pod: {m:?}"
+        );
+        let st = new.status.context("no status")?;
+        ensure!(
+            st.failures.total == 0 && st.disruptions.total == 0 && st.repairs.total == 0,
+            "counted the old job's pods: {:?} {:?} {:?}",
+            st.failures,
+            st.disruptions,
+            st.last_failure
+        );
+        // The old pods were still there the whole time (the test held them).
+        for n in &old {
+            ensure!(pods.get_opt(n).await?.is_some(), "{n} went early");
+        }
+        Ok(())
+    }
+    .await;
+    hold(&pods, &old, false).await?;
+    result
+}
+
+/// Issue 12 case 6. With `backoffLimit: 0`, an eviction through the Eviction API (a disruption,
+/// not the job's fault) is repaired and the job goes on: counted in `status.disruptions`, not
+/// in `status.failures`; `lastFailure.time` is the eviction's request, not its deadline (30 s
+/// of grace later), so it is not in the future and `repairs.lastSeconds` is not clamped to 0.
+async fn an_eviction_is_a_disruption_and_spends_no_backoff_limit(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let job = JobManifest {
+        grace_seconds: 30,
+        extra: json!({"spec": {"runPolicy": {"backoffLimit": 0},
+            "elastic": {"minReplicas": 1, "maxReplicas": 2}}}),
+        ..probe_job("evicted", 2)
+    };
+    let g1 = start_job(&ctx, &ns, &job, 2).await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let victim = "evicted-worker-1".to_owned();
+    // Held, so that the operator sees the evicted pod however fast its process ends.
+    hold(&pods, std::slice::from_ref(&victim), true).await?;
+    let result = async {
+        pods.evict(&victim, &kube::api::EvictParams::default())
+            .await?;
+        let g2 = running_ring(&ctx, &ns, "evicted", 2, g1.generation).await?;
+        ensure!(
+            g2.members.iter().all(|m| m.pod != victim),
+            "the evicted pod is a member: {g2:?}"
+        );
+        let st = job_status(&ctx.client, &ns, "evicted")
+            .await?
+            .status
+            .unwrap();
+        let read_at = jiff::Timestamp::now();
+        ensure!(st.phase == Some(Phase::Running), "{:?}", st.phase);
+        ensure!(
+            st.failures.total == 0
+                && st.disruptions.total == 1
+                && st.disruptions.by_cause.get("Evicted") == Some(&1)
+                && st.repairs.by_cause.get("Evicted") == Some(&1),
+            "failures {:?}, disruptions {:?}, repairs {:?}",
+            st.failures,
+            st.disruptions,
+            st.repairs
+        );
+        let last = st.last_failure.context("no lastFailure")?;
+        ensure!(last.reason == "EvictionByEvictionAPI", "{last:?}");
+        let at: jiff::Timestamp = last.time.parse()?;
+        ensure!(
+            at <= read_at,
+            "lastFailure.time {at} is in the future of {read_at}"
+        );
+        ensure!(
+            st.repairs.last_seconds.is_some_and(|s| s > 0.0),
+            "repairs.lastSeconds {:?}",
+            st.repairs.last_seconds
+        );
+        Ok(())
+    }
+    .await;
+    hold(&pods, &[victim], false).await?;
+    result
+}
+
+/// Issue 12 case 3. A training job's children deleted mid-run are restored from the watch: the
+/// ring ConfigMap (its next publication is above the status' generation, never generation 1
+/// again), then the heartbeat ConfigMap, the workers' Role and RoleBinding together (restored,
+/// owned by the job, and the step in the status moves again, reported as `Reporting` True).
+async fn deleted_children_are_restored_and_generations_only_grow(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let job = JobManifest {
+        gpus_per_worker: 2,
+        grace_seconds: 2,
+        detection_seconds: Some(5),
+        ..JobManifest::training("digits", 2, 200_000, 1000)
+    };
+    start_job(&ctx, &ns, &job, 2).await?;
+    let step = async || -> Result<i64> {
+        Ok(job_status(&ctx.client, &ns, "digits")
+            .await?
+            .status
+            .and_then(|s| s.progress)
+            .map_or(0, |p| p.step))
+    };
+    eventually(60, "progress reported", async || Ok(step().await? > 0)).await?;
+    let uid = job_status(&ctx.client, &ns, "digits")
+        .await?
+        .uid()
+        .unwrap_or_default();
+    let owned = |m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+        m.owner_references.iter().flatten().any(|o| o.uid == uid)
+    };
+    let configmaps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
+
+    // The ring ConfigMap: republished above the status' generation.
+    let before = job_status(&ctx.client, &ns, "digits")
+        .await?
+        .status
+        .and_then(|s| s.ring)
+        .context("no ring in the status")?
+        .generation;
+    configmaps
+        .delete("digits-ring", &DeleteParams::default())
+        .await?;
+    let mut seen = None;
+    eventually(30, "the ring ConfigMap restored", async || {
+        seen = ring(&ctx.client, &ns, "digits").await?;
+        Ok(seen.is_some())
+    })
+    .await?;
+    let republished = seen.unwrap().generation as i64;
+    ensure!(
+        republished > before,
+        "generation went from {before} to {republished}"
+    );
+    let recorded = job_status(&ctx.client, &ns, "digits")
+        .await?
+        .status
+        .and_then(|s| s.ring)
+        .map(|r| r.generation);
+    ensure!(recorded >= Some(republished), "status ring {recorded:?}");
+
+    // The reporting path: heartbeat ConfigMap, Role and RoleBinding.
+    let at = step().await?;
+    let roles: Api<Role> = Api::namespaced(ctx.client.clone(), &ns);
+    let bindings: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
+        Api::namespaced(ctx.client.clone(), &ns);
+    configmaps
+        .delete("digits-heartbeat", &DeleteParams::default())
+        .await?;
+    roles
+        .delete("digits-worker", &DeleteParams::default())
+        .await?;
+    bindings
+        .delete("digits-worker", &DeleteParams::default())
+        .await?;
+    eventually(30, "heartbeat, Role and RoleBinding restored", async || {
+        let h = configmaps.get_opt("digits-heartbeat").await?;
+        let r = roles.get_opt("digits-worker").await?;
+        let b = bindings.get_opt("digits-worker").await?;
+        Ok(h.is_some_and(|o| owned(&o.metadata))
+            && r.is_some_and(|o| owned(&o.metadata))
+            && b.is_some_and(|o| owned(&o.metadata)))
+    })
+    .await?;
+    let mut last = None;
+    eventually(90, "the step moves again, Reporting True", async || {
+        let st = job_status(&ctx.client, &ns, "digits").await?.status;
+        let moved = st
+            .as_ref()
+            .and_then(|s| s.progress.as_ref())
+            .is_some_and(|p| p.step > at);
+        let reporting = st.as_ref().is_some_and(|s| {
+            s.conditions
+                .iter()
+                .any(|c| c.type_ == "Reporting" && c.status == "True")
+        });
+        last = st;
+        Ok(moved && reporting)
+    })
+    .await
+    .with_context(|| format!("last status: {last:?}"))?;
+    let g = ring(&ctx.client, &ns, "digits")
+        .await?
+        .map(|r| r.generation as i64);
+    ensure!(g >= Some(republished), "generation went back to {g:?}");
     Ok(())
 }

@@ -145,7 +145,8 @@ impl Target {
         self.job.metadata.name.clone().unwrap_or_default()
     }
 
-    /// The ring's current generation. Errors: [`CliError::NotFound`] when none is published.
+    /// The ring's current generation. Errors: [`CliError::NotFound`] when none is published (or
+    /// the published one is another job's).
     async fn ring(&self) -> Result<Membership, CliError> {
         let cm_name = membership_configmap_name(&self.name());
         let cm = Api::<ConfigMap>::namespaced(self.client.clone(), &self.ns)
@@ -158,19 +159,34 @@ impl Target {
                 "diphomajob {ns}/{name} has no ring yet ({cm_name})"
             ))
         };
-        Membership::parse(&json.ok_or_else(none)?)
-            .map_err(|e| CliError::NotFound(format!("{cm_name}: {e}")))
+        let m = Membership::parse(&json.ok_or_else(none)?)
+            .map_err(|e| CliError::NotFound(format!("{cm_name}: {e}")))?;
+        // A ring left by a deleted job of the same name is not this job's.
+        if m.job_uid == self.job.metadata.uid.clone().unwrap_or_default() {
+            Ok(m)
+        } else {
+            Err(none())
+        }
     }
 
-    /// The job's worker pods (by its job-name label), by name.
+    /// The job's worker pods (by its job-name label, and owned by the job: not those of a
+    /// deleted job of the same name that still terminate), by name.
     async fn workers(&self) -> Result<BTreeMap<String, Pod>, CliError> {
         let lp = ListParams::default().labels(&format!("{LABEL_JOB_NAME}={}", self.name()));
         let pods = Api::<Pod>::namespaced(self.client.clone(), &self.ns)
             .list(&lp)
             .await?;
+        let uid = self.job.metadata.uid.clone().unwrap_or_default();
         Ok(pods
             .items
             .into_iter()
+            .filter(|p| {
+                p.metadata
+                    .owner_references
+                    .iter()
+                    .flatten()
+                    .any(|o| o.uid == uid)
+            })
             .map(|p| (p.metadata.name.clone().unwrap_or_default(), p))
             .collect())
     }

@@ -169,7 +169,8 @@ pub fn pending_reason(pod: &Pod) -> Option<String> {
 
 /// `kubectl diphoma why`: the phase and what it means, the conditions that hold, why the ring
 /// waits (the job's own words and each pending worker's scheduler reason), the last failure,
-/// the repairs and failures against the backoff limit, and the most recent events of the job and
+/// the repairs, the failures against the backoff limit and the disruptions against theirs, and
+/// the most recent events of the job and
 /// its workers (at most `max_events`, oldest first).
 pub fn why(job: &DiphomaJob, workers: &[Pod], events: &[Event], max_events: usize) -> String {
     let mut out = vec![];
@@ -232,6 +233,22 @@ pub fn why(job: &DiphomaJob, workers: &[Pod], events: &[Event], max_events: usiz
         job.spec.run_policy.backoff_limit,
         if st.failures.total > 0 {
             format!(" ({})", causes(&st.failures))
+        } else {
+            String::new()
+        }
+    ));
+    let limit = job
+        .spec
+        .fault_tolerance
+        .disruption_limit
+        .map_or("no disruptionLimit".to_owned(), |l| {
+            format!("of disruptionLimit {l}")
+        });
+    out.push(format!(
+        "disruptions counted: {} {limit}{}",
+        st.disruptions.total,
+        if st.disruptions.total > 0 {
+            format!(" ({})", causes(&st.disruptions))
         } else {
             String::new()
         }
@@ -350,6 +367,7 @@ mod tests {
                     "message": "a member was lost", "lastTransitionTime": "2026-01-01T00:00:00Z"}],
                 "repairs": {"total": 1, "byCause": {"ProcessExit": 1, "Hung": 0}, "lastSeconds": 0.5},
                 "failures": {"total": 1, "byCause": {"ProcessExit": 1}},
+                "disruptions": {"total": 2, "byCause": {"Evicted": 2}},
                 "lastFailure": {"pod": "j-worker-1", "rank": 1, "exitCode": 137, "cause": "ProcessExit",
                     "reason": "Error", "time": "2026-01-01T00:00:00Z"},
                 "ring": {"generation": 2, "size": 1, "configMap": "j-ring"}}
@@ -369,6 +387,7 @@ mod tests {
             "last failure: pod j-worker-1 (rank 1) lost by ProcessExit (Error, exit code 137)",
             "repaired 1 time(s): ProcessExit 1; the last took 0.50 s; ring generation 2",
             "failures counted: 1 of backoffLimit 6 (ProcessExit 1)",
+            "disruptions counted: 2 no disruptionLimit (Evicted 2)",
         ] {
             assert!(out.contains(want), "{want:?} missing in:\n{out}");
         }

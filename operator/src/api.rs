@@ -187,8 +187,11 @@ pub struct Placement {
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct RunPolicy {
-    /// Worker failures the job survives, counted on the job over all causes; deletions the
-    /// operator makes itself never count.
+    /// Worker failures the job survives: its own failures (a process that exits, hangs, or whose
+    /// pod someone deletes), counted on the job. Disruptions (evictions, preemptions, node loss:
+    /// not the job's fault) count against `faultTolerance.disruptionLimit` instead, as batch
+    /// Job's `podFailurePolicy` ignores `DisruptionTarget` failures; deletions the operator makes
+    /// itself never count.
     #[serde(default = "default_backoff_limit")]
     #[schemars(range(min = 0, max = 10000))]
     pub backoff_limit: i32,
@@ -252,6 +255,13 @@ pub struct FaultTolerance {
     /// Kubeflow's `ExitCode` restart policy: 1–127 are permanent errors, 128+ are signals).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_on_exit_codes: Option<Vec<i32>>,
+    /// Disruptions the job survives: workers lost to an eviction (the Eviction API, node
+    /// pressure), a preemption or the loss of their node, i.e. pods the API server marks with a
+    /// `DisruptionTarget` condition and workers of a lost node. Absent: disruptions are repaired
+    /// without limit (they never count against `runPolicy.backoffLimit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 10000))]
+    pub disruption_limit: Option<i32>,
 }
 
 fn default_detection_seconds() -> i32 {
@@ -263,6 +273,7 @@ impl Default for FaultTolerance {
         FaultTolerance {
             detection_seconds: default_detection_seconds(),
             restart_on_exit_codes: None,
+            disruption_limit: None,
         }
     }
 }
@@ -294,6 +305,10 @@ pub struct DiphomaJobStatus {
     /// (`CreateRefused`, `Unschedulable`, `ErrImagePull`, …), or `InvalidSpec` for a job the
     /// operator cannot read; `Suspended`, `Complete` and `Failed` carry it when True, and
     /// otherwise `NotSuspended`, `NotCompleted` (`JobFailed` once the job failed), `NotFailed`.
+    /// While the job runs, `Reporting` says whether the workers' reports reach the operator:
+    /// `ReportsArriving` (True), `NoReportYet` (Unknown), `ReportingPathLost` (False: their
+    /// heartbeat ConfigMap or RBAC is missing and being restored) or `ReportsStopped` (False:
+    /// their heartbeat has not changed for `3 × detectionSeconds`, at least 30 s).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// Worker pods that exist and run on (not finished, not being deleted), for `/scale`: an
@@ -318,9 +333,14 @@ pub struct DiphomaJobStatus {
     /// Ring repairs (members lost and the ring re-formed), by cause.
     #[serde(default)]
     pub repairs: Counts,
-    /// Failures counted against `backoffLimit`, by cause.
+    /// The job's own failures, counted against `backoffLimit`, by cause (`ProcessExit`,
+    /// `PodDeleted`, `Hung`).
     #[serde(default)]
     pub failures: Counts,
+    /// Disruptions, counted against `faultTolerance.disruptionLimit`, by cause (`Evicted`,
+    /// `Preempted`, `NodeLost`).
+    #[serde(default)]
+    pub disruptions: Counts,
     /// The most recent worker failure.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure: Option<LastFailure>,
@@ -491,7 +511,9 @@ pub struct LastFailure {
     pub cause: String,
     /// Reason (`Error`, `OOMKilled`, `EvictionByEvictionAPI`, …).
     pub reason: String,
-    /// When it was observed (RFC 3339).
+    /// When it happened: its container's finish time, else its deletion's request (not the
+    /// graceful deletion's deadline), else when the operator observed it; never after the
+    /// observation (RFC 3339).
     pub time: String,
 }
 

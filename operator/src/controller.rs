@@ -2,6 +2,13 @@
 //! the API server, and it decides nothing: which nodes are lost, which pods go, when the static
 //! children are re-applied and when to look again are the plan's.
 //!
+//! The children are the job's by owner UID, not by name: a pod, ConfigMap or RBAC object left
+//! by a deleted job of the same name (still terminating) is never taken for its own. The
+//! controller watches the kinds it owns (pods, ConfigMaps, ServiceAccounts, Roles, RoleBindings,
+//! Services; metadata only except pods), so that a deleted child triggers a reconcile, and keeps
+//! the metadata of the static ones in caches ([`Children`]) that tell `observe` which are
+//! missing, without an API call.
+//!
 //! API calls per reconcile:
 //! - reads (`observe`): the job's pods (one list), the ring and heartbeat ConfigMaps, and for
 //!   each node its pods run on, that node's Lease in `kube-node-lease` and the Node;
@@ -12,7 +19,8 @@
 //!   each pod to delete; each new pod (server-side apply: a pod the API server refuses is
 //!   remembered for the next plan, the others are still created, and the reconcile then fails
 //!   so that it is retried with exponential back-off); the ring ConfigMap of a new generation;
-//!   the events. Once the TTL passed ([`Plan::delete_job`]), only the job's deletion.
+//!   the events. The static children are applied again whenever one is missing. Once the TTL
+//!   passed ([`Plan::delete_job`]), only the job's deletion.
 //! - a job that does not decode gets one list of the job as stored, then its status and event
 //!   ([`plan::invalid`]).
 //!
@@ -28,14 +36,18 @@ use diphoma_contract::{
 };
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, ObjectReference, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, ObjectReference, Pod, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{
-    ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
+    ApiResource, DeleteParams, DynamicObject, ListParams, PartialObjectMeta, Patch, PatchParams,
+    PostParams,
 };
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -62,6 +74,88 @@ pub struct Context {
     /// Per job (`namespace/name`): reconciles failed in a row, for the exponential back-off of
     /// the error policy ([`retry_delay`]); cleared by a reconcile that succeeds.
     pub retries: Mutex<BTreeMap<String, u32>>,
+    /// Per job (`namespace/name`): the heartbeat ConfigMap's `resourceVersion` and when this
+    /// operator first saw it ([`Observed::heartbeat_changed`]).
+    pub heartbeats: Mutex<BTreeMap<String, (String, jiff::Timestamp)>>,
+    /// The caches of the static children (none: not watched, none reported missing).
+    pub children: Option<Children>,
+}
+
+/// Metadata caches of the jobs' static children, fed by the controller's watches of those
+/// kinds (label `app.kubernetes.io/managed-by=diphoma-operator`).
+#[derive(Clone)]
+pub struct Children {
+    service_accounts: Store<PartialObjectMeta<ServiceAccount>>,
+    roles: Store<PartialObjectMeta<Role>>,
+    role_bindings: Store<PartialObjectMeta<RoleBinding>>,
+    services: Store<PartialObjectMeta<Service>>,
+}
+
+impl Children {
+    /// The static children of `job` that are missing from the caches or not its own
+    /// (`Kind/name`).
+    fn missing(&self, job: &DiphomaJob) -> Vec<String> {
+        let ns = job.namespace().unwrap_or_default();
+        let uid = job.uid().unwrap_or_default();
+        [
+            absent(
+                &self.service_accounts,
+                &ns,
+                &build::service_account(job).name_any(),
+                &uid,
+            ),
+            absent(&self.roles, &ns, &build::role(job).name_any(), &uid),
+            absent(
+                &self.role_bindings,
+                &ns,
+                &build::role_binding(job).name_any(),
+                &uid,
+            ),
+            absent(&self.services, &ns, &build::service(job).name_any(), &uid),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+}
+
+/// `Kind/name` when `store` holds no object `name` in `ns` owned by `uid`.
+fn absent<K>(store: &Store<PartialObjectMeta<K>>, ns: &str, name: &str, uid: &str) -> Option<String>
+where
+    K: Resource<DynamicType = ()> + Clone,
+{
+    let found = store.get(&ObjectRef::new(name).within(ns));
+    (!found.is_some_and(|o| owned_by(&o.metadata, uid))).then(|| format!("{}/{name}", K::kind(&())))
+}
+
+/// Whether `meta` names `uid` among its owners.
+fn owned_by(meta: &ObjectMeta, uid: &str) -> bool {
+    meta.owner_references.iter().flatten().any(|o| o.uid == uid)
+}
+
+/// A metadata watch of kind `K`'s objects matching `cfg`, feeding the returned cache.
+fn watch_children<K>(
+    client: &Client,
+    cfg: &watcher::Config,
+) -> (
+    Store<PartialObjectMeta<K>>,
+    impl futures::Stream<Item = Result<PartialObjectMeta<K>, watcher::Error>> + Send + 'static,
+)
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let (reader, writer) = reflector::store();
+    let api = Api::<PartialObjectMeta<K>>::all(client.clone());
+    let stream = reflector::reflector(writer, watcher(api, cfg.clone()))
+        .default_backoff()
+        .touched_objects();
+    (reader, stream)
 }
 
 /// The worker creations the API server refused for one job at the last apply. Only their
@@ -110,6 +204,8 @@ impl Context {
             network_policy: false,
             refused: Mutex::default(),
             retries: Mutex::default(),
+            heartbeats: Mutex::default(),
+            children: None,
         }
     }
 }
@@ -171,8 +267,27 @@ pub async fn run(
     let managed = format!("app.kubernetes.io/managed-by={MANAGED_BY}");
     let metrics = Metrics::default();
     let ready = Arc::new(AtomicBool::new(false));
+    let owned = watcher::Config::default().labels(&managed);
+    let (service_accounts, sa_events) = watch_children::<ServiceAccount>(&client, &owned);
+    let (roles, role_events) = watch_children::<Role>(&client, &owned);
+    let (role_bindings, binding_events) = watch_children::<RoleBinding>(&client, &owned);
+    let (services, service_events) = watch_children::<Service>(&client, &owned);
+    let children = Children {
+        service_accounts,
+        roles,
+        role_bindings,
+        services,
+    };
     let controller = Controller::new(jobs, watcher::Config::default().any_semantic())
-        .owns(pods, watcher::Config::default().labels(&managed));
+        .owns(pods, owned.clone())
+        .owns(
+            Api::<PartialObjectMeta<ConfigMap>>::all(client.clone()),
+            owned,
+        )
+        .owns_stream(sa_events)
+        .owns_stream(role_events)
+        .owns_stream(binding_events)
+        .owns_stream(service_events);
     if let Some(listener) = metrics_listener {
         tokio::spawn(crate::metrics::serve(
             listener,
@@ -228,6 +343,7 @@ pub async fn run(
     };
     let ctx = Arc::new(Context {
         network_policy: opts.network_policy,
+        children: Some(children),
         ..Context::new(client, metrics.clone())
     });
     let drive = controller
@@ -338,7 +454,18 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
     }
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
-    let mut obs = observe(&ctx.client, job).await?; // reads
+    let (mut obs, heartbeat_version) = observe(&ctx.client, job).await?; // reads
+    if let Some(children) = &ctx.children {
+        obs.missing.extend(children.missing(job)); // from the watches' caches
+    }
+    obs.heartbeat_changed = heartbeat_version.map(|v| {
+        let mut seen = ctx.heartbeats.lock().expect("heartbeats lock");
+        let entry = seen.entry(job_key(job)).or_insert((v.clone(), obs.now));
+        if entry.0 != v {
+            *entry = (v, obs.now);
+        }
+        entry.1
+    });
     let refusals = ctx
         .refused
         .lock()
@@ -356,22 +483,29 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
 }
 
 /// Reads the job's pods, its published ring, the workers' reports and the health of the nodes
-/// its pods run on.
-async fn observe(client: &Client, job: &DiphomaJob) -> Result<Observed, Error> {
+/// its pods run on; with the heartbeat ConfigMap's `resourceVersion` (none: missing or not the
+/// job's). Only what the job owns (owner UID) is its own: pods, ring and heartbeat left by a
+/// deleted job of the same name are not; such pods' names are [`Observed::foreign`], and a
+/// missing or foreign heartbeat ConfigMap is in [`Observed::missing`].
+async fn observe(client: &Client, job: &DiphomaJob) -> Result<(Observed, Option<String>), Error> {
     let ns = job.namespace().unwrap_or_default();
     let name = job.name_any();
+    let uid = job.uid().unwrap_or_default();
     let read = |what| move |source| Error::Observe { what, source };
-    let pods = Api::<Pod>::namespaced(client.clone(), &ns)
+    let (pods, foreign): (Vec<Pod>, Vec<Pod>) = Api::<Pod>::namespaced(client.clone(), &ns)
         .list(&ListParams::default().labels(&build::selector(&name)))
         .await
         .map_err(read("pods"))?
-        .items;
+        .items
+        .into_iter()
+        .partition(|p| owned_by(&p.metadata, &uid));
     let configmaps = Api::<ConfigMap>::namespaced(client.clone(), &ns);
     let ring_name = contract::membership_configmap_name(&name);
     let ring_cm = configmaps
         .get_opt(&ring_name)
         .await
-        .map_err(read("ring ConfigMap"))?;
+        .map_err(read("ring ConfigMap"))?
+        .filter(|cm| owned_by(&cm.metadata, &uid));
     let ring = match ring_cm.and_then(|cm| cm.data?.remove(MEMBERSHIP_KEY)) {
         Some(json) => Some(Membership::parse(&json).map_err(|source| Error::Ring {
             name: ring_name.clone(),
@@ -379,10 +513,19 @@ async fn observe(client: &Client, job: &DiphomaJob) -> Result<Observed, Error> {
         })?),
         None => None,
     };
+    let heartbeat_name = contract::heartbeat_configmap_name(&name);
     let heartbeat = configmaps
-        .get_opt(&contract::heartbeat_configmap_name(&name))
+        .get_opt(&heartbeat_name)
         .await
-        .map_err(read("heartbeat ConfigMap"))?;
+        .map_err(read("heartbeat ConfigMap"))?
+        .filter(|cm| owned_by(&cm.metadata, &uid));
+    let missing = match &heartbeat {
+        Some(_) => vec![],
+        None => vec![format!("ConfigMap/{heartbeat_name}")],
+    };
+    let version = heartbeat
+        .as_ref()
+        .and_then(|cm| cm.metadata.resource_version.clone());
     let (progress, reports) = read_heartbeat(heartbeat.and_then(|cm| cm.data).unwrap_or_default());
     let now = jiff::Timestamp::now();
     let names: BTreeSet<String> = pods
@@ -416,15 +559,19 @@ async fn observe(client: &Client, job: &DiphomaJob) -> Result<Observed, Error> {
         };
         nodes.insert(n, health);
     }
-    Ok(Observed {
+    let observed = Observed {
         pods,
+        foreign: foreign.iter().map(|p| p.name_any()).collect(),
+        missing,
+        heartbeat_changed: None,
         ring,
         nodes,
         progress,
         reports,
         now,
         refused: BTreeMap::new(),
-    })
+    };
+    Ok((observed, version))
 }
 
 /// Progress and failure reports from the heartbeat ConfigMap's data; entries that do not parse

@@ -116,6 +116,10 @@ fn world(job: &DiphomaJob, pods: Vec<Value>) -> Vec<(String, Value)> {
             serde_json::to_value(build::ring_configmap(job, &ring)).unwrap(),
         ),
         (
+            "/api/v1/namespaces/ml/configmaps/train-heartbeat".into(),
+            serde_json::to_value(build::heartbeat_configmap(job)).unwrap(),
+        ),
+        (
             "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/n0".into(),
             json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": "n0"}, "spec": {"renewTime": now}}),
         ),
@@ -129,7 +133,7 @@ fn world(job: &DiphomaJob, pods: Vec<Value>) -> Vec<(String, Value)> {
 /// The job as the operator left it after the previous reconcile of `objects`.
 async fn settled(job: DiphomaJob, objects: &[(String, Value)]) -> DiphomaJob {
     let (client, _) = mock(objects.to_vec());
-    let obs = observe(&client, &job).await.unwrap();
+    let (obs, _) = observe(&client, &job).await.unwrap();
     let mut j = job;
     j.status = Some(plan::plan(&j, &obs).status);
     j

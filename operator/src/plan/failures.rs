@@ -10,7 +10,7 @@ use std::time::Duration;
 use diphoma_contract::{FailureReport, Membership};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
-use kube::{Resource, ResourceExt};
+use kube::ResourceExt;
 
 use super::{
     Cause, Deletion, EventNote, Failure, NodeHealth, Observed, Plan, by_operator, condition,
@@ -193,7 +193,8 @@ pub struct Found {
 }
 
 /// Step 1: finds the failures since the last reconcile — lost pods, silent members, members
-/// that vanished — and records each new one in `plan` (see `record`). Sets
+/// that vanished — and records each new one in `plan` (see `record`: the job's own failures and
+/// disruptions are counted apart, [`Cause::is_disruption`]). Sets
 /// `plan.requeue_after` when failure reports are still too young to judge.
 pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) -> Found {
     let spec = &job.spec;
@@ -252,7 +253,7 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
             exit_code,
             retryable,
             exists: true,
-            at: loss_time(p).unwrap_or(now),
+            at: loss_time(p).map_or(now, |t| t.min(now)),
         });
     }
     // Hung or cut-off members: blamed by a neighbour's report at the current generation and
@@ -393,7 +394,11 @@ fn record(
     f: Failure,
     keep: bool,
 ) {
-    status.failures.add(f.cause.as_str());
+    if f.cause.is_disruption() {
+        status.disruptions.add(f.cause.as_str());
+    } else {
+        status.failures.add(f.cause.as_str());
+    }
     status.last_failure = Some(LastFailure {
         pod: f.pod.clone(),
         rank: f.rank,
@@ -426,17 +431,24 @@ fn record(
     }
 }
 
-/// When a lost pod was lost: its container's finish time, else its deletion time.
+/// When a lost pod was lost: its container's finish time, else the request of its graceful
+/// deletion (`deletionTimestamp` is the deadline: the request plus `deletionGracePeriodSeconds`,
+/// in the future of the loss); none for a pod neither finished nor deleted (timed from when it
+/// is observed).
 pub(super) fn loss_time(p: &Pod) -> Option<Timestamp> {
-    let st = p.status.as_ref()?;
-    let finished = st
-        .container_statuses
-        .iter()
+    let finished = p
+        .status
+        .as_ref()
+        .and_then(|st| st.container_statuses.as_ref())
+        .into_iter()
         .flatten()
-        .find_map(|c| c.state.as_ref()?.terminated.as_ref()?.finished_at.clone());
-    finished
-        .map(|t| t.0)
-        .or(p.meta().deletion_timestamp.clone().map(|t| t.0))
+        .find_map(|c| c.state.as_ref()?.terminated.as_ref()?.finished_at.clone())
+        .map(|t| t.0);
+    let requested = p.metadata.deletion_timestamp.as_ref().map(|t| {
+        let grace = p.metadata.deletion_grace_period_seconds.unwrap_or(0);
+        t.0 - jiff::SignedDuration::from_secs(grace)
+    });
+    finished.or(requested)
 }
 
 #[cfg(test)]

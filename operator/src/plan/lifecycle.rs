@@ -1,6 +1,6 @@
 //! Step 2 of the plan: the job's lifecycle — a finished job's clean-up and TTL, the terminal
-//! outcomes (a non-retryable exit, a spent `backoffLimit`, `activeDeadlineSeconds`, the ring's
-//! completion) and suspension. Pure; it never creates workers or publishes a ring.
+//! outcomes (a non-retryable exit, a spent `backoffLimit` or `disruptionLimit`,
+//! `activeDeadlineSeconds`, the ring's completion) and suspension. Pure; it never creates workers or publishes a ring.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -99,7 +99,20 @@ fn failed(job: &DiphomaJob, now: Timestamp, plan: &mut Plan) -> Option<(&'static
             None
         }
     });
-    fatal.or(budget).or(deadline)
+    let disruptions = spec
+        .fault_tolerance
+        .disruption_limit
+        .filter(|limit| status.disruptions.total > *limit)
+        .map(|limit| {
+            (
+                "DisruptionLimitExceeded",
+                format!(
+                    "{} disruptions exceed faultTolerance.disruptionLimit {limit}",
+                    status.disruptions.total
+                ),
+            )
+        });
+    fatal.or(budget).or(disruptions).or(deadline)
 }
 
 /// Where a ring's completion stands.

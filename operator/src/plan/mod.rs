@@ -14,7 +14,7 @@
 //! A job whose spec does not decode gets [`invalid`] instead: a status and an event that name
 //! the field, and nothing else.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use diphoma_contract::{FailureReport, Membership, ProgressReport};
@@ -37,8 +37,18 @@ pub use status::conditions;
 /// What the reconciler observed for one job.
 #[derive(Debug, Clone)]
 pub struct Observed {
-    /// The job's worker pods (by label).
+    /// The job's worker pods: labelled with its name and owned by it (owner UID).
     pub pods: Vec<Pod>,
+    /// Names held by pods labelled with the job's name but owned by another object (a deleted
+    /// job of the same name whose pods still terminate): never the job's workers, and their
+    /// names are not reused.
+    pub foreign: BTreeSet<String>,
+    /// The children the job needs that are missing or not its own (`Kind/name`): the static
+    /// children are then applied again.
+    pub missing: Vec<String>,
+    /// When (this operator's clock) the heartbeat ConfigMap was last seen to change; none:
+    /// never seen.
+    pub heartbeat_changed: Option<Timestamp>,
     /// The published ring generation, if any.
     pub ring: Option<Membership>,
     /// The health of the nodes the pods run on, by node name; a node not listed counts as
@@ -93,6 +103,13 @@ impl Cause {
         matches!(self, Cause::NodeLost | Cause::Hung)
     }
 
+    /// Whether the loss is a disruption, not the job's fault (an eviction, a preemption, a lost
+    /// node): counted against `faultTolerance.disruptionLimit`, never `backoffLimit`, as batch
+    /// Job's `podFailurePolicy` treats `DisruptionTarget` pods.
+    pub fn is_disruption(self) -> bool {
+        matches!(self, Cause::Evicted | Cause::Preempted | Cause::NodeLost)
+    }
+
     /// Every cause, in declaration order (metric label values are initialized from it).
     pub const ALL: [Cause; 6] = [
         Cause::ProcessExit,
@@ -133,7 +150,8 @@ pub struct Failure {
     pub retryable: bool,
     /// Whether the pod still exists (its failure is then recorded on it).
     pub exists: bool,
-    /// When the loss happened, as far as the API tells.
+    /// When the loss happened: its container's finish time, else its deletion's request, else
+    /// when it was observed; never after the observation.
     pub at: Timestamp,
 }
 
@@ -199,8 +217,8 @@ impl EventNote {
 #[derive(Debug, Clone, Default)]
 pub struct Plan {
     /// (Re-)apply the static children (Service, RBAC, NetworkPolicy, key Secret, heartbeat
-    /// ConfigMap): the spec generation moved since the status last observed it, and the job has
-    /// not finished.
+    /// ConfigMap): the job has not finished, and the spec generation moved since the status
+    /// last observed it or a child is missing ([`Observed::missing`]).
     pub apply_children: bool,
     /// Failures to record (annotation on the pod) and count.
     pub failures: Vec<Failure>,
@@ -240,7 +258,7 @@ pub struct Relabel {
 /// the template cannot build) is reported in the plan's status and events.
 pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
     let mut plan = Plan {
-        apply_children: children_due(job),
+        apply_children: children_due(job, obs),
         status: status::carried(job),
         ..Plan::default()
     };
@@ -297,12 +315,12 @@ fn decide(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
     status::running(job, obs, &workers, &ring, plan);
 }
 
-/// Whether the static children are due: the spec generation moved since the last status, and
-/// the job has not finished.
-fn children_due(job: &DiphomaJob) -> bool {
+/// Whether the static children are due: the job has not finished, and the spec generation
+/// moved since the last status or a child is missing.
+fn children_due(job: &DiphomaJob, obs: &Observed) -> bool {
     let prev = job.status.clone().unwrap_or_default();
     !prev.phase.is_some_and(Phase::is_terminal)
-        && prev.observed_generation != job.metadata.generation
+        && (prev.observed_generation != job.metadata.generation || !obs.missing.is_empty())
 }
 
 /// See [`Plan::look_again`].

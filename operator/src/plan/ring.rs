@@ -1,6 +1,7 @@
 //! Step 4 of the plan: the ring — publish generation g+1 when the live membership changes (a
-//! member lost, or grown once nobody is still starting), never below `minReplicas`, and the
-//! ring's status view. Pure; it neither creates nor deletes pods.
+//! member lost, or grown once nobody is still starting, or the ring ConfigMap lost), never below
+//! `minReplicas`, and the ring's status view. Generations only grow: g is the larger of the
+//! published ring's and the status'. Pure; it neither creates nor deletes pods.
 
 use std::collections::BTreeSet;
 
@@ -12,6 +13,18 @@ use super::failures::Found;
 use super::workers::{Workers, ready_member};
 use super::{EventNote, Observed, Plan, Relabel, parse_ts};
 use crate::api::{DiphomaJob, MAX_LISTED_MEMBERS, RingMember, RingStatus};
+
+/// The number of the next generation: one above both the published ring's and the one the
+/// job's status records (the status is the source of truth: a deleted or foreign ring
+/// ConfigMap never makes the generation go back, and the workers ignore an older one).
+fn next_number(ring: Option<&Membership>, job: &DiphomaJob) -> u64 {
+    let recorded = job
+        .status
+        .as_ref()
+        .and_then(|s| s.ring.as_ref())
+        .map_or(0, |r| u64::try_from(r.generation).unwrap_or(0));
+    ring.map_or(0, |r| r.generation).max(recorded) + 1
+}
 
 /// What the ring step saw of the workers, for the status.
 #[derive(Debug, Clone, Default)]
@@ -57,7 +70,7 @@ pub fn next_generation(
         && (lost_member || (grown && workers.starting == 0));
     let status = &mut plan.status;
     if enough && change {
-        let generation = ring.map_or(1, |r| r.generation + 1);
+        let generation = next_number(ring, job);
         let members = ready
             .iter()
             .enumerate()
@@ -205,6 +218,9 @@ mod tests {
             reports: vec![],
             now: jiff::Timestamp::UNIX_EPOCH,
             refused: Default::default(),
+            foreign: Default::default(),
+            missing: vec![],
+            heartbeat_changed: None,
         };
         let mut plan = Plan::default();
         plan.delete.push(super::super::Deletion {
@@ -257,6 +273,9 @@ mod tests {
             reports: vec![],
             now: jiff::Timestamp::UNIX_EPOCH,
             refused: Default::default(),
+            foreign: Default::default(),
+            missing: vec![],
+            heartbeat_changed: None,
         };
         let plan = Plan::default();
         assert_eq!(

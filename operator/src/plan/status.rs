@@ -1,6 +1,7 @@
 //! Step 5 of the plan: the status — what carries over from the previous status, the progress
 //! the workers report, readiness, why the ring waits, the phase, and the conditions (each with
-//! its own reason and message; `lastTransitionTime` moves only when a condition flips). Pure.
+//! its own reason and message; `lastTransitionTime` moves only when a condition flips), among
+//! them, while the job runs, `Reporting`: whether the workers' reports reach the operator. Pure.
 
 use diphoma_contract::ProgressReport;
 use jiff::Timestamp;
@@ -172,6 +173,14 @@ pub fn running(
         obs.now,
         job.metadata.generation,
     );
+    let reporting = reporting(job, obs, status.progress.is_some());
+    status.conditions.push(condition(
+        &prev.conditions,
+        "Reporting",
+        reporting,
+        obs.now,
+        job.metadata.generation,
+    ));
     // Each worker that does not start is announced when what the job waits for changes, not on
     // every reconcile.
     if plan.status.waiting != prev.waiting {
@@ -219,6 +228,92 @@ fn phase_reason(p: Phase) -> &'static str {
         Phase::Suspended => "Suspended",
         Phase::Succeeded => "RingCompleted",
         Phase::Failed => "Failed",
+    }
+}
+
+/// How long the workers' heartbeat ConfigMap may stay unchanged, once they have reported,
+/// before the `Reporting` condition says their reports stopped: `detectionSeconds` times this,
+/// and at least [`MIN_REPORT_SILENCE_SECONDS`] (rank 0 reports every 5 s while it steps).
+pub const REPORT_SILENCE_FACTOR: i64 = 3;
+
+/// See [`REPORT_SILENCE_FACTOR`].
+pub const MIN_REPORT_SILENCE_SECONDS: i64 = 30;
+
+/// Children without which the workers cannot report (the heartbeat ConfigMap they write, the
+/// ServiceAccount, Role and RoleBinding that let them), as `Kind/` prefixes of
+/// [`super::Observed::missing`].
+const REPORTING_PATH: [&str; 4] = ["ConfigMap/", "ServiceAccount/", "Role/", "RoleBinding/"];
+
+/// The `Reporting` condition of a running job (status, reason, message): `False` while a child
+/// on the workers' reporting path is missing (`ReportingPathLost`, it is being restored) or, once
+/// they have reported (`reported`), while their heartbeat has not changed for the silence of
+/// [`REPORT_SILENCE_FACTOR`] (`ReportsStopped`; timed by this operator's clock alone); `Unknown`
+/// before a first report (`NoReportYet`); `True` otherwise (`ReportsArriving`).
+pub fn reporting(
+    job: &DiphomaJob,
+    obs: &Observed,
+    reported: bool,
+) -> (&'static str, &'static str, String) {
+    let lost: Vec<&str> = obs
+        .missing
+        .iter()
+        .filter(|m| REPORTING_PATH.iter().any(|k| m.starts_with(k)))
+        .map(String::as_str)
+        .collect();
+    if !lost.is_empty() {
+        return (
+            "False",
+            "ReportingPathLost",
+            format!(
+                "the workers cannot report without {}: restoring it",
+                lost.join(", ")
+            ),
+        );
+    }
+    let silence = (i64::from(job.spec.fault_tolerance.detection_seconds) * REPORT_SILENCE_FACTOR)
+        .max(MIN_REPORT_SILENCE_SECONDS);
+    let quiet = obs
+        .heartbeat_changed
+        .map(|t| obs.now.duration_since(t).as_secs());
+    match quiet {
+        Some(q) if reported && q > silence => (
+            "False",
+            "ReportsStopped",
+            format!("no report from the workers for {q} s (more than {silence} s)"),
+        ),
+        _ if reported => (
+            "True",
+            "ReportsArriving",
+            "the workers report their progress".into(),
+        ),
+        _ => (
+            "Unknown",
+            "NoReportYet",
+            "the workers have not reported progress yet".into(),
+        ),
+    }
+}
+
+/// Condition `type_` with (status, reason, message) `now`; it keeps its `lastTransitionTime`
+/// from `prev` unless its status flips.
+fn condition(
+    prev: &[Condition],
+    type_: &str,
+    (status, reason, message): (&str, &str, String),
+    now: Timestamp,
+    generation: Option<i64>,
+) -> Condition {
+    let last_transition_time = match prev.iter().find(|c| c.type_ == type_) {
+        Some(o) if o.status == status => o.last_transition_time.clone(),
+        _ => Time(now),
+    };
+    Condition {
+        type_: type_.into(),
+        status: status.into(),
+        reason: reason.into(),
+        message,
+        last_transition_time,
+        observed_generation: generation,
     }
 }
 
@@ -277,20 +372,8 @@ pub fn conditions(
         .iter()
         .map(|t| {
             let (truth, reason, message) = condition_of(t, phase, reason, message);
-            let status = if truth { "True" } else { "False" }.to_owned();
-            let old = prev.iter().find(|c| c.type_ == *t);
-            let last_transition_time = match old {
-                Some(o) if o.status == status => o.last_transition_time.clone(),
-                _ => Time(now),
-            };
-            Condition {
-                type_: (*t).into(),
-                status,
-                reason,
-                message,
-                last_transition_time,
-                observed_generation: generation,
-            }
+            let status = if truth { "True" } else { "False" };
+            condition(prev, t, (status, &reason, message), now, generation)
         })
         .collect()
 }

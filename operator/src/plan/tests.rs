@@ -19,6 +19,9 @@ fn t(secs: i64) -> Timestamp {
 fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
     Observed {
         pods,
+        foreign: Default::default(),
+        missing: vec![],
+        heartbeat_changed: None,
         ring,
         nodes: BTreeMap::new(),
         progress: None,
@@ -1111,4 +1114,151 @@ fn a_job_that_fails_keeps_only_the_newest_failed_pod_of_each_worker() {
         .filter(|(pod, _)| pod.starts_with("train-worker-1"))
         .collect();
     assert_eq!(deleted, [("train-worker-1", "Pruned")]);
+}
+
+/// `pods[i]` carries the API server's `DisruptionTarget` condition with `reason` and is being
+/// deleted gracefully: requested at `t(90)` with 20 s of grace, so its `deletionTimestamp` (the
+/// deadline) is `t(110)`, after `now` (`t(100)`).
+fn disrupted(mut p: Pod, reason: &str) -> Pod {
+    let mut st = p.status.clone().unwrap();
+    st.conditions.as_mut().unwrap().push(
+        serde_json::from_value(
+            json!({"type": "DisruptionTarget", "status": "True", "reason": reason}),
+        )
+        .unwrap(),
+    );
+    p.status = Some(st);
+    p.metadata.deletion_timestamp = Some(Time(t(110)));
+    p.metadata.deletion_grace_period_seconds = Some(20);
+    p
+}
+
+#[test]
+fn disruptions_spend_their_own_limit_never_the_backoff_limit() {
+    let mut j = elastic(2);
+    j.spec.run_policy.backoff_limit = 0;
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[1] = disrupted(pods[1].clone(), "EvictionByEvictionAPI");
+    pods[2] = disrupted(pods[2].clone(), "PreemptionByScheduler");
+    let mut o = obs(pods.clone(), Some(ring(&j, 1, &[0, 1, 2, 3])));
+    o.nodes.insert("n3".into(), lost_node());
+    let p = plan(&j, &o);
+    assert_eq!(p.status.phase, Some(Phase::Repairing), "no limit: repaired");
+    assert_eq!(p.status.failures.total, 0, "{:?}", p.status.failures);
+    assert_eq!(p.status.disruptions.total, 3);
+    for c in ["Evicted", "Preempted", "NodeLost"] {
+        assert_eq!(p.status.disruptions.by_cause[c], 1, "{c}");
+        assert_eq!(p.status.repairs.by_cause[c], 1, "{c}");
+    }
+    // With a limit of 2, the third disruption fails the job, by its own reason.
+    j.spec.fault_tolerance.disruption_limit = Some(2);
+    let p = plan(&j, &o);
+    assert_eq!(p.status.phase, Some(Phase::Failed));
+    let failed = p.status.conditions.iter().find(|c| c.type_ == "Failed");
+    assert_eq!(failed.unwrap().reason, "DisruptionLimitExceeded");
+    // The job's own failure still spends backoffLimit 0.
+    j.spec.fault_tolerance.disruption_limit = None;
+    pods[0] = exited(pods[0].clone(), 137, "Error");
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    assert_eq!(
+        (p.status.failures.total, p.status.disruptions.total),
+        (1, 2)
+    );
+    let failed = p.status.conditions.iter().find(|c| c.type_ == "Failed");
+    assert_eq!(failed.unwrap().reason, "BackoffLimitExceeded");
+}
+
+#[test]
+fn a_graceful_deletion_is_timed_when_observed_not_at_its_deadline() {
+    let j = elastic(2);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[3] = disrupted(pods[3].clone(), "EvictionByEvictionAPI");
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    let last = p.status.last_failure.unwrap();
+    assert_eq!(last.reason, "EvictionByEvictionAPI");
+    // Requested at t(90) with 20 s of grace: timed from the request, not the deadline t(110).
+    assert_eq!(last.time, t(90).to_string());
+}
+
+#[test]
+fn a_lost_ring_configmap_never_takes_the_generation_back() {
+    let mut j = with_status(basic(), Phase::Running);
+    j.status.as_mut().unwrap().ring = Some(RingStatus {
+        generation: 3,
+        size: 4,
+        ..Default::default()
+    });
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    // Deleted (or left by another job): the next publication is above the status' generation.
+    let p = plan(&j, &obs(pods.clone(), None));
+    assert_eq!(p.publish.map(|m| m.generation), Some(4));
+    assert_eq!(p.status.ring.unwrap().generation, 4);
+    // A published ring older than the status cannot take it back either.
+    let mut o = obs(pods, Some(ring(&j, 1, &[0, 1, 2])));
+    o.pods[3] = pod(&j, 3, "Running");
+    let p = plan(&j, &o);
+    assert_eq!(p.publish.map(|m| m.generation), Some(4));
+}
+
+#[test]
+fn names_held_by_another_jobs_pods_are_skipped_and_never_counted() {
+    let j = basic();
+    let mut o = obs(vec![], None);
+    o.foreign = ["train-worker-0", "train-worker-2", "train-worker-2-1"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let p = plan(&j, &o);
+    let names: Vec<String> = p.create.iter().map(|p| p.name_any()).collect();
+    assert_eq!(
+        names,
+        [
+            "train-worker-0-1",
+            "train-worker-1",
+            "train-worker-2-2",
+            "train-worker-3"
+        ]
+    );
+    assert!(p.failures.is_empty() && p.status.failures.total == 0);
+}
+
+#[test]
+fn a_missing_child_is_restored_and_a_lost_reporting_path_shows() {
+    let mut j = with_status(basic(), Phase::Running);
+    j.status.as_mut().unwrap().observed_generation = Some(1);
+    j.status.as_mut().unwrap().progress = Some(crate::api::Progress {
+        step: 10,
+        ..Default::default()
+    });
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let reporting = |o: &Observed| {
+        let p = plan(&j, o);
+        let c = p.status.conditions.iter().find(|c| c.type_ == "Reporting");
+        let c = c.cloned().expect("a Reporting condition");
+        (p.apply_children, c.status, c.reason)
+    };
+    let mut o = obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3])));
+    o.heartbeat_changed = Some(t(95));
+    assert_eq!(
+        reporting(&o),
+        (false, "True".into(), "ReportsArriving".into())
+    );
+    o.missing = vec!["RoleBinding/train-worker".into()];
+    assert_eq!(
+        reporting(&o),
+        (true, "False".into(), "ReportingPathLost".into())
+    );
+    // A Service is not on the reporting path: restored, reporting unaffected.
+    o.missing = vec!["Service/train".into()];
+    assert_eq!(
+        reporting(&o),
+        (true, "True".into(), "ReportsArriving".into())
+    );
+    // Unchanged for longer than 3 × detectionSeconds (at least 30 s), by this operator's clock.
+    o.missing = vec![];
+    o.heartbeat_changed = Some(t(60));
+    assert_eq!(
+        reporting(&o),
+        (false, "False".into(), "ReportsStopped".into())
+    );
 }

@@ -1,5 +1,5 @@
 //! Step 3 of the plan: the workers — one live pod per index below `replicas` (a missing one is
-//! created, avoiding dead nodes), the indices above it scaled away. Pure; it does not decide
+//! created, avoiding dead nodes and the names another owner's pods still hold), the indices above it scaled away. Pure; it does not decide
 //! which workers are ring members (that is [`super::ring`]).
 
 use std::collections::BTreeMap;
@@ -83,7 +83,11 @@ pub fn workers<'a>(
     let mut invalid = vec![];
     for i in 0..desired {
         if !live.contains_key(&i) {
-            let attempt = attempts.get(&i).map_or(0, |a| a + 1);
+            let mut attempt = attempts.get(&i).map_or(0, |a| a + 1);
+            // A name still held by another owner's pod (a deleted job's, terminating) is skipped.
+            while obs.foreign.contains(&build::pod_name(&name, i, attempt)) {
+                attempt += 1;
+            }
             let mut pod = match build::worker_pod(job, i, attempt) {
                 Ok(pod) => pod,
                 Err(e) => {
@@ -192,6 +196,9 @@ mod tests {
             reports: vec![],
             now: jiff::Timestamp::UNIX_EPOCH,
             refused: Default::default(),
+            foreign: Default::default(),
+            missing: vec![],
+            heartbeat_changed: None,
         };
         let dead = Found {
             dead_nodes: ["n1".to_owned()].into(),
