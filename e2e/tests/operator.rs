@@ -40,6 +40,8 @@ fn main() -> Result<()> {
             a_training_job_survives_a_killed_worker_and_succeeds,
             the_kubectl_plugin_shows_the_ring_logs_why_and_top_of_a_repaired_job,
             two_replicas_elect_one_leader_that_serves_metrics,
+            a_terminated_leader_releases_the_lease_and_the_standby_repairs_at_once,
+            a_node_whose_clock_is_behind_is_never_lost_and_its_skew_is_reported_once,
             node_loss_is_detected_from_its_lease_and_workers_move,
             a_job_the_operator_cannot_read_is_reported_on_itself_and_others_go_on,
             names_that_cannot_work_are_refused_and_the_longest_survives_repairs,
@@ -384,6 +386,62 @@ async fn a_silent_worker_blamed_by_its_neighbours_is_replaced(
     Ok(())
 }
 
+/// A node whose kubelet writes its Lease's `renewTime` 30 s behind the operator's clock (and so
+/// reads 30 s old on every look, past `detectionSeconds`): the operator judges the Lease by when
+/// it saw it change, so a job pinned to that node runs to completion with no failure, and the
+/// skew is reported as one `ClockSkew` Warning naming the node.
+async fn a_node_whose_clock_is_behind_is_never_lost_and_its_skew_is_reported_once(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let node = "gpu-2";
+    ctx.kubelet
+        .set_clock_offset(node, jiff::SignedDuration::from_secs(-30))?;
+    let result = async {
+        let job = JobManifest {
+            args: vec!["--sleep".into(), "12".into()],
+            extra: json!({"spec": {"template": {"spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node}
+            }}}}),
+            ..detecting_job("skewed", 2)
+        };
+        start_job(&ctx, &ns, &job, 2).await?;
+        let mut st = None;
+        eventually(60, "the job on the skewed node finished", async || {
+            st = job_status(&ctx.client, &ns, "skewed").await?.status;
+            Ok(st
+                .as_ref()
+                .and_then(|s| s.phase)
+                .is_some_and(Phase::is_terminal))
+        })
+        .await?;
+        let st = st.unwrap();
+        ensure!(
+            st.phase == Some(Phase::Succeeded) && st.failures.total == 0,
+            "{:?} {:?}",
+            st.phase,
+            st.failures
+        );
+        let skews: Vec<String> = Api::<Event>::namespaced(ctx.client.clone(), &ns)
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .filter(|e| e.reason.as_deref() == Some("ClockSkew"))
+            .filter_map(|e| e.note)
+            .collect();
+        ensure!(
+            skews.len() == 1 && skews[0].contains(&format!("node {node}'s clock")),
+            "one ClockSkew event for {node}: {skews:?}"
+        );
+        Ok(())
+    }
+    .await;
+    ctx.kubelet
+        .set_clock_offset(node, jiff::SignedDuration::ZERO)?;
+    result
+}
+
 async fn node_loss_is_detected_from_its_lease_and_workers_move(
     ctx: Arc<Ctx>,
     ns: String,
@@ -491,6 +549,83 @@ async fn two_replicas_elect_one_leader_that_serves_metrics(
     for (_, tx, task) in replicas {
         let _ = tx.send(());
         let _ = task.await;
+    }
+    ctx.start_operator();
+    result
+}
+
+/// Two operator processes elect a leader on a Lease; SIGTERM the leader. Its first step of
+/// shutdown releases the Lease, so the standby holds it before the old Lease could have expired
+/// (its `acquireTime` is earlier than the last `renewTime` plus `leaseDurationSeconds`, instead
+/// of after it), and the standby repairs a worker killed after the handover.
+async fn a_terminated_leader_releases_the_lease_and_the_standby_repairs_at_once(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    use k8s_openapi::api::coordination::v1::Lease;
+    ctx.stop_operator().await;
+    let lease_name = "diphoma-operator-handover";
+    let mut replicas = vec![];
+    for id in ["replica-a", "replica-b"] {
+        let log = std::fs::File::create(ctx.cp.kubelet_root().join(format!("{ns}-{id}.log")))?;
+        let child = std::process::Command::new(bin_dir().join("diphoma-operator"))
+            .args(["run", "--leader-elect", "--lease-namespace", &ns])
+            .args(["--lease-name", lease_name, "--identity", id])
+            .args(["--metrics-addr", &free_addr()?.to_string()])
+            .env("KUBECONFIG", &ctx.cp.kubeconfig)
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()?;
+        replicas.push((id, child));
+    }
+    let result = async {
+        let g1 = start_job(&ctx, &ns, &detecting_job("train", 2), 2).await?;
+        let leases: Api<Lease> = Api::namespaced(ctx.client.clone(), &ns);
+        let before = leases
+            .get(lease_name)
+            .await?
+            .spec
+            .context("no lease spec")?;
+        let leader = before.holder_identity.clone().context("no holder")?;
+        let standby = if leader == "replica-a" {
+            "replica-b"
+        } else {
+            "replica-a"
+        };
+        let (_, child) = replicas
+            .iter_mut()
+            .find(|(id, _)| *id == leader)
+            .context("the leader is none of the replicas")?;
+        signal(child.id(), libc::SIGTERM);
+        let mut after = None;
+        eventually(60, "the standby holds the lease", async || {
+            after = leases.get(lease_name).await?.spec;
+            Ok(after
+                .as_ref()
+                .is_some_and(|s| s.holder_identity.as_deref() == Some(standby)))
+        })
+        .await?;
+        let after = after.unwrap();
+        let (renewed, duration) = (
+            before.renew_time.context("no renewTime")?.0,
+            before.lease_duration_seconds.context("no duration")?,
+        );
+        let acquired = after.acquire_time.context("no acquireTime")?.0;
+        ensure!(
+            acquired < renewed + jiff::SignedDuration::from_secs(duration.into()),
+            "the standby took the lease at {acquired}, only once the old one ({renewed} + \
+             {duration} s) expired: it was not released"
+        );
+        ensure!(child.wait()?.success(), "the old leader's exit");
+        let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+        signal(pid_of(&pods.get("train-worker-1").await?)?, libc::SIGKILL);
+        running_ring(&ctx, &ns, "train", 2, g1.generation).await?;
+        Ok(())
+    }
+    .await;
+    for (_, mut child) in replicas {
+        let _ = child.kill();
+        let _ = child.wait();
     }
     ctx.start_operator();
     result

@@ -244,7 +244,8 @@ pub enum CleanPodPolicy {
 pub struct FaultTolerance {
     /// Seconds within which a silent worker (a hung process, the workers of a lost node) is
     /// blamed by its ring neighbours and declared dead. A node is also declared lost from its
-    /// Lease once the Lease is older than this and a whole renewal was missed.
+    /// Lease once it has not been seen to change for longer than this and a whole renewal was
+    /// missed.
     #[serde(default = "default_detection_seconds")]
     #[schemars(range(min = 1, max = 3600))]
     pub detection_seconds: i32,

@@ -4,7 +4,8 @@
 //!
 //! API calls per reconcile:
 //! - reads (`observe`): the job's pods (one list), the ring and heartbeat ConfigMaps, and for
-//!   each node its pods run on, that node's Lease in `kube-node-lease` and the Node;
+//!   each node its pods run on, that node's Lease in `kube-node-lease` (remembered in
+//!   [`Context::leases`]: when this operator saw its `renewTime` change) and the Node;
 //! - writes (`apply`), only what the plan asks for, in this order: the static children
 //!   (ServiceAccount, Role, RoleBinding, Service, NetworkPolicy by server-side apply; key Secret
 //!   and heartbeat ConfigMap created once) when [`Plan::apply_children`]; the status when it
@@ -44,6 +45,7 @@ use crate::api::{DiphomaJob, DiphomaJobStatus, FIELD_MANAGER};
 use crate::build::{self, ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED, MANAGED_BY};
 use crate::error::Error;
 use crate::metrics::Metrics;
+use crate::plan::nodes::{LeaseSeen, observe_lease};
 use crate::plan::{self, NodeHealth, Observed, Plan};
 
 /// What every reconcile shares.
@@ -62,6 +64,10 @@ pub struct Context {
     /// Per job (`namespace/name`): reconciles failed in a row, for the exponential back-off of
     /// the error policy ([`retry_delay`]); cleared by a reconcile that succeeds.
     pub retries: Mutex<BTreeMap<String, u32>>,
+    /// Per node: its Lease as this operator last saw it, and when it saw it change (node health
+    /// is judged by this operator's clocks, never by the kubelet's `renewTime`:
+    /// [`plan::nodes`]).
+    pub leases: Mutex<BTreeMap<String, LeaseSeen>>,
 }
 
 /// The worker creations the API server refused for one job at the last apply. Only their
@@ -110,6 +116,7 @@ impl Context {
             network_policy: false,
             refused: Mutex::default(),
             retries: Mutex::default(),
+            leases: Mutex::default(),
         }
     }
 }
@@ -154,6 +161,85 @@ pub enum RunError {
 /// How long [`run`] waits for reconciles in flight after its shutdown signal.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
+/// How long [`run`] waits, before it returns, for the release of the leader Lease.
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How often a standby looks whether the leader released the Lease ([`released`]); client-go's
+/// `RetryPeriod` is 2 s.
+const STANDBY_POLL: Duration = Duration::from_secs(1);
+
+/// The task of a Lease manager: it keeps the Lease while the leadership watch is held, and
+/// releases it when the watch is dropped.
+type LeaseTask = tokio::task::JoinHandle<
+    Result<kube_lease_manager::LeaseManager, kube_lease_manager::LeaseManagerError>,
+>;
+
+/// Campaigns for the leader Lease `le` until this replica holds it: returns its leadership watch
+/// (true while leader) and the manager's task, or none when `shutdown` resolved first.
+///
+/// A standby's manager sleeps until the holder's Lease would expire; a leader that shuts down
+/// releases it long before that. So the standby also looks at the Lease every
+/// [`STANDBY_POLL`], and when it sees it released, starts a new manager, which takes it at once.
+///
+/// Errors: [`RunError::Lease`] when the manager cannot be set up, [`RunError::LostLeadership`]
+/// when its task ends.
+async fn campaign(
+    client: &Client,
+    le: &LeaderElection,
+    shutdown: &mut (impl std::future::Future<Output = ()> + Unpin),
+) -> Result<Option<(tokio::sync::watch::Receiver<bool>, LeaseTask)>, RunError> {
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &le.namespace);
+    loop {
+        let lease = format!("{}/{}", le.namespace, le.lease_name);
+        let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &le.lease_name)
+            .with_namespace(&le.namespace)
+            .with_identity(&le.identity)
+            // Per identity: the Lease's server-side-apply conflicts are what keep two replicas
+            // from both holding it.
+            .with_field_manager(format!("{FIELD_MANAGER}-{}", le.identity))
+            .build()
+            .await
+            .map_err(|source| RunError::Lease { lease, source })?;
+        let (mut rx, task) = manager.watch().await;
+        enum Next {
+            Leader(bool),
+            Released,
+            Shutdown,
+        }
+        let next = tokio::select! {
+            held = rx.wait_for(|leader| *leader) => Next::Leader(held.is_ok()),
+            _ = released(&leases, &le.lease_name) => Next::Released,
+            _ = &mut *shutdown => Next::Shutdown,
+        };
+        match next {
+            Next::Leader(true) => return Ok(Some((rx, task))),
+            Next::Leader(false) => return Err(RunError::LostLeadership),
+            // Not the holder: dropping the watch releases nothing.
+            Next::Shutdown => return Ok(None),
+            Next::Released => task.abort(), // a standby, asleep: a new manager takes over
+        }
+    }
+}
+
+/// Resolves once the Lease `name` is seen going from held to released (no holder), looking every
+/// [`STANDBY_POLL`]; a Lease that cannot be read counts as unchanged.
+async fn released(leases: &Api<Lease>, name: &str) {
+    let mut held = false;
+    loop {
+        tokio::time::sleep(STANDBY_POLL).await;
+        let Ok(lease) = leases.get_opt(name).await else {
+            continue;
+        };
+        let holder = lease
+            .and_then(|l| l.spec?.holder_identity)
+            .filter(|h| !h.is_empty());
+        if held && holder.is_none() {
+            return;
+        }
+        held = holder.is_some();
+    }
+}
+
 /// Runs the controller until `shutdown` resolves: serves `/metrics`, `/healthz` and `/readyz` on
 /// `metrics` (a bound listener, none: not served), waits for the leader Lease when asked to,
 /// then reconciles every `DiphomaJob`.
@@ -186,26 +272,16 @@ pub async fn run(
     // of two replicas never finishes rolling out (controller-runtime does the same).
     ready.store(true, Ordering::Relaxed);
     let mut leadership = None;
+    let mut lease_task = None;
     if let Some(le) = &opts.leader_election {
-        let lease = format!("{}/{}", le.namespace, le.lease_name);
-        let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &le.lease_name)
-            .with_namespace(&le.namespace)
-            .with_identity(&le.identity)
-            // Per identity: the Lease's server-side-apply conflicts are what keep two replicas
-            // from both holding it.
-            .with_field_manager(format!("{FIELD_MANAGER}-{}", le.identity))
-            .build()
-            .await
-            .map_err(|source| RunError::Lease { lease, source })?;
-        let (mut rx, _task) = manager.watch().await;
         tracing::info!(identity = %le.identity, "waiting for the leader lease");
-        while !*rx.borrow_and_update() {
-            tokio::select! {
-                changed = rx.changed() => if changed.is_err() { return Err(RunError::LostLeadership) },
-                _ = &mut shutdown => return Ok(()),
+        match campaign(&client, le, &mut shutdown).await? {
+            Some((rx, task)) => {
+                leadership = Some(rx);
+                lease_task = Some(task);
             }
+            None => return Ok(()),
         }
-        leadership = Some(rx);
     }
     metrics.leader.set(1);
     let lost = Arc::new(AtomicBool::new(false));
@@ -220,6 +296,8 @@ pub async fn run(
             },
             None => shutdown.await,
         }
+        // Here `rx` is dropped: the Lease manager releases the Lease at once (the first step of
+        // the shutdown, as client-go's ReleaseOnCancel), while the controller drains.
         let _ = stop_tx.send(());
         let _ = stopping_tx.send(true);
     });
@@ -247,6 +325,12 @@ pub async fn run(
         } => tracing::warn!("the controller did not stop within {SHUTDOWN_GRACE:?} of the signal; dropping it"),
     }
     metrics.leader.set(0);
+    if let Some(task) = lease_task {
+        // The release was sent at the signal; the process must not exit before it is written.
+        if tokio::time::timeout(RELEASE_TIMEOUT, task).await.is_err() {
+            tracing::warn!("the leader lease was not released within {RELEASE_TIMEOUT:?}");
+        }
+    }
     if lost.load(Ordering::Relaxed) {
         Err(RunError::LostLeadership)
     } else {
@@ -338,7 +422,7 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
     }
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
-    let mut obs = observe(&ctx.client, job).await?; // reads
+    let mut obs = observe(&ctx.client, &ctx.leases, job).await?; // reads
     let refusals = ctx
         .refused
         .lock()
@@ -356,8 +440,12 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
 }
 
 /// Reads the job's pods, its published ring, the workers' reports and the health of the nodes
-/// its pods run on.
-async fn observe(client: &Client, job: &DiphomaJob) -> Result<Observed, Error> {
+/// its pods run on; `leases` is the memory of the node Leases seen before, updated here.
+async fn observe(
+    client: &Client,
+    leases: &Mutex<BTreeMap<String, LeaseSeen>>,
+    job: &DiphomaJob,
+) -> Result<Observed, Error> {
     let ns = job.namespace().unwrap_or_default();
     let name = job.name_any();
     let read = |what| move |source| Error::Observe { what, source };
@@ -400,12 +488,36 @@ async fn observe(client: &Client, job: &DiphomaJob) -> Result<Observed, Error> {
             .get_opt(&n)
             .await
             .map_err(read("Node"))?;
+        let renewed = lease
+            .as_ref()
+            .and_then(|s| s.renew_time.as_ref())
+            .map(|t| t.0);
+        let duration_s = lease.as_ref().and_then(|s| s.lease_duration_seconds);
+        let (lease_age, clock_skew) = {
+            let mut leases = leases.lock().expect("leases lock");
+            match renewed {
+                Some(renewed) => {
+                    let at = std::time::Instant::now();
+                    let (seen, skew) = observe_lease(
+                        leases.get(&n),
+                        renewed,
+                        duration_s,
+                        at,
+                        jiff::Timestamp::now(),
+                    );
+                    leases.insert(n.clone(), seen);
+                    (Some(seen.age(at)), skew)
+                }
+                None => {
+                    leases.remove(&n);
+                    (None, None)
+                }
+            }
+        };
         let health = NodeHealth {
-            lease_renewed: lease
-                .as_ref()
-                .and_then(|s| s.renew_time.as_ref())
-                .map(|t| t.0),
-            lease_duration_seconds: lease.as_ref().and_then(|s| s.lease_duration_seconds),
+            lease_age,
+            lease_duration_seconds: duration_s,
+            clock_skew,
             ready: node.is_some_and(|node| {
                 node.status
                     .and_then(|s| s.conditions)

@@ -1,7 +1,9 @@
 //! `diphoma-kubelet`: the process kubelet as a program.
 //!
 //! - `diphoma-kubelet run --kubeconfig K --root DIR --socket S --nodes 4 --gpus 8` registers the
-//!   nodes and runs their pods until SIGTERM/SIGINT, then kills every pod process it started.
+//!   nodes and runs their pods until SIGTERM/SIGINT, then kills every pod process it started;
+//!   `--clock-offset-seconds -30` writes the nodes' Lease `renewTime`s 30 s behind this machine's
+//!   clock (nodes whose clocks disagree with the control plane's).
 //! - `diphoma-kubelet fail-node --socket S NODE [--mode kill|freeze]` asks a running kubelet to
 //!   fail a node (heartbeats stop, processes killed or frozen, pods left Running in the API).
 
@@ -50,6 +52,10 @@ enum Cmd {
         /// Extra image mappings, `NAME=PATH` (repeatable).
         #[arg(long = "image")]
         images: Vec<String>,
+        /// Seconds the nodes' clocks are ahead of this machine's (negative: behind), as their
+        /// Lease `renewTime`s show.
+        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        clock_offset_seconds: i64,
     },
     /// Fail a node of a running kubelet.
     FailNode {
@@ -81,7 +87,14 @@ async fn main() {
             gpus,
             bin_dir,
             images,
-        } => run(kubeconfig, root, socket, nodes, gpus, bin_dir, images).await,
+            clock_offset_seconds,
+        } => {
+            let offset = jiff::SignedDuration::from_secs(clock_offset_seconds);
+            run(
+                kubeconfig, root, socket, nodes, gpus, bin_dir, images, offset,
+            )
+            .await
+        }
         Cmd::FailNode { socket, node, mode } => fail_node(socket, node, mode).await,
     };
     if let Err(e) = result {
@@ -90,6 +103,7 @@ async fn main() {
     }
 }
 
+#[allow(clippy::too_many_arguments)] // one per command-line option
 async fn run(
     kubeconfig: PathBuf,
     root: PathBuf,
@@ -98,6 +112,7 @@ async fn run(
     gpus: u32,
     bin_dir: Option<PathBuf>,
     images: Vec<String>,
+    clock_offset: jiff::SignedDuration,
 ) -> Result<(), Error> {
     let bin_dir = match bin_dir {
         Some(d) => d,
@@ -110,6 +125,7 @@ async fn run(
         .map(|i| NodeConfig::gpu(&format!("gpu-node-{i}"), gpus))
         .collect();
     let mut cfg = KubeletConfig::from_kubeconfig(&kubeconfig, nodes, &bin_dir, root)?;
+    cfg.clock_offset = clock_offset;
     for spec in &images {
         cfg.images.insert_spec(spec)?;
     }
