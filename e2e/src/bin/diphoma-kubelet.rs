@@ -89,11 +89,12 @@ async fn main() {
             images,
             clock_offset_seconds,
         } => {
-            let offset = jiff::SignedDuration::from_secs(clock_offset_seconds);
-            run(
-                kubeconfig, root, socket, nodes, gpus, bin_dir, images, offset,
-            )
-            .await
+            let node = |i| NodeConfig {
+                clock_offset_seconds,
+                ..NodeConfig::gpu(&format!("gpu-node-{i}"), gpus)
+            };
+            let nodes = (0..nodes).map(node).collect();
+            run(kubeconfig, root, socket, nodes, bin_dir, images).await
         }
         Cmd::FailNode { socket, node, mode } => fail_node(socket, node, mode).await,
     };
@@ -103,16 +104,13 @@ async fn main() {
     }
 }
 
-#[allow(clippy::too_many_arguments)] // one per command-line option
 async fn run(
     kubeconfig: PathBuf,
     root: PathBuf,
     socket: PathBuf,
-    nodes: u32,
-    gpus: u32,
+    nodes: Vec<NodeConfig>,
     bin_dir: Option<PathBuf>,
     images: Vec<String>,
-    clock_offset: jiff::SignedDuration,
 ) -> Result<(), Error> {
     let bin_dir = match bin_dir {
         Some(d) => d,
@@ -121,11 +119,7 @@ async fn run(
             .and_then(|p| p.parent().map(PathBuf::from))
             .unwrap_or_default(),
     };
-    let nodes = (0..nodes)
-        .map(|i| NodeConfig::gpu(&format!("gpu-node-{i}"), gpus))
-        .collect();
     let mut cfg = KubeletConfig::from_kubeconfig(&kubeconfig, nodes, &bin_dir, root)?;
-    cfg.clock_offset = clock_offset;
     for spec in &images {
         cfg.images.insert_spec(spec)?;
     }

@@ -83,10 +83,6 @@ pub struct KubeletConfig {
     pub cluster_octet: u8,
     /// Interval between Lease renewals.
     pub heartbeat: Duration,
-    /// How far every node's clock is from this machine's (negative: behind): each Lease's
-    /// `renewTime` is written at now plus this. A node's offset can change at run time
-    /// ([`Kubelet::set_clock_offset`]).
-    pub clock_offset: jiff::SignedDuration,
 }
 
 impl KubeletConfig {
@@ -133,7 +129,6 @@ impl KubeletConfig {
             ca_file,
             cluster_octet: 20 + (port % 200) as u8,
             heartbeat: Duration::from_secs(2),
-            clock_offset: jiff::SignedDuration::ZERO,
         })
     }
 }
@@ -144,14 +139,14 @@ pub(crate) struct NodeState {
     ips: Mutex<IpPool>,
     gpus: Mutex<GpuPool>,
     failed: watch::Sender<Option<FailMode>>,
-    /// The node's clock offset ([`KubeletConfig::clock_offset`]).
-    clock_offset: Mutex<jiff::SignedDuration>,
+    /// The node's clock offset ([`NodeConfig::clock_offset_seconds`]).
+    clock_offset: jiff::SignedDuration,
 }
 
 impl NodeState {
     /// Now, by the node's clock.
     fn now(&self) -> jiff::Timestamp {
-        jiff::Timestamp::now() + *self.clock_offset.lock().unwrap()
+        jiff::Timestamp::now() + self.clock_offset
     }
 }
 
@@ -217,7 +212,7 @@ impl Kubelet {
                 ips: Mutex::new(ips),
                 gpus: Mutex::new(GpuPool::new(n.gpus)),
                 failed: watch::channel(None).0,
-                clock_offset: Mutex::new(cfg.clock_offset),
+                clock_offset: jiff::SignedDuration::from_secs(n.clock_offset_seconds),
             };
             if nodes.insert(n.name.clone(), Arc::new(state)).is_some() {
                 return Err(Error::Config {
@@ -279,15 +274,6 @@ impl Kubelet {
     /// Errors: [`Error::UnknownNode`] naming the node.
     pub fn fail_node(&self, name: &str, mode: FailMode) -> Result<(), Error> {
         self.node(name)?.failed.send_replace(Some(mode));
-        Ok(())
-    }
-
-    /// Sets how far node `name`'s clock is from this machine's (negative: behind), from its next
-    /// Lease renewal on: its `renewTime` is written at now plus `offset`.
-    ///
-    /// Errors: [`Error::UnknownNode`] naming the node.
-    pub fn set_clock_offset(&self, name: &str, offset: jiff::SignedDuration) -> Result<(), Error> {
-        *self.node(name)?.clock_offset.lock().unwrap() = offset;
         Ok(())
     }
 

@@ -32,6 +32,10 @@ pub struct NodeConfig {
     pub memory_gib: u32,
     /// Maximum pods on the node.
     pub max_pods: u32,
+    /// How far the node's clock is from this machine's, in seconds (negative: behind): its
+    /// Lease's `renewTime` is written at now plus this.
+    #[serde(default)]
+    pub clock_offset_seconds: i64,
 }
 
 impl NodeConfig {
@@ -44,6 +48,7 @@ impl NodeConfig {
             cpu: 64,
             memory_gib: 512,
             max_pods: 110,
+            clock_offset_seconds: 0,
         }
     }
 }
