@@ -23,9 +23,17 @@ use kube::{Api, ResourceExt};
 use serde_json::json;
 use tokio::sync::oneshot;
 
+/// A CPU node whose clock is 30 s behind (its kubelet writes its Lease's `renewTime` 30 s in the
+/// past); only the clock test pins workers to it.
+const SKEWED_NODE: &str = "cpu-skewed";
+
 fn main() -> Result<()> {
     let nodes = (0..3)
         .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), 8))
+        .chain([NodeConfig {
+            clock_offset_seconds: -30,
+            ..NodeConfig::gpu(SKEWED_NODE, 0)
+        }])
         .collect();
     run_tests(
         nodes,
@@ -50,6 +58,7 @@ fn main() -> Result<()> {
             workers_that_cannot_start_are_named_and_an_elastic_ring_forms_without_them,
             clean_pod_policy_none_keeps_every_failed_pod,
             gpu_workers_need_only_the_resource_and_cpu_workers_see_none,
+            checkpoints_belong_to_their_job_unless_another_is_resumed_by_name,
         ],
     )
 }
@@ -99,6 +108,17 @@ async fn invalid_manifests_are_refused_with_the_field_named(
             "bad-port",
             with("bad-port", 2, json!({"spec": {"ringPort": 80}})).to_string(),
             "spec.ringPort",
+        ),
+        (
+            "bad-resume-from",
+            with(
+                "bad-resume-from",
+                2,
+                json!({"spec": {"checkpoint": {"volume": "ckpt", "everySteps": 10,
+                                              "resumeFrom": {"name": "../other"}}}}),
+            )
+            .to_string(),
+            "spec.checkpoint.resumeFrom.name",
         ),
         ("no-template", "apiVersion: diphoma.io/v1alpha1\nkind: DiphomaJob\nmetadata: {name: no-template}\nspec: {replicas: 2}\n".to_owned(), "spec.template"),
         ("no-containers", "apiVersion: diphoma.io/v1alpha1\nkind: DiphomaJob\nmetadata: {name: no-containers}\nspec: {replicas: 2, template: {spec: {containers: []}}}\n".to_owned(), "spec.template.spec.containers"),
@@ -394,52 +414,45 @@ async fn a_node_whose_clock_is_behind_is_never_lost_and_its_skew_is_reported_onc
     ctx: Arc<Ctx>,
     ns: String,
 ) -> Result<()> {
-    let node = "gpu-2";
-    ctx.kubelet
-        .set_clock_offset(node, jiff::SignedDuration::from_secs(-30))?;
-    let result = async {
-        let job = JobManifest {
-            args: vec!["--sleep".into(), "12".into()],
-            extra: json!({"spec": {"template": {"spec": {
-                "nodeSelector": {"kubernetes.io/hostname": node}
-            }}}}),
-            ..detecting_job("skewed", 2)
-        };
-        start_job(&ctx, &ns, &job, 2).await?;
-        let mut st = None;
-        eventually(60, "the job on the skewed node finished", async || {
-            st = job_status(&ctx.client, &ns, "skewed").await?.status;
-            Ok(st
-                .as_ref()
-                .and_then(|s| s.phase)
-                .is_some_and(Phase::is_terminal))
-        })
-        .await?;
-        let st = st.unwrap();
-        ensure!(
-            st.phase == Some(Phase::Succeeded) && st.failures.total == 0,
-            "{:?} {:?}",
-            st.phase,
-            st.failures
-        );
-        let skews: Vec<String> = Api::<Event>::namespaced(ctx.client.clone(), &ns)
-            .list(&ListParams::default())
-            .await?
-            .items
-            .into_iter()
-            .filter(|e| e.reason.as_deref() == Some("ClockSkew"))
-            .filter_map(|e| e.note)
-            .collect();
-        ensure!(
-            skews.len() == 1 && skews[0].contains(&format!("node {node}'s clock")),
-            "one ClockSkew event for {node}: {skews:?}"
-        );
-        Ok(())
-    }
-    .await;
-    ctx.kubelet
-        .set_clock_offset(node, jiff::SignedDuration::ZERO)?;
-    result
+    let job = JobManifest {
+        gpus_per_worker: 0,
+        args: vec!["--sleep".into(), "12".into()],
+        extra: json!({"spec": {"template": {"spec": {
+            "nodeSelector": {"kubernetes.io/hostname": SKEWED_NODE}
+        }}}}),
+        ..detecting_job("skewed", 2)
+    };
+    start_job(&ctx, &ns, &job, 2).await?;
+    let mut st = None;
+    eventually(60, "the job on the skewed node finished", async || {
+        st = job_status(&ctx.client, &ns, "skewed").await?.status;
+        Ok(st
+            .as_ref()
+            .and_then(|s| s.phase)
+            .is_some_and(Phase::is_terminal))
+    })
+    .await
+    .with_context(|| format!("last status: {st:?}"))?;
+    let st = st.unwrap();
+    ensure!(
+        st.phase == Some(Phase::Succeeded) && st.failures.total == 0,
+        "{:?} {:?}",
+        st.phase,
+        st.failures
+    );
+    let skews: Vec<String> = Api::<Event>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("ClockSkew"))
+        .filter_map(|e| e.note)
+        .collect();
+    ensure!(
+        skews.len() == 1 && skews[0].contains(&format!("node {SKEWED_NODE}'s clock")),
+        "one ClockSkew event for {SKEWED_NODE}: {skews:?}"
+    );
+    Ok(())
 }
 
 async fn node_loss_is_detected_from_its_lease_and_workers_move(
@@ -1393,6 +1406,83 @@ async fn gpu_workers_need_only_the_resource_and_cpu_workers_see_none(
         env.iter()
             .any(|e| e.name == "NVIDIA_VISIBLE_DEVICES" && e.value.as_deref() == Some("void")),
         "env {env:?}"
+    );
+    Ok(())
+}
+
+/// Three training jobs share one checkpoint volume (checkpoints every 20 steps). `first` trains
+/// 40 steps; `second`, with the same seed, model and optimizer, does not resume `first`'s
+/// checkpoints (it checkpoints 20 and 40 itself, in its own directory, and `first`'s stay);
+/// `third` names `first` in `spec.checkpoint.resumeFrom`, so it starts at step 40 and writes only
+/// its step 60. Every checkpoint names its own job in its metadata and its path.
+async fn checkpoints_belong_to_their_job_unless_another_is_resumed_by_name(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    use diphoma_worker::checkpoint::{Checkpoint, Owner};
+    let root = ctx.cp.dir.join("checkpoints").join(&ns);
+    std::fs::create_dir_all(&root)?;
+    let job = |name: &str, steps: u64, resume_from: Option<&str>| {
+        let mut checkpoint = json!({"volume": "ckpt", "everySteps": 20});
+        if let Some(from) = resume_from {
+            checkpoint["resumeFrom"] = json!({"name": from});
+        }
+        JobManifest {
+            grace_seconds: 2,
+            detection_seconds: Some(5),
+            extra: json!({"spec": {
+                "checkpoint": checkpoint,
+                "template": {"spec": {"volumes": [{"name": "ckpt", "hostPath": {"path": root}}]}},
+            }}),
+            ..JobManifest::training(name, 2, steps, 10)
+        }
+    };
+    let jobs: Api<DiphomaJob> = Api::namespaced(ctx.client.clone(), &ns);
+    // The steps checkpointed in `name`'s own directory, each checked to name `name` inside.
+    let own_steps = async |name: &str| -> Result<Vec<u64>> {
+        let uid = jobs.get(name).await?.uid().context("no uid")?;
+        let owner = Owner::new(&ns, name, &uid)?;
+        let dir = owner.dir(&root);
+        let mut steps = vec![];
+        for e in std::fs::read_dir(&dir).with_context(|| format!("{}", dir.display()))? {
+            let path = e?.path();
+            let c = Checkpoint::decode(&std::fs::read(&path)?)?;
+            ensure!(
+                c.owner.as_ref() == Some(&owner),
+                "{}: {:?}",
+                path.display(),
+                c.owner
+            );
+            steps.push(c.step);
+        }
+        steps.sort();
+        Ok(steps)
+    };
+    let succeeded = async |name: &str| {
+        let mut st = None;
+        eventually(120, &format!("{name} Succeeded"), async || {
+            st = job_status(&ctx.client, &ns, name).await?.status;
+            Ok(st.as_ref().and_then(|s| s.phase) == Some(Phase::Succeeded))
+        })
+        .await
+        .with_context(|| format!("last status: {st:?}"))
+    };
+    start_job(&ctx, &ns, &job("first", 40, None), 2).await?;
+    succeeded("first").await?;
+    start_job(&ctx, &ns, &job("second", 40, None), 2).await?;
+    start_job(&ctx, &ns, &job("third", 60, Some("first")), 2).await?;
+    succeeded("second").await?;
+    succeeded("third").await?;
+    ensure!(
+        own_steps("first").await? == [20, 40],
+        "first's checkpoints were touched"
+    );
+    let second = own_steps("second").await?;
+    ensure!(second == [20, 40], "second resumed another job: {second:?}");
+    let third = own_steps("third").await?;
+    ensure!(
+        third == [60],
+        "third did not resume first's step 40: {third:?}"
     );
     Ok(())
 }

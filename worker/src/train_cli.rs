@@ -78,9 +78,15 @@ pub(crate) struct TrainArgs {
     /// Rank 0 writes a checkpoint every this many steps (0: never).
     #[arg(long, env = diphoma_contract::ENV_CHECKPOINT_EVERY, default_value_t = 0)]
     checkpoint_every: u64,
-    /// Directory of the checkpoints; training resumes from the newest valid one in it.
+    /// Directory of the checkpoints; training resumes from the newest valid one of its own in
+    /// it. In Kubernetes mode the root of every job's: this job's are in
+    /// `<dir>/<namespace>/<job>/<uid>/` and name the job in their metadata.
     #[arg(long, env = diphoma_contract::ENV_CHECKPOINT_DIR)]
     checkpoint_dir: Option<std::path::PathBuf>,
+    /// Kubernetes mode: a job of this namespace whose newest checkpoint (of any of its uids) is
+    /// resumed when this job has none of its own (`spec.checkpoint.resumeFrom.name`).
+    #[arg(long, env = diphoma_contract::ENV_CHECKPOINT_RESUME_FROM)]
+    resume_from: Option<String>,
     /// Kubernetes mode: bound on each collective and connect, in seconds; keep it below half
     /// the job's faultTolerance.detectionSeconds.
     #[arg(long, default_value_t = k8s::OP_TIMEOUT.as_secs_f64())]
@@ -133,6 +139,17 @@ pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
     if !(lr > 0.0 && lr.is_finite()) {
         return Err(format!("--lr {lr} must be positive").into());
     }
+    let checkpoint_owner = match &kube_env {
+        Some((env, _)) => Some(diphoma_worker::checkpoint::Owner::new(
+            &env.namespace,
+            &env.job_name,
+            &env.job_uid,
+        )?),
+        None if a.resume_from.is_some() => {
+            return Err("--resume-from names a job: it needs Kubernetes mode".into());
+        }
+        None => None,
+    };
     println!(
         "model {:?}: {} parameters, optimizer {} (lr {lr})",
         widths,
@@ -148,6 +165,8 @@ pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         optimizer,
         checkpoint_every: a.checkpoint_every,
         checkpoint_dir: a.checkpoint_dir,
+        checkpoint_owner,
+        resume_from: a.resume_from,
         log_every: a.log_every,
     };
     let (out, world, mut ring) = match kube_env {
