@@ -579,8 +579,9 @@ async fn a_terminated_leader_releases_the_lease_and_the_standby_repairs_at_once(
     ctx.stop_operator().await;
     let lease_name = "diphoma-operator-handover";
     let mut replicas = vec![];
+    let log_of = |id: &str| ctx.cp.kubelet_root().join(format!("{ns}-{id}.log"));
     for id in ["replica-a", "replica-b"] {
-        let log = std::fs::File::create(ctx.cp.kubelet_root().join(format!("{ns}-{id}.log")))?;
+        let log = std::fs::File::create(log_of(id))?;
         let child = std::process::Command::new(bin_dir().join("diphoma-operator"))
             .args(["run", "--leader-elect", "--lease-namespace", &ns])
             .args(["--lease-name", lease_name, "--identity", id])
@@ -641,7 +642,14 @@ async fn a_terminated_leader_releases_the_lease_and_the_standby_repairs_at_once(
         let _ = child.wait();
     }
     ctx.start_operator();
-    result
+    result.with_context(|| {
+        ["replica-a", "replica-b"]
+            .map(|id| {
+                let log = std::fs::read_to_string(log_of(id)).unwrap_or_default();
+                format!("{id}:\n{log}")
+            })
+            .join("\n")
+    })
 }
 
 async fn a_training_job_survives_a_killed_worker_and_succeeds(

@@ -162,7 +162,7 @@ pub enum RunError {
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// How long [`run`] waits, before it returns, for the release of the leader Lease.
-const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How often a standby looks whether the leader released the Lease ([`released`]); client-go's
 /// `RetryPeriod` is 2 s.
