@@ -63,6 +63,10 @@ pub const ENV_DETECTION_SECONDS: &str = "DIPHOMA_DETECTION_SECONDS";
 pub const ENV_CHECKPOINT_DIR: &str = "DIPHOMA_CHECKPOINT_DIR";
 /// Env: steps between two checkpoints (`spec.checkpoint.everySteps`).
 pub const ENV_CHECKPOINT_EVERY: &str = "DIPHOMA_CHECKPOINT_EVERY";
+/// Env: name of a job of the same namespace whose newest checkpoint the job resumes when it has
+/// none of its own (`spec.checkpoint.resumeFrom.name`); unset: only its own. A job's own
+/// checkpoints are in `<DIPHOMA_CHECKPOINT_DIR>/<namespace>/<job>/<uid>/`.
+pub const ENV_CHECKPOINT_RESUME_FROM: &str = "DIPHOMA_CHECKPOINT_RESUME_FROM";
 
 /// Default TCP port of the ring (`spec.ringPort`).
 pub const DEFAULT_RING_PORT: u16 = 29500;

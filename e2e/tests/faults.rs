@@ -80,6 +80,13 @@ fn with_checkpoints(ctx: &Ctx, ns: &str, every: u64) -> Result<(Value, PathBuf)>
     Ok((extra, dir))
 }
 
+/// Where job `job` of `ns` writes its checkpoints under the volume's directory `root`:
+/// `<root>/<ns>/<job>/<uid>` (checkpoints belong to one job identity).
+async fn own_checkpoints(ctx: &Ctx, ns: &str, job: &str, root: &Path) -> Result<PathBuf> {
+    let uid = jobs(ctx, ns).get(job).await?.uid().context("no uid")?;
+    Ok(root.join(ns).join(job).join(uid))
+}
+
 /// Checkpoint steps in `dir`, oldest first.
 fn checkpoint_steps(dir: &Path) -> Result<Vec<u64>> {
     let mut steps: Vec<u64> = std::fs::read_dir(dir)?
@@ -387,7 +394,7 @@ async fn a_killed_worker_changes_nothing_in_the_final_parameters(
         "undisturbed run: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let a = checkpoint_at(&dir, STEPS)?;
+    let a = checkpoint_at(&own_checkpoints(&ctx, &ns, "digits", &dir).await?, STEPS)?;
     let b = checkpoint_at(&reference, STEPS)?;
     ensure!(a.params.len() == b.params.len(), "parameter counts differ");
     let diff = a
@@ -699,6 +706,7 @@ async fn suspend_deletes_the_workers_and_resume_continues_from_the_checkpoint(
     .await?;
     let st = st.unwrap();
     ensure!(condition_true(&st, "Suspended"), "{:?}", st.conditions);
+    let dir = own_checkpoints(&ctx, &ns, "digits", &dir).await?;
     let newest = *checkpoint_steps(&dir)?.last().context("no checkpoint")?;
     ensure!(newest < STEPS, "finished before the suspension");
 
@@ -805,6 +813,7 @@ async fn a_job_that_loses_every_worker_resumes_from_its_newest_checkpoint(
         Ok(pids.iter().all(|p| !alive(*p)))
     })
     .await?;
+    let dir = own_checkpoints(&ctx, &ns, "digits", &dir).await?;
     let newest = *checkpoint_steps(&dir)?.last().context("no checkpoint")?;
     let old_rank0 = old
         .iter()

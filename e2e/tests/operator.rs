@@ -23,9 +23,17 @@ use kube::{Api, ResourceExt};
 use serde_json::json;
 use tokio::sync::oneshot;
 
+/// A CPU node whose clock is 30 s behind (its kubelet writes its Lease's `renewTime` 30 s in the
+/// past); only the clock test pins workers to it.
+const SKEWED_NODE: &str = "cpu-skewed";
+
 fn main() -> Result<()> {
     let nodes = (0..3)
         .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), 8))
+        .chain([NodeConfig {
+            clock_offset_seconds: -30,
+            ..NodeConfig::gpu(SKEWED_NODE, 0)
+        }])
         .collect();
     run_tests(
         nodes,
@@ -40,6 +48,8 @@ fn main() -> Result<()> {
             a_training_job_survives_a_killed_worker_and_succeeds,
             the_kubectl_plugin_shows_the_ring_logs_why_and_top_of_a_repaired_job,
             two_replicas_elect_one_leader_that_serves_metrics,
+            a_terminated_leader_releases_the_lease_and_the_standby_repairs_at_once,
+            a_node_whose_clock_is_behind_is_never_lost_and_its_skew_is_reported_once,
             node_loss_is_detected_from_its_lease_and_workers_move,
             a_job_the_operator_cannot_read_is_reported_on_itself_and_others_go_on,
             names_that_cannot_work_are_refused_and_the_longest_survives_repairs,
@@ -51,6 +61,7 @@ fn main() -> Result<()> {
             a_job_applied_again_while_its_predecessors_pods_terminate_runs,
             an_eviction_is_a_disruption_and_spends_no_backoff_limit,
             deleted_children_are_restored_and_generations_only_grow,
+            checkpoints_belong_to_their_job_unless_another_is_resumed_by_name,
         ],
     )
 }
@@ -100,6 +111,17 @@ async fn invalid_manifests_are_refused_with_the_field_named(
             "bad-port",
             with("bad-port", 2, json!({"spec": {"ringPort": 80}})).to_string(),
             "spec.ringPort",
+        ),
+        (
+            "bad-resume-from",
+            with(
+                "bad-resume-from",
+                2,
+                json!({"spec": {"checkpoint": {"volume": "ckpt", "everySteps": 10,
+                                              "resumeFrom": {"name": "../other"}}}}),
+            )
+            .to_string(),
+            "spec.checkpoint.resumeFrom.name",
         ),
         ("no-template", "apiVersion: diphoma.io/v1alpha1\nkind: DiphomaJob\nmetadata: {name: no-template}\nspec: {replicas: 2}\n".to_owned(), "spec.template"),
         ("no-containers", "apiVersion: diphoma.io/v1alpha1\nkind: DiphomaJob\nmetadata: {name: no-containers}\nspec: {replicas: 2, template: {spec: {containers: []}}}\n".to_owned(), "spec.template.spec.containers"),
@@ -387,6 +409,55 @@ async fn a_silent_worker_blamed_by_its_neighbours_is_replaced(
     Ok(())
 }
 
+/// A node whose kubelet writes its Lease's `renewTime` 30 s behind the operator's clock (and so
+/// reads 30 s old on every look, past `detectionSeconds`): the operator judges the Lease by when
+/// it saw it change, so a job pinned to that node runs to completion with no failure, and the
+/// skew is reported as one `ClockSkew` Warning naming the node.
+async fn a_node_whose_clock_is_behind_is_never_lost_and_its_skew_is_reported_once(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let job = JobManifest {
+        gpus_per_worker: 0,
+        args: vec!["--sleep".into(), "12".into()],
+        extra: json!({"spec": {"template": {"spec": {
+            "nodeSelector": {"kubernetes.io/hostname": SKEWED_NODE}
+        }}}}),
+        ..detecting_job("skewed", 2)
+    };
+    start_job(&ctx, &ns, &job, 2).await?;
+    let mut st = None;
+    eventually(60, "the job on the skewed node finished", async || {
+        st = job_status(&ctx.client, &ns, "skewed").await?.status;
+        Ok(st
+            .as_ref()
+            .and_then(|s| s.phase)
+            .is_some_and(Phase::is_terminal))
+    })
+    .await
+    .with_context(|| format!("last status: {st:?}"))?;
+    let st = st.unwrap();
+    ensure!(
+        st.phase == Some(Phase::Succeeded) && st.failures.total == 0,
+        "{:?} {:?}",
+        st.phase,
+        st.failures
+    );
+    let skews: Vec<String> = Api::<Event>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("ClockSkew"))
+        .filter_map(|e| e.note)
+        .collect();
+    ensure!(
+        skews.len() == 1 && skews[0].contains(&format!("node {SKEWED_NODE}'s clock")),
+        "one ClockSkew event for {SKEWED_NODE}: {skews:?}"
+    );
+    Ok(())
+}
+
 async fn node_loss_is_detected_from_its_lease_and_workers_move(
     ctx: Arc<Ctx>,
     ns: String,
@@ -497,6 +568,91 @@ async fn two_replicas_elect_one_leader_that_serves_metrics(
     }
     ctx.start_operator();
     result
+}
+
+/// Two operator processes elect a leader on a Lease; SIGTERM the leader. Its first step of
+/// shutdown releases the Lease, so the standby holds it before the old Lease could have expired
+/// (its `acquireTime` is earlier than the last `renewTime` plus `leaseDurationSeconds`, instead
+/// of after it), and the standby repairs a worker killed after the handover.
+async fn a_terminated_leader_releases_the_lease_and_the_standby_repairs_at_once(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    use k8s_openapi::api::coordination::v1::Lease;
+    ctx.stop_operator().await;
+    let lease_name = "diphoma-operator-handover";
+    let mut replicas = vec![];
+    let log_of = |id: &str| ctx.cp.kubelet_root().join(format!("{ns}-{id}.log"));
+    for id in ["replica-a", "replica-b"] {
+        let log = std::fs::File::create(log_of(id))?;
+        let child = std::process::Command::new(bin_dir().join("diphoma-operator"))
+            .args(["run", "--leader-elect", "--lease-namespace", &ns])
+            .args(["--lease-name", lease_name, "--identity", id])
+            .args(["--metrics-addr", &free_addr()?.to_string()])
+            .env("KUBECONFIG", &ctx.cp.kubeconfig)
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()?;
+        replicas.push((id, child));
+    }
+    let result = async {
+        let g1 = start_job(&ctx, &ns, &detecting_job("train", 2), 2).await?;
+        let leases: Api<Lease> = Api::namespaced(ctx.client.clone(), &ns);
+        let before = leases
+            .get(lease_name)
+            .await?
+            .spec
+            .context("no lease spec")?;
+        let leader = before.holder_identity.clone().context("no holder")?;
+        let standby = if leader == "replica-a" {
+            "replica-b"
+        } else {
+            "replica-a"
+        };
+        let (_, child) = replicas
+            .iter_mut()
+            .find(|(id, _)| *id == leader)
+            .context("the leader is none of the replicas")?;
+        signal(child.id(), libc::SIGTERM);
+        let mut after = None;
+        eventually(60, "the standby holds the lease", async || {
+            after = leases.get(lease_name).await?.spec;
+            Ok(after
+                .as_ref()
+                .is_some_and(|s| s.holder_identity.as_deref() == Some(standby)))
+        })
+        .await?;
+        let after = after.unwrap();
+        let (renewed, duration) = (
+            before.renew_time.context("no renewTime")?.0,
+            before.lease_duration_seconds.context("no duration")?,
+        );
+        let acquired = after.acquire_time.context("no acquireTime")?.0;
+        ensure!(
+            acquired < renewed + jiff::SignedDuration::from_secs(duration.into()),
+            "the standby took the lease at {acquired}, only once the old one ({renewed} + \
+             {duration} s) expired: it was not released"
+        );
+        ensure!(child.wait()?.success(), "the old leader's exit");
+        let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+        signal(pid_of(&pods.get("train-worker-1").await?)?, libc::SIGKILL);
+        running_ring(&ctx, &ns, "train", 2, g1.generation).await?;
+        Ok(())
+    }
+    .await;
+    for (_, mut child) in replicas {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    ctx.start_operator();
+    result.with_context(|| {
+        ["replica-a", "replica-b"]
+            .map(|id| {
+                let log = std::fs::read_to_string(log_of(id)).unwrap_or_default();
+                format!("{id}:\n{log}")
+            })
+            .join("\n")
+    })
 }
 
 async fn a_training_job_survives_a_killed_worker_and_succeeds(
@@ -1536,5 +1692,82 @@ async fn deleted_children_are_restored_and_generations_only_grow(
         .await?
         .map(|r| r.generation as i64);
     ensure!(g >= Some(republished), "generation went back to {g:?}");
+    Ok(())
+}
+
+/// Three training jobs share one checkpoint volume (checkpoints every 20 steps). `first` trains
+/// 40 steps; `second`, with the same seed, model and optimizer, does not resume `first`'s
+/// checkpoints (it checkpoints 20 and 40 itself, in its own directory, and `first`'s stay);
+/// `third` names `first` in `spec.checkpoint.resumeFrom`, so it starts at step 40 and writes only
+/// its step 60. Every checkpoint names its own job in its metadata and its path.
+async fn checkpoints_belong_to_their_job_unless_another_is_resumed_by_name(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    use diphoma_worker::checkpoint::{Checkpoint, Owner};
+    let root = ctx.cp.dir.join("checkpoints").join(&ns);
+    std::fs::create_dir_all(&root)?;
+    let job = |name: &str, steps: u64, resume_from: Option<&str>| {
+        let mut checkpoint = json!({"volume": "ckpt", "everySteps": 20});
+        if let Some(from) = resume_from {
+            checkpoint["resumeFrom"] = json!({"name": from});
+        }
+        JobManifest {
+            grace_seconds: 2,
+            detection_seconds: Some(5),
+            extra: json!({"spec": {
+                "checkpoint": checkpoint,
+                "template": {"spec": {"volumes": [{"name": "ckpt", "hostPath": {"path": root}}]}},
+            }}),
+            ..JobManifest::training(name, 2, steps, 10)
+        }
+    };
+    let jobs: Api<DiphomaJob> = Api::namespaced(ctx.client.clone(), &ns);
+    // The steps checkpointed in `name`'s own directory, each checked to name `name` inside.
+    let own_steps = async |name: &str| -> Result<Vec<u64>> {
+        let uid = jobs.get(name).await?.uid().context("no uid")?;
+        let owner = Owner::new(&ns, name, &uid)?;
+        let dir = owner.dir(&root);
+        let mut steps = vec![];
+        for e in std::fs::read_dir(&dir).with_context(|| format!("{}", dir.display()))? {
+            let path = e?.path();
+            let c = Checkpoint::decode(&std::fs::read(&path)?)?;
+            ensure!(
+                c.owner.as_ref() == Some(&owner),
+                "{}: {:?}",
+                path.display(),
+                c.owner
+            );
+            steps.push(c.step);
+        }
+        steps.sort();
+        Ok(steps)
+    };
+    let succeeded = async |name: &str| {
+        let mut st = None;
+        eventually(120, &format!("{name} Succeeded"), async || {
+            st = job_status(&ctx.client, &ns, name).await?.status;
+            Ok(st.as_ref().and_then(|s| s.phase) == Some(Phase::Succeeded))
+        })
+        .await
+        .with_context(|| format!("last status: {st:?}"))
+    };
+    start_job(&ctx, &ns, &job("first", 40, None), 2).await?;
+    succeeded("first").await?;
+    start_job(&ctx, &ns, &job("second", 40, None), 2).await?;
+    start_job(&ctx, &ns, &job("third", 60, Some("first")), 2).await?;
+    succeeded("second").await?;
+    succeeded("third").await?;
+    ensure!(
+        own_steps("first").await? == [20, 40],
+        "first's checkpoints were touched"
+    );
+    let second = own_steps("second").await?;
+    ensure!(second == [20, 40], "second resumed another job: {second:?}");
+    let third = own_steps("third").await?;
+    ensure!(
+        third == [60],
+        "third did not resume first's step 40: {third:?}"
+    );
     Ok(())
 }

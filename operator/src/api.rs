@@ -247,7 +247,8 @@ pub enum CleanPodPolicy {
 pub struct FaultTolerance {
     /// Seconds within which a silent worker (a hung process, the workers of a lost node) is
     /// blamed by its ring neighbours and declared dead. A node is also declared lost from its
-    /// Lease once the Lease is older than this and a whole renewal was missed.
+    /// Lease once it has not been seen to change for longer than this and a whole renewal was
+    /// missed.
     #[serde(default = "default_detection_seconds")]
     #[schemars(range(min = 1, max = 3600))]
     pub detection_seconds: i32,
@@ -278,7 +279,12 @@ impl Default for FaultTolerance {
     }
 }
 
-/// Checkpointing by rank 0.
+/// Checkpointing by rank 0. Checkpoints belong to the job that wrote them (its namespace, name
+/// and uid, in their metadata and in their path in the volume,
+/// `<namespace>/<name>/<uid>/`): a job resumes and prunes only its own, so jobs may share a
+/// volume, and a job deleted and created again under the same name starts afresh unless it
+/// resumes the old one explicitly (`resumeFrom`). A suspended and resumed job keeps its uid
+/// and its checkpoints.
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct Checkpoint {
@@ -288,6 +294,25 @@ pub struct Checkpoint {
     /// Steps between two checkpoints.
     #[schemars(range(min = 1))]
     pub every_steps: i64,
+    /// Start from another job's checkpoint: while this job has none of its own, it resumes the
+    /// newest checkpoint (of any uid) of the job named here, in this namespace and on the same
+    /// volume (seed, model and optimizer must match, as for its own). That job's checkpoints
+    /// are only read, never pruned. Unset: only this job's own checkpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume_from: Option<ResumeFrom>,
+}
+
+/// The job whose checkpoints a job starts from (`spec.checkpoint.resumeFrom`).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ResumeFrom {
+    /// Name of the job, in this job's namespace (a DNS label: it names a directory of the
+    /// volume).
+    #[schemars(
+        length(min = 1, max = 63),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
+    pub name: String,
 }
 
 /// Observed state, derived from what the operator and the workers saw.

@@ -242,6 +242,12 @@ fn worker_container(job: &DiphomaJob, c: &mut Container) {
             value(contract::ENV_CHECKPOINT_DIR, path),
             value(contract::ENV_CHECKPOINT_EVERY, cp.every_steps.to_string()),
         ]);
+        if let Some(from) = &cp.resume_from {
+            env.push(value(
+                contract::ENV_CHECKPOINT_RESUME_FROM,
+                from.name.clone(),
+            ));
+        }
     }
     mounts.push(VolumeMount {
         name: "diphoma-key".into(),
@@ -621,6 +627,9 @@ pub(crate) mod tests {
         j.spec.checkpoint = Some(crate::api::Checkpoint {
             volume: "ckpt".into(),
             every_steps: 25,
+            resume_from: Some(crate::api::ResumeFrom {
+                name: "earlier".into(),
+            }),
         });
         let c = worker_pod(&j, 0, 0)
             .unwrap()
@@ -636,6 +645,7 @@ pub(crate) mod tests {
             .collect();
         assert_eq!(env[contract::ENV_CHECKPOINT_DIR], CHECKPOINT_MOUNT_DIR);
         assert_eq!(env[contract::ENV_CHECKPOINT_EVERY], "25");
+        assert_eq!(env[contract::ENV_CHECKPOINT_RESUME_FROM], "earlier");
         assert!(
             c.volume_mounts
                 .unwrap()

@@ -11,7 +11,8 @@
 //!
 //! API calls per reconcile:
 //! - reads (`observe`): the job's pods (one list), the ring and heartbeat ConfigMaps, and for
-//!   each node its pods run on, that node's Lease in `kube-node-lease` and the Node;
+//!   each node its pods run on, that node's Lease in `kube-node-lease` (remembered in
+//!   [`Context::leases`]: when this operator saw its `renewTime` change) and the Node;
 //! - writes (`apply`), only what the plan asks for, in this order: the static children
 //!   (ServiceAccount, Role, RoleBinding, Service, NetworkPolicy by server-side apply; key Secret
 //!   and heartbeat ConfigMap created once) when [`Plan::apply_children`]; the status when it
@@ -56,6 +57,7 @@ use crate::api::{DiphomaJob, DiphomaJobStatus, FIELD_MANAGER};
 use crate::build::{self, ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED, MANAGED_BY};
 use crate::error::Error;
 use crate::metrics::Metrics;
+use crate::plan::nodes::{LeaseSeen, observe_lease};
 use crate::plan::{self, NodeHealth, Observed, Plan};
 
 /// What every reconcile shares.
@@ -79,6 +81,10 @@ pub struct Context {
     pub heartbeats: Mutex<BTreeMap<String, (String, jiff::Timestamp)>>,
     /// The caches of the static children (none: not watched, none reported missing).
     pub children: Option<Children>,
+    /// Per node: its Lease as this operator last saw it, and when it saw it change (node health
+    /// is judged by this operator's clocks, never by the kubelet's `renewTime`:
+    /// [`plan::nodes`]).
+    pub leases: Mutex<BTreeMap<String, LeaseSeen>>,
 }
 
 /// Metadata caches of the jobs' static children, fed by the controller's watches of those
@@ -206,6 +212,7 @@ impl Context {
             retries: Mutex::default(),
             heartbeats: Mutex::default(),
             children: None,
+            leases: Mutex::default(),
         }
     }
 }
@@ -249,6 +256,85 @@ pub enum RunError {
 
 /// How long [`run`] waits for reconciles in flight after its shutdown signal.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// How long [`run`] waits, before it returns, for the release of the leader Lease.
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often a standby looks whether the leader released the Lease ([`released`]); client-go's
+/// `RetryPeriod` is 2 s.
+const STANDBY_POLL: Duration = Duration::from_secs(1);
+
+/// The task of a Lease manager: it keeps the Lease while the leadership watch is held, and
+/// releases it when the watch is dropped.
+type LeaseTask = tokio::task::JoinHandle<
+    Result<kube_lease_manager::LeaseManager, kube_lease_manager::LeaseManagerError>,
+>;
+
+/// Campaigns for the leader Lease `le` until this replica holds it: returns its leadership watch
+/// (true while leader) and the manager's task, or none when `shutdown` resolved first.
+///
+/// A standby's manager sleeps until the holder's Lease would expire; a leader that shuts down
+/// releases it long before that. So the standby also looks at the Lease every
+/// [`STANDBY_POLL`], and when it sees it released, starts a new manager, which takes it at once.
+///
+/// Errors: [`RunError::Lease`] when the manager cannot be set up, [`RunError::LostLeadership`]
+/// when its task ends.
+async fn campaign(
+    client: &Client,
+    le: &LeaderElection,
+    shutdown: &mut (impl std::future::Future<Output = ()> + Unpin),
+) -> Result<Option<(tokio::sync::watch::Receiver<bool>, LeaseTask)>, RunError> {
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &le.namespace);
+    loop {
+        let lease = format!("{}/{}", le.namespace, le.lease_name);
+        let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &le.lease_name)
+            .with_namespace(&le.namespace)
+            .with_identity(&le.identity)
+            // Per identity: the Lease's server-side-apply conflicts are what keep two replicas
+            // from both holding it.
+            .with_field_manager(format!("{FIELD_MANAGER}-{}", le.identity))
+            .build()
+            .await
+            .map_err(|source| RunError::Lease { lease, source })?;
+        let (mut rx, task) = manager.watch().await;
+        enum Next {
+            Leader(bool),
+            Released,
+            Shutdown,
+        }
+        let next = tokio::select! {
+            held = rx.wait_for(|leader| *leader) => Next::Leader(held.is_ok()),
+            _ = released(&leases, &le.lease_name) => Next::Released,
+            _ = &mut *shutdown => Next::Shutdown,
+        };
+        match next {
+            Next::Leader(true) => return Ok(Some((rx, task))),
+            Next::Leader(false) => return Err(RunError::LostLeadership),
+            // Not the holder: dropping the watch releases nothing.
+            Next::Shutdown => return Ok(None),
+            Next::Released => task.abort(), // a standby, asleep: a new manager takes over
+        }
+    }
+}
+
+/// Resolves once the Lease `name` is seen going from held to released (no holder), looking every
+/// [`STANDBY_POLL`]; a Lease that cannot be read counts as unchanged.
+async fn released(leases: &Api<Lease>, name: &str) {
+    let mut held = false;
+    loop {
+        tokio::time::sleep(STANDBY_POLL).await;
+        let Ok(lease) = leases.get_opt(name).await else {
+            continue;
+        };
+        let holder = lease
+            .and_then(|l| l.spec?.holder_identity)
+            .filter(|h| !h.is_empty());
+        if held && holder.is_none() {
+            return;
+        }
+        held = holder.is_some();
+    }
+}
 
 /// Runs the controller until `shutdown` resolves: serves `/metrics`, `/healthz` and `/readyz` on
 /// `metrics` (a bound listener, none: not served), waits for the leader Lease when asked to,
@@ -301,26 +387,16 @@ pub async fn run(
     // of two replicas never finishes rolling out (controller-runtime does the same).
     ready.store(true, Ordering::Relaxed);
     let mut leadership = None;
+    let mut lease_task = None;
     if let Some(le) = &opts.leader_election {
-        let lease = format!("{}/{}", le.namespace, le.lease_name);
-        let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &le.lease_name)
-            .with_namespace(&le.namespace)
-            .with_identity(&le.identity)
-            // Per identity: the Lease's server-side-apply conflicts are what keep two replicas
-            // from both holding it.
-            .with_field_manager(format!("{FIELD_MANAGER}-{}", le.identity))
-            .build()
-            .await
-            .map_err(|source| RunError::Lease { lease, source })?;
-        let (mut rx, _task) = manager.watch().await;
         tracing::info!(identity = %le.identity, "waiting for the leader lease");
-        while !*rx.borrow_and_update() {
-            tokio::select! {
-                changed = rx.changed() => if changed.is_err() { return Err(RunError::LostLeadership) },
-                _ = &mut shutdown => return Ok(()),
+        match campaign(&client, le, &mut shutdown).await? {
+            Some((rx, task)) => {
+                leadership = Some(rx);
+                lease_task = Some(task);
             }
+            None => return Ok(()),
         }
-        leadership = Some(rx);
     }
     metrics.leader.set(1);
     let lost = Arc::new(AtomicBool::new(false));
@@ -335,6 +411,8 @@ pub async fn run(
             },
             None => shutdown.await,
         }
+        // Here `rx` is dropped: the Lease manager releases the Lease at once (the first step of
+        // the shutdown, as client-go's ReleaseOnCancel), while the controller drains.
         let _ = stop_tx.send(());
         let _ = stopping_tx.send(true);
     });
@@ -363,6 +441,12 @@ pub async fn run(
         } => tracing::warn!("the controller did not stop within {SHUTDOWN_GRACE:?} of the signal; dropping it"),
     }
     metrics.leader.set(0);
+    if let Some(task) = lease_task {
+        // The release was sent at the signal; the process must not exit before it is written.
+        if tokio::time::timeout(RELEASE_TIMEOUT, task).await.is_err() {
+            tracing::warn!("the leader lease was not released within {RELEASE_TIMEOUT:?}");
+        }
+    }
     if lost.load(Ordering::Relaxed) {
         Err(RunError::LostLeadership)
     } else {
@@ -454,7 +538,7 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
     }
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
-    let (mut obs, heartbeat_version) = observe(&ctx.client, job).await?; // reads
+    let (mut obs, heartbeat_version) = observe(&ctx.client, &ctx.leases, job).await?; // reads
     if let Some(children) = &ctx.children {
         obs.missing.extend(children.missing(job)); // from the watches' caches
     }
@@ -486,8 +570,13 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
 /// its pods run on; with the heartbeat ConfigMap's `resourceVersion` (none: missing or not the
 /// job's). Only what the job owns (owner UID) is its own: pods, ring and heartbeat left by a
 /// deleted job of the same name are not; such pods' names are [`Observed::foreign`], and a
-/// missing or foreign heartbeat ConfigMap is in [`Observed::missing`].
-async fn observe(client: &Client, job: &DiphomaJob) -> Result<(Observed, Option<String>), Error> {
+/// missing or foreign heartbeat ConfigMap is in [`Observed::missing`]. `leases` is the memory of
+/// the node Leases seen before, updated here.
+async fn observe(
+    client: &Client,
+    leases: &Mutex<BTreeMap<String, LeaseSeen>>,
+    job: &DiphomaJob,
+) -> Result<(Observed, Option<String>), Error> {
     let ns = job.namespace().unwrap_or_default();
     let name = job.name_any();
     let uid = job.uid().unwrap_or_default();
@@ -543,12 +632,36 @@ async fn observe(client: &Client, job: &DiphomaJob) -> Result<(Observed, Option<
             .get_opt(&n)
             .await
             .map_err(read("Node"))?;
+        let renewed = lease
+            .as_ref()
+            .and_then(|s| s.renew_time.as_ref())
+            .map(|t| t.0);
+        let duration_s = lease.as_ref().and_then(|s| s.lease_duration_seconds);
+        let (lease_age, clock_skew) = {
+            let mut leases = leases.lock().expect("leases lock");
+            match renewed {
+                Some(renewed) => {
+                    let at = std::time::Instant::now();
+                    let (seen, skew) = observe_lease(
+                        leases.get(&n),
+                        renewed,
+                        duration_s,
+                        at,
+                        jiff::Timestamp::now(),
+                    );
+                    leases.insert(n.clone(), seen);
+                    (Some(seen.age(at)), skew)
+                }
+                None => {
+                    leases.remove(&n);
+                    (None, None)
+                }
+            }
+        };
         let health = NodeHealth {
-            lease_renewed: lease
-                .as_ref()
-                .and_then(|s| s.renew_time.as_ref())
-                .map(|t| t.0),
-            lease_duration_seconds: lease.as_ref().and_then(|s| s.lease_duration_seconds),
+            lease_age,
+            lease_duration_seconds: duration_s,
+            clock_skew,
             ready: node.is_some_and(|node| {
                 node.status
                     .and_then(|s| s.conditions)

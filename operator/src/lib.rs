@@ -5,7 +5,8 @@
 //! - [`build`]: the desired children (worker pods, Service, RBAC, ring ConfigMap, key Secret) as
 //!   typed k8s-openapi objects. Pure.
 //! - [`plan`]: the decision of one reconcile, as named steps (one module each): failures (which
-//!   nodes are lost or late, which pods and members are lost) → lifecycle (finish, deadline,
+//!   nodes are lost or late, judged by `plan::nodes` with the operator's own clocks, which pods
+//!   and members are lost) → lifecycle (finish, deadline,
 //!   TTL, suspend) → workers (create, delete) → ring (next generation) → status; plus when the
 //!   static children are re-applied and when to look again. Pure, and where most tests live.
 //! - [`controller`]: observe → plan → apply against the API server, leader election, and the

@@ -1,7 +1,7 @@
 //! The operator's Prometheus metrics (own registry, `diphoma_operator_` prefix, bounded labels:
 //! error kind, cause, phase, state — never a pod name; one per-job gauge, computed from the job
-//! cache like kube-state-metrics, carries the job's namespace and name) and the `/metrics`,
-//! `/healthz`, `/readyz` endpoints.
+//! cache like kube-state-metrics, carries the namespace and name of each live job, and only while
+//! it runs: a finished job has no series) and the `/metrics`, `/healthz`, `/readyz` endpoints.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -158,9 +158,10 @@ impl Metrics {
         }
     }
 
-    /// `diphoma_operator_job_repairs{job_namespace, diphoma_job, cause}`: each job's
-    /// `status.repairs.byCause`, every cause present (0 before its first repair). Built per
-    /// scrape and never registered, so a deleted job's series simply stop.
+    /// `diphoma_operator_job_repairs{job_namespace, diphoma_job, cause}`: each live (not
+    /// finished) job's `status.repairs.byCause`, every cause present (0 before its first repair).
+    /// Built per scrape and never registered, so the series of a job that finished or was
+    /// deleted simply stop: the series count follows the running jobs, not every job kept.
     fn job_repairs(jobs: &[&DiphomaJob]) -> Vec<prometheus::proto::MetricFamily> {
         use prometheus::core::Collector;
         let g = IntGaugeVec::new(
@@ -172,7 +173,13 @@ impl Metrics {
             &JOB_REPAIRS_LABELS,
         )
         .expect("valid metric");
-        for j in jobs {
+        let live = jobs.iter().filter(|j| {
+            !j.status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .is_some_and(Phase::is_terminal)
+        });
+        for j in live {
             let (ns, name) = (
                 j.metadata.namespace.as_deref().unwrap_or_default(),
                 j.metadata.name.as_deref().unwrap_or_default(),
@@ -298,6 +305,17 @@ mod tests {
         };
         per_job("ProcessExit", 2);
         per_job("NodeLost", 0);
+        // A finished job keeps no series: their number follows the running jobs.
+        let mut done = job.clone();
+        done.metadata.name = Some("done".into());
+        done.status.as_mut().unwrap().phase = Some(Phase::Succeeded);
+        let with_done = m.render(&[&job, &done]);
+        assert!(
+            !with_done.contains("diphoma_job=\"done\"")
+                && with_done.contains("diphoma_job=\"train\""),
+            "{with_done}"
+        );
+        assert!(!m.render(&[&done]).contains("diphoma_operator_job_repairs"));
         let none = m.render(&[]);
         assert!(
             none.contains("diphoma_operator_jobs{phase=\"Running\"} 0")

@@ -11,6 +11,14 @@
 //! widths and each width (u64 LE each), the optimizer's name (its length as u64 LE, then its
 //! bytes), `optimizer_step` (u64 LE), then every tensor's bytes in the order above.
 //!
+//! Identity: in Kubernetes every checkpoint belongs to one job, its [`Owner`] (namespace, name,
+//! uid), written in its metadata (`job_namespace`, `job_name`, `job_uid`, outside the checksum:
+//! the path holds them too) and in its path, `<root>/<namespace>/<name>/<uid>/`
+//! ([`Owner::dir`]). A job writes and prunes only its own directory and loads only checkpoints
+//! whose metadata names it ([`load_own`]); another job's are loaded only when asked for by name
+//! ([`load_other`]: `spec.checkpoint.resumeFrom`). A suspended and resumed job keeps its uid, so
+//! it resumes its own. A checkpoint without an owner (a standalone run) has none of these keys.
+//!
 //! Files of the previous format [`FORMAT_V1`] (digits MLP, metadata `hidden`, no optimizer
 //! state) are still read: they hold SGD runs, and SGD has no state, so they resume an SGD run
 //! exactly. An AdamW run refuses them (skipped with a warning, like a checkpoint of another
@@ -51,6 +59,53 @@ pub struct Checkpoint {
     pub params: Vec<f32>,
     /// The optimizer's state, flattened in the same order.
     pub optimizer: OptState,
+    /// The job it belongs to (none: a standalone run).
+    pub owner: Option<Owner>,
+}
+
+/// The job a checkpoint belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    /// The job's namespace.
+    pub namespace: String,
+    /// The job's name.
+    pub name: String,
+    /// The job's `metadata.uid`: a job deleted and created again under the same name is
+    /// another owner.
+    pub uid: String,
+}
+
+/// Metadata keys of the owner's namespace, name and uid.
+const OWNER_KEYS: [&str; 3] = ["job_namespace", "job_name", "job_uid"];
+
+/// `part` when it can name one directory (not empty, `.`, `..`, nor holding a `/`); `what`
+/// names it in the error.
+fn path_part<'a>(what: &str, part: &'a str) -> Result<&'a str, CheckpointError> {
+    if part.is_empty() || part == "." || part == ".." || part.contains(['/', '\\', '\0']) {
+        return Err(CheckpointError::Invalid(format!(
+            "{what} {part:?} cannot name a checkpoint directory"
+        )));
+    }
+    Ok(part)
+}
+
+impl Owner {
+    /// The owner `namespace/name` with `uid`.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Invalid`] naming the part that cannot name a directory.
+    pub fn new(namespace: &str, name: &str, uid: &str) -> Result<Owner, CheckpointError> {
+        Ok(Owner {
+            namespace: path_part("namespace", namespace)?.to_owned(),
+            name: path_part("job name", name)?.to_owned(),
+            uid: path_part("job uid", uid)?.to_owned(),
+        })
+    }
+
+    /// This owner's checkpoint directory under `root`: `<root>/<namespace>/<name>/<uid>`.
+    pub fn dir(&self, root: &Path) -> PathBuf {
+        root.join(&self.namespace).join(&self.name).join(&self.uid)
+    }
 }
 
 /// Why a checkpoint file was refused.
@@ -170,7 +225,13 @@ impl Checkpoint {
             opt_step,
             &refs,
         );
-        let meta = HashMap::from([
+        let owner = self.owner.iter().flat_map(|o| {
+            OWNER_KEYS
+                .iter()
+                .zip([&o.namespace, &o.name, &o.uid])
+                .map(|(k, v)| (k.to_string(), v.clone()))
+        });
+        let meta = HashMap::from_iter(owner.chain([
             ("format".to_string(), FORMAT.to_string()),
             ("step".to_string(), self.step.to_string()),
             ("seed".to_string(), self.seed.to_string()),
@@ -178,7 +239,7 @@ impl Checkpoint {
             ("optimizer".to_string(), kind.name().to_string()),
             ("optimizer_step".to_string(), opt_step.to_string()),
             ("sha256".to_string(), sum),
-        ]);
+        ]));
         let names = tensor_names(self.widths.len() - 1, kind);
         let all_shapes = shapes.iter().cycle().take(names.len());
         let views = names
@@ -275,12 +336,18 @@ impl Checkpoint {
                 v: floats(&datas[2 * k..]),
             },
         };
+        let owner = match OWNER_KEYS.map(|k| meta.get(k)) {
+            [Some(ns), Some(name), Some(uid)] => Some(Owner::new(ns, name, uid)?),
+            [None, None, None] => None,
+            _ => return Err(CheckpointError::Invalid("a partial job identity".into())),
+        };
         Ok(Checkpoint {
             step,
             seed,
             widths,
             params: floats(&datas[..k]),
             optimizer,
+            owner,
         })
     }
 }
@@ -370,6 +437,72 @@ pub fn load_newest(
     Ok(None)
 }
 
+/// The newest checkpoint of `owner` in its directory under `root` ([`Owner::dir`]) that
+/// passes `accept` ([`load_newest`]); a file there that names another owner (or none) is
+/// refused and skipped.
+///
+/// # Errors
+/// As [`load_newest`].
+pub fn load_own(
+    root: &Path,
+    owner: &Owner,
+    accept: impl Fn(&Checkpoint) -> Result<(), String>,
+) -> Result<Option<(PathBuf, Checkpoint)>, CheckpointError> {
+    load_newest(&owner.dir(root), |c| {
+        owned_by(c, owner)?;
+        accept(c)
+    })
+}
+
+/// The newest (highest step) checkpoint, over every incarnation (uid) of the job `name` in
+/// `namespace` under `root`, that passes `accept`: what `spec.checkpoint.resumeFrom` asks for.
+/// Only read, never pruned.
+///
+/// # Errors
+/// [`CheckpointError::Invalid`] when `namespace` or `name` cannot name a directory; otherwise
+/// as [`load_newest`].
+pub fn load_other(
+    root: &Path,
+    namespace: &str,
+    name: &str,
+    accept: impl Fn(&Checkpoint) -> Result<(), String>,
+) -> Result<Option<(PathBuf, Checkpoint)>, CheckpointError> {
+    let jobs = root
+        .join(path_part("namespace", namespace)?)
+        .join(path_part("job name", name)?);
+    let uids = match std::fs::read_dir(&jobs) {
+        Ok(entries) => entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .collect::<Vec<_>>(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let mut newest: Option<(PathBuf, Checkpoint)> = None;
+    for uid in uids {
+        let Ok(owner) = Owner::new(namespace, name, &uid) else {
+            continue;
+        };
+        if let Some(found) = load_own(root, &owner, &accept)?
+            && newest.as_ref().is_none_or(|(_, c)| found.1.step > c.step)
+        {
+            newest = Some(found);
+        }
+    }
+    Ok(newest)
+}
+
+/// Ok when `c` names `owner` as its owner.
+fn owned_by(c: &Checkpoint, owner: &Owner) -> Result<(), String> {
+    match &c.owner {
+        Some(o) if o == owner => Ok(()),
+        Some(o) => Err(format!(
+            "it belongs to job {}/{} (uid {}), not to {}/{} (uid {})",
+            o.namespace, o.name, o.uid, owner.namespace, owner.name, owner.uid
+        )),
+        None => Err("it names no job".into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -383,6 +516,7 @@ mod tests {
             widths,
             params: (0..n).map(|i| i as f32 * 0.25 - 3.0).collect(),
             optimizer: OptState::Sgd,
+            owner: None,
         }
     }
 
@@ -399,6 +533,7 @@ mod tests {
                 m: (0..n).map(|i| i as f32 * -0.25).collect(),
                 v: (0..n).map(|i| i as f32 * 0.125).collect(),
             },
+            owner: Some(Owner::new("ns", "job", "uid-1").unwrap()),
         }
     }
 
@@ -515,5 +650,66 @@ mod tests {
                 .is_none()
         );
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Two jobs of one name (the second created after the first was deleted: another uid) and a
+    /// third job share one checkpoint directory.
+    #[test]
+    fn a_job_loads_and_prunes_only_its_own_checkpoints_unless_it_resumes_another_by_name() {
+        let root = scratch("owners");
+        let owned = |owner: &Owner, step| Checkpoint {
+            owner: Some(owner.clone()),
+            ..sample(step)
+        };
+        let first = Owner::new("ns", "train", "uid-a").unwrap();
+        let second = Owner::new("ns", "train", "uid-b").unwrap();
+        let other = Owner::new("ns", "tune", "uid-c").unwrap();
+        for s in [10, 20, 30, 40, 50] {
+            write_atomic(&first.dir(&root), &owned(&first, s)).unwrap();
+        }
+        for s in [1, 2, 3, 4] {
+            write_atomic(&other.dir(&root), &owned(&other, s)).unwrap();
+        }
+        // Each pruned its own directory only.
+        assert_eq!(list(&first.dir(&root)).unwrap().len(), KEEP);
+        assert_eq!(list(&other.dir(&root)).unwrap().len(), KEEP);
+        // A new job of the same name (another uid) and another job find nothing of their own.
+        assert!(load_own(&root, &second, |_| Ok(())).unwrap().is_none());
+        let (_, c) = load_own(&root, &other, |_| Ok(())).unwrap().unwrap();
+        assert_eq!((c.step, c.owner.as_ref()), (4, Some(&other)));
+        // A file copied into a job's directory that names another job is refused.
+        std::fs::create_dir_all(second.dir(&root)).unwrap();
+        std::fs::copy(
+            first.dir(&root).join(file_name(50)),
+            second.dir(&root).join(file_name(50)),
+        )
+        .unwrap();
+        assert!(load_own(&root, &second, |_| Ok(())).unwrap().is_none());
+        // resumeFrom: the newest checkpoint of any incarnation of the named job.
+        let (p, c) = load_other(&root, "ns", "train", |_| Ok(()))
+            .unwrap()
+            .unwrap();
+        assert_eq!((p, c.step), (first.dir(&root).join(file_name(50)), 50));
+        assert_eq!(c.owner, Some(first.clone()));
+        assert!(
+            load_other(&root, "ns", "absent", |_| Ok(()))
+                .unwrap()
+                .is_none()
+        );
+        assert!(load_other(&root, "ns", "..", |_| Ok(())).is_err());
+        assert!(Owner::new("ns", "a/b", "u").is_err());
+        let _ = std::fs::remove_dir_all(root);
+    }
+
+    #[test]
+    fn the_owner_roundtrips_in_the_metadata() {
+        let c = sample_adamw(3);
+        assert_eq!(Checkpoint::decode(&c.encode().unwrap()).unwrap(), c);
+        assert_eq!(
+            Checkpoint::decode(&sample(3).encode().unwrap())
+                .unwrap()
+                .owner,
+            None
+        );
     }
 }

@@ -8,7 +8,7 @@
 //! | [`data`] | the digits data set, the seeded synthetic set, the test split, the seeded data order and the per-rank shard (pure but for loading) | know about ranks beyond `(world, rank)` |
 //! | [`model`] | the candle MLPs (digits; the synthetic model sized by parameter count), summed-loss gradients as flat `f32`, gradient fusion | touch sockets |
 //! | [`optim`] | SGD (candle-nn) and AdamW (candle-nn's update) with their state as flat `f32` | know about ranks |
-//! | [`checkpoint`] | safetensors checkpoints (parameters, optimizer state) with a SHA-256 in the metadata; atomic writes, newest-valid reads | decide when to write |
+//! | [`checkpoint`] | safetensors checkpoints (parameters, optimizer state) with a SHA-256 and the owning job in the metadata; atomic writes, newest-valid reads, a job's own directory (or the one it resumes by name) only | decide when to write |
 //! | [`train`] | one rank's step loop: fused allreduce, commit, roll-back, generation changes, state sync | parse the contract's env or talk to Kubernetes |
 //! | [`metrics`] | the `diphoma_worker_*` Prometheus metrics, the `/metrics` endpoint, [`metrics::Metered`] (a ring source that records them) | decide what to record |
 //! | `main.rs` (binary) | the `diphoma-worker` CLI: parses it and dispatches to `train` or the benchmark | hold runtime logic |

@@ -52,8 +52,15 @@ pub struct TrainConfig {
     pub optimizer: OptimizerKind,
     /// Rank 0 writes a checkpoint every this many steps (0: never).
     pub checkpoint_every: u64,
-    /// Where checkpoints are written and resumed from.
+    /// Where checkpoints are written and resumed from: with an owner, the root of every job's
+    /// checkpoints (this run's are in [`checkpoint::Owner::dir`]); without, this run's own.
     pub checkpoint_dir: Option<PathBuf>,
+    /// The job the checkpoints belong to (none: a standalone run): only its own are resumed
+    /// and pruned ([`checkpoint::load_own`]).
+    pub checkpoint_owner: Option<checkpoint::Owner>,
+    /// A job of the owner's namespace whose newest checkpoint is resumed when the owner has none
+    /// of its own (`spec.checkpoint.resumeFrom`; [`checkpoint::load_other`]).
+    pub resume_from: Option<String>,
     /// Rank 0 prints the loss every this many steps (0: never).
     pub log_every: u64,
     /// For tests of failure detection: `(rank, delay)`, the member at this rank of every
@@ -73,9 +80,23 @@ impl Default for TrainConfig {
             optimizer: OptimizerKind::Sgd,
             checkpoint_every: 0,
             checkpoint_dir: None,
+            checkpoint_owner: None,
+            resume_from: None,
             log_every: 0,
             slow_rank: None,
         }
+    }
+}
+
+impl TrainConfig {
+    /// This run's own checkpoint directory: [`TrainConfig::checkpoint_dir`], under it the
+    /// owner's ([`checkpoint::Owner::dir`]) when there is one.
+    pub fn own_checkpoint_dir(&self) -> Option<PathBuf> {
+        let root = self.checkpoint_dir.as_ref()?;
+        Some(match &self.checkpoint_owner {
+            Some(owner) => owner.dir(root),
+            None => root.clone(),
+        })
     }
 }
 
@@ -288,7 +309,7 @@ fn maybe_checkpoint(
     model: &Mlp,
     opt: &Optim,
 ) -> candle_core::Result<Option<u64>> {
-    let Some(dir) = cfg.checkpoint_dir.as_ref() else {
+    let Some(dir) = cfg.own_checkpoint_dir() else {
         return Ok(None);
     };
     let every = cfg.checkpoint_every;
@@ -302,8 +323,9 @@ fn maybe_checkpoint(
         widths: cfg.widths.clone(),
         params: s.params,
         optimizer: s.opt,
+        owner: cfg.checkpoint_owner.clone(),
     };
-    Ok(match checkpoint::write_atomic(dir, &ck) {
+    Ok(match checkpoint::write_atomic(&dir, &ck) {
         Ok(_) => Some(step),
         Err(e) => {
             tracing::warn!(
@@ -390,7 +412,7 @@ pub fn train_rank(
     // The committed step; the live model and optimizer are always its state (see step_once).
     let mut step = 0;
     if let Some(dir) = &cfg.checkpoint_dir {
-        let resumed = checkpoint::load_newest(dir, |c| {
+        let accept = |c: &checkpoint::Checkpoint| {
             let kind = c.optimizer.kind();
             if c.seed != cfg.seed || c.widths != cfg.widths || kind != cfg.optimizer {
                 return Err(format!(
@@ -404,7 +426,17 @@ pub fn train_rank(
                 ));
             }
             Ok(())
-        })
+        };
+        let resumed = match &cfg.checkpoint_owner {
+            None => checkpoint::load_newest(dir, accept),
+            Some(owner) => match checkpoint::load_own(dir, owner, accept) {
+                Ok(None) => match &cfg.resume_from {
+                    Some(name) => checkpoint::load_other(dir, &owner.namespace, name, accept),
+                    None => Ok(None),
+                },
+                found => found,
+            },
+        }
         .map_err(|source| TrainError::CheckpointDir {
             dir: dir.to_path_buf(),
             source,

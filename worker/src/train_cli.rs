@@ -78,9 +78,15 @@ pub(crate) struct TrainArgs {
     /// Rank 0 writes a checkpoint every this many steps (0: never).
     #[arg(long, env = diphoma_contract::ENV_CHECKPOINT_EVERY, default_value_t = 0)]
     checkpoint_every: u64,
-    /// Directory of the checkpoints; training resumes from the newest valid one in it.
+    /// Directory of the checkpoints; training resumes from the newest valid one of its own in
+    /// it. In Kubernetes mode the root of every job's: this job's are in
+    /// `<dir>/<namespace>/<job>/<uid>/` and name the job in their metadata.
     #[arg(long, env = diphoma_contract::ENV_CHECKPOINT_DIR)]
     checkpoint_dir: Option<std::path::PathBuf>,
+    /// Kubernetes mode: a job of this namespace whose newest checkpoint (of any of its uids) is
+    /// resumed when this job has none of its own (`spec.checkpoint.resumeFrom.name`).
+    #[arg(long, env = diphoma_contract::ENV_CHECKPOINT_RESUME_FROM)]
+    resume_from: Option<String>,
     /// Kubernetes mode: bound on each connect, in seconds. A collective is not bounded: it
     /// waits on a silent peer while the peer's process answers liveness pings, within windows
     /// of a quarter of the job's faultTolerance.detectionSeconds (DIPHOMA_DETECTION_SECONDS).
@@ -141,6 +147,17 @@ pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
     if !(lr > 0.0 && lr.is_finite()) {
         return Err(format!("--lr {lr} must be positive").into());
     }
+    let checkpoint_owner = match &kube_env {
+        Some((env, _)) => Some(diphoma_worker::checkpoint::Owner::new(
+            &env.namespace,
+            &env.job_name,
+            &env.job_uid,
+        )?),
+        None if a.resume_from.is_some() => {
+            return Err("--resume-from names a job: it needs Kubernetes mode".into());
+        }
+        None => None,
+    };
     println!(
         "model {:?}: {} parameters, optimizer {} (lr {lr})",
         widths,
@@ -156,6 +173,8 @@ pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         optimizer,
         checkpoint_every: a.checkpoint_every,
         checkpoint_dir: a.checkpoint_dir,
+        checkpoint_owner,
+        resume_from: a.resume_from,
         log_every: a.log_every,
         slow_rank: (a.step_delay_ms > 0)
             .then(|| (a.step_delay_rank, Duration::from_millis(a.step_delay_ms))),

@@ -1,7 +1,9 @@
 //! `diphoma-kubelet`: the process kubelet as a program.
 //!
 //! - `diphoma-kubelet run --kubeconfig K --root DIR --socket S --nodes 4 --gpus 8` registers the
-//!   nodes and runs their pods until SIGTERM/SIGINT, then kills every pod process it started.
+//!   nodes and runs their pods until SIGTERM/SIGINT, then kills every pod process it started;
+//!   `--clock-offset-seconds -30` writes the nodes' Lease `renewTime`s 30 s behind this machine's
+//!   clock (nodes whose clocks disagree with the control plane's).
 //! - `diphoma-kubelet fail-node --socket S NODE [--mode kill|freeze]` asks a running kubelet to
 //!   fail a node (heartbeats stop, processes killed or frozen, pods left Running in the API).
 
@@ -54,6 +56,10 @@ enum Cmd {
         /// local image store).
         #[arg(long, default_value = "process")]
         runtime: Runtime,
+        /// Seconds the nodes' clocks are ahead of this machine's (negative: behind), as their
+        /// Lease `renewTime`s show.
+        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        clock_offset_seconds: i64,
     },
     /// Fail a node of a running kubelet.
     FailNode {
@@ -86,10 +92,13 @@ async fn main() {
             bin_dir,
             images,
             runtime,
+            clock_offset_seconds,
         } => {
-            let nodes = (0..nodes)
-                .map(|i| NodeConfig::gpu(&format!("gpu-node-{i}"), gpus))
-                .collect();
+            let node = |i| NodeConfig {
+                clock_offset_seconds,
+                ..NodeConfig::gpu(&format!("gpu-node-{i}"), gpus)
+            };
+            let nodes = (0..nodes).map(node).collect();
             run(kubeconfig, root, socket, nodes, bin_dir, images, runtime).await
         }
         Cmd::FailNode { socket, node, mode } => fail_node(socket, node, mode).await,

@@ -168,6 +168,15 @@ pub(crate) struct NodeState {
     ips: Mutex<IpPool>,
     gpus: Mutex<GpuPool>,
     failed: watch::Sender<Option<FailMode>>,
+    /// The node's clock offset ([`NodeConfig::clock_offset_seconds`]).
+    clock_offset: jiff::SignedDuration,
+}
+
+impl NodeState {
+    /// Now, by the node's clock.
+    fn now(&self) -> jiff::Timestamp {
+        jiff::Timestamp::now() + self.clock_offset
+    }
 }
 
 /// State shared by every task of one kubelet.
@@ -232,6 +241,7 @@ impl Kubelet {
                 ips: Mutex::new(ips),
                 gpus: Mutex::new(GpuPool::new(n.gpus)),
                 failed: watch::channel(None).0,
+                clock_offset: jiff::SignedDuration::from_secs(n.clock_offset_seconds),
             };
             if nodes.insert(n.name.clone(), Arc::new(state)).is_some() {
                 return Err(Error::Config {
@@ -276,7 +286,8 @@ impl Kubelet {
                 app.clone(),
                 stop,
             )));
-            register(&shared.client, n, &ips, port, cfg.heartbeat).await?;
+            let renewed = shared.nodes[&n.name].now();
+            register(&shared.client, n, &ips, port, cfg.heartbeat, renewed).await?;
         }
         for name in shared.nodes.keys() {
             tasks.push(tokio::spawn(heartbeat(shared.clone(), name.clone())));
@@ -291,10 +302,16 @@ impl Kubelet {
     ///
     /// Errors: [`Error::UnknownNode`] naming the node.
     pub fn fail_node(&self, name: &str, mode: FailMode) -> Result<(), Error> {
-        let node = self
-            .shared
+        self.node(name)?.failed.send_replace(Some(mode));
+        Ok(())
+    }
+
+    /// The state of node `name`. Errors: [`Error::UnknownNode`] naming it.
+    fn node(&self, name: &str) -> Result<&NodeState, Error> {
+        self.shared
             .nodes
             .get(name)
+            .map(|n| n.as_ref())
             .ok_or_else(|| Error::UnknownNode {
                 name: name.to_owned(),
                 known: self
@@ -304,9 +321,7 @@ impl Kubelet {
                     .cloned()
                     .collect::<Vec<_>>()
                     .join(", "),
-            })?;
-        node.failed.send_replace(Some(mode));
-        Ok(())
+            })
     }
 
     /// What a container printed (stdout and stderr), every run in order; the kubelet keeps it
@@ -339,14 +354,15 @@ impl Kubelet {
     }
 }
 
-/// Creates the Node (status included) and its Lease, renewed every `renew`; an existing one is
-/// taken over.
+/// Creates the Node (status included) and its Lease, renewed every `renew` and last at
+/// `renewed` (the node's clock); an existing one is taken over.
 async fn register(
     client: &Client,
     cfg: &NodeConfig,
     ips: &IpPool,
     kubelet_port: u16,
     renew: Duration,
+    renewed: jiff::Timestamp,
 ) -> Result<(), Error> {
     let nodes: Api<Node> = Api::all(client.clone());
     let obj = node::node_object(cfg, &ips.node_ip(), &ips.cidr(), kubelet_port);
@@ -362,7 +378,7 @@ async fn register(
     };
     let leases: Api<Lease> = Api::namespaced(client.clone(), LEASE_NAMESPACE);
     let uid = node.metadata.uid.as_deref().unwrap_or_default();
-    let lease = node::lease_object(&cfg.name, uid, renew);
+    let lease = node::lease_object(&cfg.name, uid, renew, renewed);
     match leases.create(&PostParams::default(), &lease).await {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.is_already_exists() => {
@@ -377,7 +393,7 @@ async fn register(
 }
 
 /// Renews the node's Lease every heartbeat, on a fixed schedule (a slow renewal does not push
-/// the next one back), until the node fails or the kubelet stops.
+/// the next one back), by the node's clock, until the node fails or the kubelet stops.
 async fn heartbeat(sh: Arc<Shared>, name: String) {
     let leases: Api<Lease> = Api::namespaced(sh.client.clone(), LEASE_NAMESPACE);
     let mut shutdown = sh.shutdown.subscribe();
@@ -397,7 +413,7 @@ async fn heartbeat(sh: Arc<Shared>, name: String) {
             .patch(
                 &name,
                 &PatchParams::default(),
-                &Patch::Merge(&node::lease_renewal()),
+                &Patch::Merge(&node::lease_renewal(sh.nodes[&name].now())),
             )
             .await
         {

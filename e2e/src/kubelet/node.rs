@@ -32,6 +32,10 @@ pub struct NodeConfig {
     pub memory_gib: u32,
     /// Maximum pods on the node.
     pub max_pods: u32,
+    /// How far the node's clock is from this machine's, in seconds (negative: behind): its
+    /// Lease's `renewTime` is written at now plus this.
+    #[serde(default)]
+    pub clock_offset_seconds: i64,
 }
 
 impl NodeConfig {
@@ -44,6 +48,7 @@ impl NodeConfig {
             cpu: 64,
             memory_gib: 512,
             max_pods: 110,
+            clock_offset_seconds: 0,
         }
     }
 }
@@ -157,9 +162,15 @@ pub fn lease_duration_seconds(renew: std::time::Duration) -> i32 {
     (renew.as_secs_f64() * 4.0).ceil().max(1.0) as i32
 }
 
-/// The node's heartbeat Lease in `kube-node-lease`, renewed every `renew`, owned by the Node (so
-/// it is garbage-collected with it). `node_uid` is the registered Node's UID.
-pub fn lease_object(node: &str, node_uid: &str, renew: std::time::Duration) -> Lease {
+/// The node's heartbeat Lease in `kube-node-lease`, renewed every `renew` and last at `renewed`
+/// (by the node's clock), owned by the Node (so it is garbage-collected with it). `node_uid` is
+/// the registered Node's UID.
+pub fn lease_object(
+    node: &str,
+    node_uid: &str,
+    renew: std::time::Duration,
+    renewed: jiff::Timestamp,
+) -> Lease {
     Lease {
         metadata: ObjectMeta {
             name: Some(node.to_owned()),
@@ -176,15 +187,15 @@ pub fn lease_object(node: &str, node_uid: &str, renew: std::time::Duration) -> L
         spec: Some(LeaseSpec {
             holder_identity: Some(node.to_owned()),
             lease_duration_seconds: Some(lease_duration_seconds(renew)),
-            renew_time: Some(MicroTime(jiff::Timestamp::now())),
+            renew_time: Some(MicroTime(renewed)),
             ..Default::default()
         }),
     }
 }
 
-/// The JSON merge patch that renews a Lease now.
-pub fn lease_renewal() -> serde_json::Value {
-    serde_json::json!({"spec": {"renewTime": MicroTime(jiff::Timestamp::now())}})
+/// The JSON merge patch that renews a Lease at `at` (by the node's clock).
+pub fn lease_renewal(at: jiff::Timestamp) -> serde_json::Value {
+    serde_json::json!({"spec": {"renewTime": MicroTime(at)}})
 }
 
 #[cfg(test)]
@@ -237,7 +248,12 @@ mod tests {
 
     #[test]
     fn lease_is_owned_by_its_node() {
-        let l = lease_object("g0", "uid-1", std::time::Duration::from_millis(2_500));
+        let l = lease_object(
+            "g0",
+            "uid-1",
+            std::time::Duration::from_millis(2_500),
+            jiff::Timestamp::now(),
+        );
         let owner = &l.metadata.owner_references.unwrap()[0];
         assert_eq!((owner.kind.as_str(), owner.uid.as_str()), ("Node", "uid-1"));
         let spec = l.spec.unwrap();

@@ -133,7 +133,7 @@ fn world(job: &DiphomaJob, pods: Vec<Value>) -> Vec<(String, Value)> {
 /// The job as the operator left it after the previous reconcile of `objects`.
 async fn settled(job: DiphomaJob, objects: &[(String, Value)]) -> DiphomaJob {
     let (client, _) = mock(objects.to_vec());
-    let (obs, _) = observe(&client, &job).await.unwrap();
+    let (obs, _) = observe(&client, &Mutex::default(), &job).await.unwrap();
     let mut j = job;
     j.status = Some(plan::plan(&j, &obs).status);
     j
@@ -156,6 +156,34 @@ async fn a_steady_job_only_reads() {
     assert!(!log.is_empty());
     let writes: Vec<_> = log.iter().filter(|(m, _)| m != "GET").collect();
     assert!(writes.is_empty(), "a steady job wrote: {writes:?}");
+}
+
+/// A node whose kubelet's clock is a minute behind the operator's: its Lease's `renewTime` reads
+/// a minute old on every look. The operator judges the Lease by when it saw it (a Lease first seen
+/// gets a full grace window), so the steady job still only reads, and no node is lost.
+#[tokio::test]
+async fn a_lease_renewed_by_a_clock_behind_the_operators_is_not_lost() {
+    let job = basic();
+    let mut objects = world(
+        &job,
+        (0..4).map(|i| worker(&job, i, "Running", None)).collect(),
+    );
+    let behind = (jiff::Timestamp::now() - jiff::SignedDuration::from_secs(60)).to_string();
+    for (path, obj) in &mut objects {
+        if path.ends_with("/leases/n0") {
+            obj["spec"]["renewTime"] = json!(behind);
+        }
+    }
+    let job = settled(job, &objects).await;
+    assert_eq!(job.status.as_ref().unwrap().failures.total, 0);
+    let (client, log) = mock(objects);
+    let ctx = Arc::new(Context::new(client, Metrics::default()));
+    reconcile(Arc::new(DeserializeGuard(Ok(job))), ctx)
+        .await
+        .unwrap();
+    let log = log.lock().unwrap().clone();
+    let writes: Vec<_> = log.iter().filter(|(m, _)| m != "GET").collect();
+    assert!(writes.is_empty(), "a healthy node's job wrote: {writes:?}");
 }
 
 #[tokio::test]

@@ -1,4 +1,4 @@
-//! Step 1 of the plan: failures. Judges the nodes (Lease age, Ready condition), classifies lost
+//! Step 1 of the plan: failures. From the nodes judged by [`super::nodes`], classifies lost
 //! pods, finds silent ring members from the workers' reports and members that vanished, and
 //! records each new failure (counts, last failure, event, the deletion of a lost pod that still
 //! runs; finished failed pods are kept for their logs as `cleanPodPolicy` says). Pure; it
@@ -12,86 +12,12 @@ use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
+use super::nodes::Nodes;
 use super::{
-    Cause, Deletion, EventNote, Failure, NodeHealth, Observed, Plan, by_operator, condition,
-    counted, node_of, parse_ts, pod_phase, present_pod, started, ts,
+    Cause, Deletion, EventNote, Failure, Observed, Plan, by_operator, condition, counted, node_of,
+    parse_ts, pod_phase, present_pod, started, ts,
 };
 use crate::api::{DiphomaJob, DiphomaJobStatus, LastFailure};
-
-/// Lease duration assumed when a node's Lease has none: the kubelet's default
-/// (`nodeLeaseDurationSeconds`, 40 s).
-pub const DEFAULT_NODE_LEASE_SECONDS: i32 = 40;
-
-/// How current a node's Lease in `kube-node-lease` is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NodeLease {
-    /// Renewed on schedule.
-    Fresh,
-    /// A whole renewal was missed, but the node is not yet declared lost.
-    Late,
-    /// Older than both two renewal intervals and `detectionSeconds`, or never renewed.
-    Lost,
-}
-
-/// Judges a node Lease renewed at `renewed` with `leaseDurationSeconds` `duration_s`, at `now`.
-///
-/// The kubelet renews every `leaseDurationSeconds / 4` (its `nodeLeaseRenewIntervalFraction`,
-/// 0.25: every 10 s for the default 40 s). A Lease is late once it is older than two intervals (a
-/// renewal was missed, not merely delayed), and lost once it is also older than
-/// `detection_seconds`: a node is never declared lost for a slow renewal, however small
-/// `detectionSeconds` is.
-pub fn node_lease(
-    renewed: Option<Timestamp>,
-    duration_s: Option<i32>,
-    now: Timestamp,
-    detection_seconds: i32,
-) -> NodeLease {
-    let Some(renewed) = renewed else {
-        return NodeLease::Lost;
-    };
-    let interval_ms = i64::from(duration_s.unwrap_or(DEFAULT_NODE_LEASE_SECONDS).max(1)) * 250;
-    let late = jiff::SignedDuration::from_millis(interval_ms * 2);
-    let detection = jiff::SignedDuration::from_secs(detection_seconds.into());
-    match now.duration_since(renewed) {
-        age if age > late && age > detection => NodeLease::Lost,
-        age if age > late => NodeLease::Late,
-        _ => NodeLease::Fresh,
-    }
-}
-
-/// The nodes found unhealthy, by name.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Nodes {
-    /// Lost: Lease [`NodeLease::Lost`] or the node not Ready. Its pods are lost.
-    pub lost: BTreeSet<String>,
-    /// Late: Lease not [`NodeLease::Fresh`] or the node not Ready (every lost node is late). A
-    /// silent member there is counted as `NodeLost`, not `Hung`.
-    pub late: BTreeSet<String>,
-}
-
-/// Which of the observed `nodes` are lost or late at `now` (see [`node_lease`]).
-pub fn judge_nodes(
-    nodes: &BTreeMap<String, NodeHealth>,
-    now: Timestamp,
-    detection_seconds: i32,
-) -> Nodes {
-    let mut out = Nodes::default();
-    for (name, h) in nodes {
-        let lease = node_lease(
-            h.lease_renewed,
-            h.lease_duration_seconds,
-            now,
-            detection_seconds,
-        );
-        if lease != NodeLease::Fresh || !h.ready {
-            out.late.insert(name.clone());
-        }
-        if lease == NodeLease::Lost || !h.ready {
-            out.lost.insert(name.clone());
-        }
-    }
-    out
-}
 
 /// Classifies a pod that is lost, or returns `None` for a healthy (or still starting) one.
 /// Returns (cause, reason, exit code).
@@ -449,34 +375,4 @@ pub(super) fn loss_time(p: &Pod) -> Option<Timestamp> {
         t.0 - jiff::SignedDuration::from_secs(grace)
     });
     finished.or(requested)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn t(secs: i64) -> Timestamp {
-        Timestamp::from_second(1_800_000_000 + secs).unwrap()
-    }
-
-    #[test]
-    fn nodes_are_judged_by_lease_and_readiness() {
-        let now = t(100);
-        let health = |age_s: i64, ready: bool| NodeHealth {
-            lease_renewed: Some(now - jiff::SignedDuration::from_secs(age_s)),
-            lease_duration_seconds: Some(8),
-            ready,
-        };
-        let nodes = BTreeMap::from([
-            ("fresh".to_owned(), health(1, true)),
-            ("late".to_owned(), health(5, true)),
-            ("lost".to_owned(), health(20, true)),
-            ("not-ready".to_owned(), health(1, false)),
-            ("no-lease".to_owned(), NodeHealth::default()),
-        ]);
-        let n = judge_nodes(&nodes, now, 10);
-        let set = |names: &[&str]| names.iter().map(|s| s.to_string()).collect();
-        assert_eq!(n.lost, set(&["lost", "no-lease", "not-ready"]));
-        assert_eq!(n.late, set(&["late", "lost", "no-lease", "not-ready"]));
-    }
 }

@@ -5,7 +5,8 @@
 //! the operator decides is decided here; nothing here does I/O.
 //!
 //! [`plan`] reads as a table of contents, one named step per module:
-//! 1. [`failures`]: judge the nodes, find lost pods and silent or vanished members, count them;
+//! 1. [`failures`]: judge the nodes ([`nodes`]), find lost pods and silent or vanished members,
+//!    count them;
 //! 2. [`lifecycle`]: a finished job's clean-up and TTL; fail, complete or suspend the job;
 //! 3. [`workers`]: create missing workers, scale away the surplus;
 //! 4. [`ring`]: publish the next ring generation when its membership changes;
@@ -27,11 +28,13 @@ use crate::build::{ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED};
 
 pub mod failures;
 pub mod lifecycle;
+pub mod nodes;
 pub mod ring;
 pub mod status;
 pub mod workers;
 
-pub use failures::{NodeLease, classify, node_lease, silent_members};
+pub use failures::{classify, silent_members};
+pub use nodes::{NodeLease, node_lease};
 pub use status::conditions;
 
 /// What the reconciler observed for one job.
@@ -66,17 +69,23 @@ pub struct Observed {
     pub refused: BTreeMap<String, String>,
 }
 
-/// What the controller read about one node: its Lease in `kube-node-lease` and its `Ready`
-/// condition. The default is a node with no Lease that is not Ready (neither object found).
+/// What the controller read about one node: its Lease in `kube-node-lease`, as this operator saw
+/// it change ([`nodes::observe_lease`]), and its `Ready` condition. The default is a node with no
+/// Lease that is not Ready (neither object found).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeHealth {
-    /// The Lease's `renewTime` (none: no Lease, or never renewed).
-    pub lease_renewed: Option<Timestamp>,
+    /// How long ago this operator saw the Lease's `renewTime` change, or first saw the Lease, by
+    /// its own monotonic clock (none: no Lease, or never renewed).
+    pub lease_age: Option<Duration>,
     /// The Lease's `leaseDurationSeconds` (none: the kubelet's default,
-    /// [`failures::DEFAULT_NODE_LEASE_SECONDS`]).
+    /// [`nodes::DEFAULT_NODE_LEASE_SECONDS`]).
     pub lease_duration_seconds: Option<i32>,
     /// The Node's `Ready` condition is `True`.
     pub ready: bool,
+    /// A skew between the node's clock and this operator's (positive: the node is ahead)
+    /// beyond [`nodes::skew_threshold`], measured at this observation and not reported for
+    /// this node before: the plan reports it once ([`nodes::skew_events`]).
+    pub clock_skew: Option<jiff::SignedDuration>,
 }
 
 /// Why a worker was lost.
@@ -263,6 +272,7 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
         ..Plan::default()
     };
     decide(job, obs, &mut plan);
+    plan.events.extend(nodes::skew_events(&obs.nodes));
     plan.status.replicas = status::observed_replicas(obs, &plan);
     plan.look_again = look_again(job, &plan);
     plan
@@ -300,7 +310,7 @@ fn decide(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
     status::progress(&mut plan.status, obs);
     // 1. Failures: which nodes are lost or late, then which pods and members are lost.
     let detection = job.spec.fault_tolerance.detection_seconds;
-    let nodes = failures::judge_nodes(&obs.nodes, obs.now, detection);
+    let nodes = nodes::judge_nodes(&obs.nodes, detection);
     let found = failures::detect(job, obs, &nodes, plan);
     // 2. Lifecycle: fail, complete or suspend the job.
     if lifecycle::lifecycle(job, obs, &found, plan) == lifecycle::Next::Done {

@@ -36,13 +36,14 @@ fn lost_node() -> NodeHealth {
     NodeHealth::default()
 }
 
-/// A Ready node whose 8 s Lease was last renewed 5 s before `now`: late (a renewal missed), not
+/// A Ready node whose 8 s Lease was last seen to change 5 s ago: late (a renewal missed), not
 /// lost (detectionSeconds 10).
-fn late_node(now: Timestamp) -> NodeHealth {
+fn late_node() -> NodeHealth {
     NodeHealth {
-        lease_renewed: Some(now - jiff::SignedDuration::from_secs(5)),
+        lease_age: Some(Duration::from_secs(5)),
         lease_duration_seconds: Some(8),
         ready: true,
+        clock_skew: None,
     }
 }
 
@@ -698,7 +699,7 @@ fn a_silent_member_on_a_node_with_a_late_lease_is_a_node_loss() {
         now: t(102),
         ..obs(pods, Some(ring(&j, 2, &[0, 1, 2, 3])))
     };
-    o.nodes.insert("n1".into(), late_node(o.now));
+    o.nodes.insert("n1".into(), late_node());
     let p = plan(&j, &o);
     let got: Vec<_> = p
         .failures
@@ -717,10 +718,8 @@ fn a_silent_member_on_a_node_with_a_late_lease_is_a_node_loss() {
 
 #[test]
 fn a_node_is_lost_only_past_both_a_late_renewal_and_detection_seconds() {
-    let lease = |age_ms: i64, duration: Option<i32>, detection: i32| {
-        let now = t(100);
-        let renewed = now - jiff::SignedDuration::from_millis(age_ms);
-        node_lease(Some(renewed), duration, now, detection)
+    let lease = |age_ms: u64, duration: Option<i32>, detection: i32| {
+        node_lease(Some(Duration::from_millis(age_ms)), duration, detection)
     };
     // The process kubelet: 8 s Leases renewed every 2 s; late after 4 s, lost after 5 s when
     // detectionSeconds is 5.
@@ -733,7 +732,7 @@ fn a_node_is_lost_only_past_both_a_late_renewal_and_detection_seconds() {
     assert_eq!(lease(19_900, None, 4), NodeLease::Fresh);
     assert_eq!(lease(20_100, None, 4), NodeLease::Lost);
     assert_eq!(lease(20_100, Some(40), 30), NodeLease::Late);
-    assert_eq!(node_lease(None, Some(40), t(100), 10), NodeLease::Lost);
+    assert_eq!(node_lease(None, Some(40), 10), NodeLease::Lost);
 }
 
 #[test]
