@@ -25,12 +25,12 @@ use kube::runtime::{WatchStreamExt, watcher};
 
 use diphoma_contract::{
     self as contract, ENV_JOB_NAME, ENV_JOB_UID, ENV_KEY_FILE, ENV_MEMBERSHIP, ENV_NAMESPACE,
-    ENV_POD_IP, ENV_POD_NAME, ENV_RING_PORT, FailureReport, MEMBERSHIP_KEY, Membership,
-    ProgressReport,
+    ENV_POD_IP, ENV_POD_NAME, ENV_RING_PORT, ENV_RING_PROTECTION, FailureReport, MEMBERSHIP_KEY,
+    Membership, ProgressReport,
 };
 
 use crate::source::{Control, Generation, Progress, RingSource};
-use crate::{AbortHandle, CommError, Config};
+use crate::{AbortHandle, CommError, Config, Protection};
 
 /// How often rank 0 writes its progress record.
 pub const PROGRESS_EVERY: Duration = Duration::from_secs(5);
@@ -60,6 +60,8 @@ pub struct WorkerEnv {
     pub key_file: PathBuf,
     /// `DIPHOMA_MEMBERSHIP`: name of the ring ConfigMap.
     pub membership: String,
+    /// `DIPHOMA_RING_PROTECTION`: `integrity` (default when unset) or `encryption`.
+    pub protection: Protection,
 }
 
 /// A missing or malformed contract variable; the message names it.
@@ -109,6 +111,19 @@ impl WorkerEnv {
                 .ok_or_else(|| invalid(ENV_RING_PORT, format!("{port:?} is not a port 1-65535")))?,
             key_file: req(ENV_KEY_FILE)?.into(),
             membership: req(ENV_MEMBERSHIP)?,
+            protection: match get(ENV_RING_PROTECTION).as_deref().map(str::trim) {
+                None | Some("") => Protection::default(),
+                Some(v) => v
+                    .parse()
+                    .ok()
+                    .filter(|p| *p != Protection::None)
+                    .ok_or_else(|| {
+                        invalid(
+                            ENV_RING_PROTECTION,
+                            format!("{v:?} is not one of integrity, encryption"),
+                        )
+                    })?,
+            },
         })
     }
 
@@ -370,6 +385,7 @@ impl KubeRing {
             self.key.clone(),
         );
         config.timeout = self.op_timeout;
+        config.protection = self.env.protection;
         self.current = Some(m);
         Ok(Generation { config, listener })
     }
@@ -610,6 +626,11 @@ mod tests {
         let w = WorkerEnv::from_lookup(|n| env.get(n).cloned()).unwrap();
         assert_eq!(w.ring_port, 29500);
         assert_eq!(w.pod_ip.to_string(), "127.0.0.5");
+        assert_eq!(w.protection, Protection::Integrity, "integrity when unset");
+        let mut enc = env.clone();
+        enc.insert(ENV_RING_PROTECTION, "encryption".into());
+        let w = WorkerEnv::from_lookup(|n| enc.get(n).cloned()).unwrap();
+        assert_eq!(w.protection, Protection::Encryption);
         for var in env.keys() {
             let mut e = env.clone();
             e.remove(var);
@@ -622,6 +643,8 @@ mod tests {
             (ENV_RING_PORT, "0"),
             (ENV_RING_PORT, "http"),
             (ENV_POD_IP, "pod"),
+            (ENV_RING_PROTECTION, "none"),
+            (ENV_RING_PROTECTION, "aes"),
         ] {
             let mut e = env.clone();
             e.insert(var, bad.to_string());
