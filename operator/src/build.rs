@@ -195,6 +195,10 @@ fn worker_container(job: &DiphomaJob, c: &mut Container) {
         value(ENV_RING_PORT, spec.ring_port.to_string()),
         value(ENV_KEY_FILE, format!("{KEY_MOUNT_DIR}/{KEY_FILE_NAME}")),
         value(ENV_MEMBERSHIP, contract::membership_configmap_name(&name)),
+        value(
+            contract::ENV_RING_PROTECTION,
+            spec.ring.protection.as_str().into(),
+        ),
     ];
     let mut contract_env = contract_env.to_vec();
     if spec.gpus_per_worker == 0 {
@@ -580,6 +584,7 @@ pub(crate) mod tests {
             ENV_RING_PORT,
             ENV_KEY_FILE,
             ENV_MEMBERSHIP,
+            contract::ENV_RING_PROTECTION,
         ] {
             assert!(env.contains(&n), "{n} missing from {env:?}");
         }
@@ -625,6 +630,22 @@ pub(crate) mod tests {
                 .iter()
                 .any(|m| m.name == "ckpt" && m.mount_path == CHECKPOINT_MOUNT_DIR)
         );
+    }
+
+    #[test]
+    fn ring_protection_reaches_the_worker_integrity_by_default() {
+        let protection = |j: &DiphomaJob| {
+            worker_pod(j, 0, 0).unwrap().spec.unwrap().containers[0]
+                .env
+                .iter()
+                .flatten()
+                .find(|e| e.name == contract::ENV_RING_PROTECTION)
+                .and_then(|e| e.value.clone())
+        };
+        let mut j = basic();
+        assert_eq!(protection(&j).as_deref(), Some("integrity"));
+        j.spec.ring.protection = crate::api::RingProtection::Encryption;
+        assert_eq!(protection(&j).as_deref(), Some("encryption"));
     }
 
     #[test]

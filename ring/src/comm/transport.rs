@@ -160,7 +160,8 @@ fn link_err(e: std::io::Error, peer: usize, op: &'static str) -> CommError {
 
 /// Sending half of a step: `data` in frames of at most `MAX_DATA_PAYLOAD` bytes, each written
 /// as header ‖ payload ‖ tag (no tag without protection; the payload from `stage` under
-/// encryption).
+/// encryption). Under integrity the tag is fed with the payload bytes as they are written (so
+/// hashing overlaps the transfer instead of delaying the frame), and written once complete.
 struct Tx<'a> {
     s: &'a TcpStream,
     peer: usize,
@@ -174,6 +175,8 @@ struct Tx<'a> {
     hdr: [u8; HEADER_LEN],
     tag: [u8; TAG_LEN],
     seal: &'a mut Seal,
+    /// The current frame's tag in progress (integrity), until its payload is all written.
+    mac: Option<FrameMac>,
     stage: &'a mut [u8],
     started: bool,
     done: bool,
@@ -200,7 +203,10 @@ impl Tx<'_> {
             // SAFETY: data..data+len is the step's send range of the caller's buffer, alive and
             // not written during the step (writes go to disjoint ranges or to scratch).
             let payload = unsafe { std::slice::from_raw_parts(self.data.add(self.pos), self.flen) };
-            self.tag = self.seal.seal(&self.hdr, payload, self.stage);
+            match self.seal.mode() {
+                Protection::Integrity => self.mac = Some(self.seal.begin(&self.hdr)),
+                _ => self.tag = self.seal.seal(&self.hdr, payload, self.stage),
+            }
             self.off = 0;
             self.started = true;
         }
@@ -216,10 +222,12 @@ impl Tx<'_> {
             (self.off.max(HEADER_LEN) - HEADER_LEN).min(self.flen),
         );
         let t = (self.off.max(HEADER_LEN + self.flen) - HEADER_LEN - self.flen).min(tl);
+        // the tag only once computed (under integrity: when the payload is all written)
+        let t_end = if self.mac.is_some() { t } else { tl };
         let bufs = [
             IoSlice::new(&self.hdr[h..]),
             IoSlice::new(&payload[p..]),
-            IoSlice::new(&self.tag[t..tl]),
+            IoSlice::new(&self.tag[t..t_end]),
         ];
         match (&mut &*self.s).write_vectored(&bufs) {
             Ok(0) => Err(CommError::PeerLost {
@@ -228,6 +236,14 @@ impl Tx<'_> {
             }),
             Ok(n) => {
                 self.off += n;
+                let p_end = (self.off.max(HEADER_LEN) - HEADER_LEN).min(self.flen);
+                if let Some(m) = self.mac.as_mut() {
+                    m.update(&payload[p..p_end]);
+                    if p_end == self.flen {
+                        self.tag = m.tag();
+                        self.mac = None;
+                    }
+                }
                 if self.off == self.frame_bytes() && self.pos + self.flen == self.len {
                     self.done = true;
                 }
@@ -510,6 +526,7 @@ impl StepCtx<'_> {
                 hdr: [0; HEADER_LEN],
                 tag: [0; TAG_LEN],
                 seal: &mut tx_seals[t.peer],
+                mac: None,
                 stage: tx_stage,
                 started: false,
                 done: false,
