@@ -59,6 +59,10 @@ pub const ENV_MEMBERSHIP: &str = "DIPHOMA_MEMBERSHIP";
 /// a collective waits on a silent peer before probing its liveness, and how long the probe
 /// waits for an answer.
 pub const ENV_DETECTION_SECONDS: &str = "DIPHOMA_DETECTION_SECONDS";
+/// Env: how ring data frames are protected (`spec.ring.protection`): `integrity` (a keyed tag
+/// on every frame; the default when unset) or `encryption` (AES-256-GCM). Every worker of a
+/// job gets the same value; peers that differ refuse each other's handshake.
+pub const ENV_RING_PROTECTION: &str = "DIPHOMA_RING_PROTECTION";
 /// Env: directory of the checkpoints (the mount path of `spec.checkpoint.volume`); unset: none.
 pub const ENV_CHECKPOINT_DIR: &str = "DIPHOMA_CHECKPOINT_DIR";
 /// Env: steps between two checkpoints (`spec.checkpoint.everySteps`).

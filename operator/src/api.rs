@@ -34,6 +34,7 @@ fn gpu_rule(kind: &str) -> String {
     )
 }
 
+const PROTECTION_MESSAGE: &str = "spec.ring.protection is immutable: workers of different modes refuse each other (delete and re-create the job to change it)";
 const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers listen on it (delete and re-create the job to change it)";
 
 /// A distributed data-parallel training job: a ring of worker pods that the operator keeps alive,
@@ -147,6 +148,44 @@ pub struct DiphomaJobSpec {
     #[schemars(range(min = 1024, max = 65535))]
     #[x_kube(validation = Rule::new("self == oldSelf").message(RING_PORT_MESSAGE))]
     pub ring_port: i32,
+    /// The ring's data path.
+    #[serde(default)]
+    pub ring: RingSpec,
+}
+
+/// The ring's data path between workers.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RingSpec {
+    /// How ring data frames (gradients, parameters) are protected after each connection's
+    /// HMAC handshake: `integrity` (default) tags every frame with a keyed MAC (BLAKE3, keys
+    /// derived per connection with HKDF-SHA256) and a frame counter, so tampered, replayed or
+    /// reordered data is refused; `encryption` also encrypts it (AES-256-GCM). Passed to the
+    /// workers as `DIPHOMA_RING_PROTECTION`. Immutable.
+    #[serde(default)]
+    #[x_kube(validation = Rule::new("self == oldSelf").message(PROTECTION_MESSAGE))]
+    pub protection: RingProtection,
+}
+
+/// Protection of the ring's data frames.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum RingProtection {
+    /// A keyed MAC and a frame counter on every frame.
+    #[default]
+    Integrity,
+    /// AES-256-GCM on every frame: integrity and confidentiality.
+    Encryption,
+}
+
+impl RingProtection {
+    /// The value of `DIPHOMA_RING_PROTECTION` (the ring parses the same names).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RingProtection::Integrity => "integrity",
+            RingProtection::Encryption => "encryption",
+        }
+    }
 }
 
 fn default_ring_port() -> i32 {

@@ -199,6 +199,10 @@ fn worker_container(job: &DiphomaJob, c: &mut Container) {
             contract::ENV_DETECTION_SECONDS,
             spec.fault_tolerance.detection_seconds.to_string(),
         ),
+        value(
+            contract::ENV_RING_PROTECTION,
+            spec.ring.protection.as_str().into(),
+        ),
     ];
     let mut contract_env = contract_env.to_vec();
     if spec.gpus_per_worker == 0 {
@@ -597,6 +601,7 @@ pub(crate) mod tests {
             ENV_KEY_FILE,
             ENV_MEMBERSHIP,
             contract::ENV_DETECTION_SECONDS,
+            contract::ENV_RING_PROTECTION,
         ] {
             assert!(env.contains(&n), "{n} missing from {env:?}");
         }
@@ -652,6 +657,22 @@ pub(crate) mod tests {
                 .iter()
                 .any(|m| m.name == "ckpt" && m.mount_path == CHECKPOINT_MOUNT_DIR)
         );
+    }
+
+    #[test]
+    fn ring_protection_reaches_the_worker_integrity_by_default() {
+        let protection = |j: &DiphomaJob| {
+            worker_pod(j, 0, 0).unwrap().spec.unwrap().containers[0]
+                .env
+                .iter()
+                .flatten()
+                .find(|e| e.name == contract::ENV_RING_PROTECTION)
+                .and_then(|e| e.value.clone())
+        };
+        let mut j = basic();
+        assert_eq!(protection(&j).as_deref(), Some("integrity"));
+        j.spec.ring.protection = crate::api::RingProtection::Encryption;
+        assert_eq!(protection(&j).as_deref(), Some("encryption"));
     }
 
     #[test]

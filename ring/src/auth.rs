@@ -1,22 +1,30 @@
 //! Connection authentication: an HMAC-SHA256 challenge-response (HMAC: RFC 2104; SHA-256:
-//! FIPS 180-4) that proves both ends hold the per-job key, for this job, this generation and
-//! these two ranks.
+//! FIPS 180-4) that proves both ends hold the per-job key, for this job, this generation, these
+//! two ranks and this data-frame protection mode, and derives the connection's frame keys.
 //!
-//! Owns the handshake over one already-connected byte stream and the refusal counters; it does
-//! not open or accept sockets (the communicator does) and never sees collective data.
+//! Owns the handshake over one already-connected byte stream, the derivation of the
+//! per-direction frame keys and the refusal counters; it does not open or accept sockets (the
+//! communicator does) and never sees collective data (`seal.rs` protects it).
 //!
 //! ```text
 //! initiator (higher rank)                       acceptor (lower rank)
-//!   Hello{job_uid, gen, world, from, to, Ni}  →   checks job (WrongJob), an older gen
+//!   Hello{job_uid, gen, world, from, to, P, Ni} → checks job (WrongJob), an older gen
 //!                                                 (StaleGeneration), world and ranks (Protocol);
-//!                                                 a newer gen is authenticated at that gen, then
-//!                                                 refused (we are the stale one)
+//!                                                 a newer gen, or another protection P, is
+//!                                                 authenticated as announced, then refused
+//!                                                 (StaleGeneration, ProtectionMismatch)
 //!                                           ←   Challenge{Na, MAC(key, T ‖ "A")}
 //!   verifies the acceptor's tag (AuthFailed)
 //!   Proof{MAC(key, T ‖ "I")}                  →   verifies the initiator's tag (AuthFailed)
 //!                                           ←   Accept
-//! T = "diphoma-ring-auth-v1" ‖ len(job_uid) ‖ job_uid ‖ gen ‖ world ‖ from ‖ to ‖ Ni ‖ Na
+//! T = "diphoma-ring-auth-v2" ‖ len(job_uid) ‖ job_uid ‖ gen ‖ world ‖ from ‖ to ‖ P ‖ Ni ‖ Na
+//! K(d) = HKDF-SHA256(salt = Ni ‖ Na, IKM = job key, info = "diphoma-ring-frames-v1" ‖ T' ‖ d)
 //! ```
+//!
+//! where `T'` is `T` without its domain string and `d` is `"I>A"` or `"A>I"`: the key of the
+//! frames from initiator to acceptor and back (HKDF: RFC 5869, extract-then-expand). Fresh
+//! nonces on both sides make the keys unique per connection, so frame counters start at 0 and
+//! a frame recorded on one connection verifies on no other.
 //!
 //! Both nonces are 32 fresh bytes from the OS-seeded CSPRNG (`rand::rng()`), so a recorded
 //! handshake cannot be replayed, and the role byte keeps one side's tag from serving as the
@@ -29,6 +37,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use hmac::{Hmac, Mac};
 use rand::RngCore;
+use ring::hkdf;
 use sha2::Sha256;
 
 use diphoma_contract::MAX_JOB_UID;
@@ -36,10 +45,12 @@ use diphoma_contract::MAX_JOB_UID;
 use crate::error::CommError;
 use crate::frame::{
     self, Challenge, HEADER_LEN, Header, Hello, Kind, MAC_LEN, MAX_HANDSHAKE_PAYLOAD, NONCE_LEN,
-    Proof, ProtocolError, Reject, RejectReason,
+    Proof, Protection, ProtocolError, Reject, RejectReason,
 };
+use crate::seal::{FrameKeys, KEY_LEN};
 
-const DOMAIN: &[u8] = b"diphoma-ring-auth-v1";
+const DOMAIN: &[u8] = b"diphoma-ring-auth-v2";
+const KEYS_DOMAIN: &[u8] = b"diphoma-ring-frames-v1";
 
 /// What both ends of a ring connection must agree on.
 #[derive(Clone, Copy)]
@@ -52,6 +63,8 @@ pub struct AuthParams<'a> {
     pub generation: u64,
     /// The world size of the generation.
     pub world: u32,
+    /// How data frames are protected after the handshake (both ends must agree).
+    pub protection: Protection,
 }
 
 impl std::fmt::Debug for AuthParams<'_> {
@@ -61,6 +74,7 @@ impl std::fmt::Debug for AuthParams<'_> {
             .field("job_uid", &self.job_uid)
             .field("generation", &self.generation)
             .field("world", &self.world)
+            .field("protection", &self.protection)
             .finish()
     }
 }
@@ -106,21 +120,47 @@ impl RefusalCounters {
     }
 }
 
+/// The transcript `T` without its domain string (see the module docs).
+fn transcript(p: &AuthParams<'_>, from: u32, to: u32, ni: &[u8], na: &[u8]) -> Vec<u8> {
+    let uid = &p.job_uid.as_bytes()[..p.job_uid.len().min(MAX_JOB_UID)];
+    let mut t = Vec::with_capacity(1 + uid.len() + 21 + ni.len() + na.len());
+    t.push(uid.len() as u8);
+    t.extend_from_slice(uid);
+    t.extend_from_slice(&p.generation.to_le_bytes());
+    t.extend_from_slice(&p.world.to_le_bytes());
+    t.extend_from_slice(&from.to_le_bytes());
+    t.extend_from_slice(&to.to_le_bytes());
+    t.push(p.protection as u8);
+    t.extend_from_slice(ni);
+    t.extend_from_slice(na);
+    t
+}
+
 fn tag(p: &AuthParams<'_>, from: u32, to: u32, ni: &[u8], na: &[u8], role: u8) -> Hmac<Sha256> {
     // HMAC accepts keys of any length (RFC 2104 §2), so this cannot fail.
     let mut m = <Hmac<Sha256> as Mac>::new_from_slice(p.key).expect("HMAC takes any key length");
-    let uid = &p.job_uid.as_bytes()[..p.job_uid.len().min(MAX_JOB_UID)];
     m.update(DOMAIN);
-    m.update(&[uid.len() as u8]);
-    m.update(uid);
-    m.update(&p.generation.to_le_bytes());
-    m.update(&p.world.to_le_bytes());
-    m.update(&from.to_le_bytes());
-    m.update(&to.to_le_bytes());
-    m.update(ni);
-    m.update(na);
+    m.update(&transcript(p, from, to, ni, na));
     m.update(&[role]);
     m
+}
+
+/// The frame keys of the connection from initiator `from` to acceptor `to`, as seen by the
+/// initiator (`send` is the `"I>A"` key); the acceptor swaps them.
+fn frame_keys(p: &AuthParams<'_>, from: u32, to: u32, ni: &[u8], na: &[u8]) -> FrameKeys {
+    let t = transcript(p, from, to, ni, na);
+    let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, &[ni, na].concat()).extract(p.key);
+    let expand = |dir: &[u8]| {
+        let mut k = [0u8; KEY_LEN];
+        prk.expand(&[KEYS_DOMAIN, &t, dir], hkdf::HKDF_SHA256)
+            .and_then(|okm| okm.fill(&mut k))
+            .expect("HKDF-SHA256 expands 32 bytes");
+        k
+    };
+    FrameKeys {
+        send: expand(b"I>A"),
+        recv: expand(b"A>I"),
+    }
 }
 
 fn nonce() -> [u8; NONCE_LEN] {
@@ -177,6 +217,11 @@ fn expect(got: Kind, expected: Kind) -> Result<(), CommError> {
 
 fn reject_error(r: &Reject, p: &AuthParams<'_>, peer: &str) -> CommError {
     match r.reason {
+        RejectReason::Protection => CommError::ProtectionMismatch {
+            peer: peer.into(),
+            ours: p.protection,
+            theirs: r.protection,
+        },
         RejectReason::Auth => CommError::AuthFailed {
             peer: peer.into(),
             reason: "peer refused our proof",
@@ -192,11 +237,13 @@ fn reject_error(r: &Reject, p: &AuthParams<'_>, peer: &str) -> CommError {
     }
 }
 
-/// Runs the initiator's side on a connected stream: rank `from` reaching rank `to`.
+/// Runs the initiator's side on a connected stream: rank `from` reaching rank `to`. Returns
+/// the connection's frame keys.
 ///
 /// # Errors
 /// [`CommError::AuthFailed`] when the acceptor's tag does not verify or it refused ours,
 /// [`CommError::StaleGeneration`] / [`CommError::WrongJob`] when it refused our hello,
+/// [`CommError::ProtectionMismatch`] when it runs another protection mode,
 /// [`CommError::Protocol`] on malformed frames, `Timeout`/`Io` from the stream (whose read
 /// timeout bounds each read).
 pub fn initiate<S: Read + Write>(
@@ -204,7 +251,7 @@ pub fn initiate<S: Read + Write>(
     p: &AuthParams<'_>,
     from: u32,
     to: u32,
-) -> Result<(), CommError> {
+) -> Result<FrameKeys, CommError> {
     let peer = format!("rank {to}");
     let ni = nonce();
     let hello = Hello {
@@ -213,6 +260,7 @@ pub fn initiate<S: Read + Write>(
         world: p.world,
         from,
         to,
+        protection: p.protection,
         nonce: ni,
     };
     s.write_all(hello.encode().as_bytes())
@@ -232,6 +280,7 @@ pub fn initiate<S: Read + Write>(
             Reject {
                 reason: RejectReason::Auth,
                 generation: p.generation,
+                protection: p.protection,
             }
             .encode()
             .as_bytes(),
@@ -257,11 +306,12 @@ pub fn initiate<S: Read + Write>(
     if n != 0 {
         return Err(ProtocolError::Malformed("accept").into());
     }
-    Ok(())
+    Ok(frame_keys(p, from, to, &ni, &ch.nonce))
 }
 
 /// Runs the acceptor's side for rank `me`; `wanted(from)` says whether rank `from` is a peer
-/// this rank still expects. Returns the authenticated peer's rank.
+/// this rank still expects. Returns the authenticated peer's rank and the connection's frame
+/// keys.
 ///
 /// On refusal a `Reject` is sent (best effort) and the error returned; the caller counts it
 /// ([`RefusalCounters::record`]) and keeps listening. A hello of an older generation is refused
@@ -269,22 +319,26 @@ pub fn initiate<S: Read + Write>(
 /// first authenticated at its own generation and world (so a hello without the key cannot make
 /// a ring give up), then refused with our generation, and
 /// `StaleGeneration { ours, theirs }` with `theirs > ours` is returned so the caller can stop
-/// joining a generation that will never form.
+/// joining a generation that will never form. A peer announcing another protection mode is
+/// likewise authenticated first, then refused with [`CommError::ProtectionMismatch`] (a
+/// configuration error: the ring cannot form).
 ///
 /// # Errors
 /// [`CommError::WrongJob`], [`CommError::StaleGeneration`], [`CommError::AuthFailed`],
+/// [`CommError::ProtectionMismatch`],
 /// [`CommError::Protocol`] (garbage, truncated frames, unexpected ranks), `Timeout`/`Io`.
 pub fn accept<S: Read + Write>(
     s: &mut S,
     p: &AuthParams<'_>,
     me: u32,
     wanted: impl Fn(u32) -> bool,
-) -> Result<u32, CommError> {
+) -> Result<(u32, FrameKeys), CommError> {
     let refuse = |s: &mut S, reason| {
         let _ = s.write_all(
             Reject {
                 reason,
                 generation: p.generation,
+                protection: p.protection,
             }
             .encode()
             .as_bytes(),
@@ -313,6 +367,7 @@ pub fn accept<S: Read + Write>(
     let theirs = AuthParams {
         generation: hello.generation,
         world: hello.world,
+        protection: hello.protection,
         ..*p
     };
     if !newer
@@ -359,9 +414,24 @@ pub fn accept<S: Read + Write>(
             theirs: p.generation,
         });
     }
+    if p.protection != ours.protection {
+        refuse(s, RejectReason::Protection);
+        return Err(CommError::ProtectionMismatch {
+            peer: format!("rank {from}"),
+            ours: ours.protection,
+            theirs: p.protection,
+        });
+    }
     s.write_all(frame::accept_frame().as_bytes())
         .map_err(|e| io_err(e, 0, 0))?;
-    Ok(from)
+    let k = frame_keys(p, from, me, &ni, &na);
+    Ok((
+        from,
+        FrameKeys {
+            send: k.recv,
+            recv: k.send,
+        },
+    ))
 }
 
 #[cfg(test)]
@@ -373,7 +443,10 @@ mod tests {
     fn run_pair(
         ip: AuthParams<'static>,
         ap: AuthParams<'static>,
-    ) -> (Result<(), CommError>, Result<u32, CommError>) {
+    ) -> (
+        Result<FrameKeys, CommError>,
+        Result<(u32, FrameKeys), CommError>,
+    ) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let t = std::thread::spawn(move || {
@@ -392,13 +465,55 @@ mod tests {
         job_uid: "job-a",
         generation: 4,
         world: 2,
+        protection: Protection::Integrity,
     };
 
     #[test]
-    fn same_key_job_generation_succeeds() {
+    fn same_key_job_generation_succeeds_with_mirrored_fresh_keys() {
         let (i, a) = run_pair(GOOD, GOOD);
-        assert!(i.is_ok(), "{i:?}");
-        assert_eq!(a.unwrap(), 1);
+        let (i, (from, a)) = (i.unwrap(), a.unwrap());
+        assert_eq!(from, 1);
+        assert_eq!((i.send, i.recv), (a.recv, a.send));
+        assert_ne!(i.send, i.recv);
+        // fresh nonces: another connection of the same pair gets other keys
+        let (i2, _) = run_pair(GOOD, GOOD);
+        assert_ne!(i2.unwrap().send, i.send);
+    }
+
+    #[test]
+    fn protection_mismatch_fails_the_handshake_on_both_sides() {
+        let enc = AuthParams {
+            protection: Protection::Encryption,
+            ..GOOD
+        };
+        let (i, a) = run_pair(enc, GOOD);
+        assert!(
+            matches!(
+                i,
+                Err(CommError::ProtectionMismatch {
+                    ours: Protection::Encryption,
+                    theirs: Protection::Integrity,
+                    ..
+                })
+            ),
+            "{i:?}"
+        );
+        assert!(
+            matches!(
+                a,
+                Err(CommError::ProtectionMismatch {
+                    ours: Protection::Integrity,
+                    theirs: Protection::Encryption,
+                    ..
+                })
+            ),
+            "{a:?}"
+        );
+        let msg = i.unwrap_err().to_string();
+        assert!(
+            msg.contains("encryption") && msg.contains("integrity"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -1,15 +1,16 @@
 //! The one error type of the ring runtime, [`CommError`].
 //!
 //! Every fallible call of the communicator returns it; each variant names what failed so the
-//! worker can decide between "re-form the ring" (`PeerLost`, `Timeout`) and "this peer is not one
-//! of us" (`AuthFailed`, `WrongJob`, `StaleGeneration`). This module owns no I/O.
+//! worker can decide between "re-form the ring" (`PeerLost`, `Timeout`, `IntegrityFailed`) and
+//! "this peer is not one of us" (`AuthFailed`, `WrongJob`, `StaleGeneration`,
+//! `ProtectionMismatch`). This module owns no I/O.
 //!
 //! It wraps the wire format's [`ProtocolError`] (owned by `frame.rs`); the dependency is one-way:
 //! `frame` never imports `error`.
 
 use std::time::Duration;
 
-use crate::frame::ProtocolError;
+use crate::frame::{Protection, ProtocolError};
 
 /// A failure of a communicator call (connect, allreduce, broadcast, barrier).
 ///
@@ -52,6 +53,30 @@ pub enum CommError {
         /// What did not verify.
         reason: &'static str,
     },
+    /// A data frame from `rank` failed its integrity check (a wrong tag: the frame was
+    /// tampered with, replayed, reordered or dropped on the way). The connection is closed and
+    /// the communicator poisoned, like any ring fault.
+    #[error(
+        "integrity check failed on a frame from rank {rank} during {op} \
+         (tampered, replayed or reordered data); connection closed"
+    )]
+    IntegrityFailed {
+        /// Rank of the peer whose frame failed.
+        rank: usize,
+        /// The operation in flight.
+        op: &'static str,
+    },
+    /// The peer protects data frames another way (`spec.ring.protection` differs): the
+    /// handshake is refused and the ring cannot form.
+    #[error("data-frame protection mismatch with {peer}: ours {ours}, peer's {theirs}")]
+    ProtectionMismatch {
+        /// Who the peer claimed to be.
+        peer: String,
+        /// Our mode.
+        ours: Protection,
+        /// The peer's mode.
+        theirs: Protection,
+    },
     /// The peer belongs to another job (different job UID).
     #[error("peer belongs to another job (job UID {theirs:?})")]
     WrongJob {
@@ -89,6 +114,8 @@ impl CommError {
             CommError::Timeout { .. } => "timeout",
             CommError::StaleGeneration { .. } => "stale_generation",
             CommError::AuthFailed { .. } => "auth_failed",
+            CommError::IntegrityFailed { .. } => "integrity_failed",
+            CommError::ProtectionMismatch { .. } => "protection_mismatch",
             CommError::WrongJob { .. } => "wrong_job",
             CommError::Protocol(_) => "protocol",
             CommError::Config(_) => "config",

@@ -15,13 +15,17 @@
 //! | 3 | kind ([`Kind`]) |
 //! | 4..8 | payload length in bytes (u32) |
 //! | 8..16 | sequence number (u64; the collective's number for `Data`, 0 in the handshake) |
+//!
+//! Under [`Protection::Integrity`] or [`Protection::Encryption`] every `Data` frame is followed
+//! by a [`TAG_LEN`]-byte tag that covers its header and payload (see `comm/transport.rs`); the
+//! header's length counts the payload only.
 
 use diphoma_contract::MAX_JOB_UID;
 
 /// Frame magic, the first two bytes of every frame.
 pub const MAGIC: [u8; 2] = *b"DR";
 /// Protocol version carried in every header.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Header length in bytes.
 pub const HEADER_LEN: usize = 16;
 /// Largest payload of a handshake frame, in bytes.
@@ -33,6 +37,74 @@ pub const MAX_DATA_PAYLOAD: usize = 1 << 20;
 pub const NONCE_LEN: usize = 32;
 /// HMAC-SHA256 tag length in bytes.
 pub const MAC_LEN: usize = 32;
+/// Length in bytes of the tag after each protected `Data` frame (an HMAC-SHA256 tag truncated
+/// to 128 bits as RFC 2104 §5 allows, or an AEAD's 128-bit tag).
+pub const TAG_LEN: usize = 16;
+
+/// How the data frames of a connection are protected after the handshake; both ends must
+/// agree (it is part of the handshake transcript, and a mismatch is refused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[repr(u8)]
+pub enum Protection {
+    /// Plain frames: no tag. For measurements only; Kubernetes workers never run it.
+    None = 0,
+    /// Each frame carries an HMAC-SHA256 tag over its header, payload and the implicit
+    /// per-direction frame counter (tampering, replay and reordering are refused).
+    #[default]
+    Integrity = 1,
+    /// Each frame's payload is sealed with AES-256-GCM (header and counter authenticated as
+    /// associated data, the counter as the nonce): integrity plus confidentiality.
+    Encryption = 2,
+}
+
+impl Protection {
+    fn from_u8(b: u8) -> Result<Protection, ProtocolError> {
+        Ok(match b {
+            0 => Protection::None,
+            1 => Protection::Integrity,
+            2 => Protection::Encryption,
+            _ => return Err(ProtocolError::Malformed("protection mode")),
+        })
+    }
+
+    /// The mode's name, as written in the contract (`none`, `integrity`, `encryption`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protection::None => "none",
+            Protection::Integrity => "integrity",
+            Protection::Encryption => "encryption",
+        }
+    }
+
+    /// Bytes added after each data frame's payload: 0 or [`TAG_LEN`].
+    pub fn tag_len(self) -> usize {
+        match self {
+            Protection::None => 0,
+            _ => TAG_LEN,
+        }
+    }
+}
+
+impl std::fmt::Display for Protection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Protection {
+    type Err = String;
+    /// Parses `none`, `integrity` or `encryption`.
+    fn from_str(s: &str) -> Result<Protection, String> {
+        [
+            Protection::None,
+            Protection::Integrity,
+            Protection::Encryption,
+        ]
+        .into_iter()
+        .find(|p| p.as_str() == s)
+        .ok_or_else(|| format!("{s:?} is not one of none, integrity, encryption"))
+    }
+}
 
 /// What was wrong with a frame or a handshake message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -284,6 +356,8 @@ pub struct Hello<'a> {
     pub from: u32,
     /// The rank the initiator wants to reach.
     pub to: u32,
+    /// The initiator's data-frame protection.
+    pub protection: Protection,
     /// The initiator's fresh nonce.
     pub nonce: [u8; NONCE_LEN],
 }
@@ -300,6 +374,7 @@ impl<'a> Hello<'a> {
         f.put(&self.world.to_le_bytes());
         f.put(&self.from.to_le_bytes());
         f.put(&self.to.to_le_bytes());
+        f.put(&[self.protection as u8]);
         f.put(&self.nonce);
         f.finish()
     }
@@ -323,6 +398,7 @@ impl<'a> Hello<'a> {
         let world = r.u32()?;
         let from = r.u32()?;
         let to = r.u32()?;
+        let protection = Protection::from_u8(r.array::<1>()?[0])?;
         let nonce = r.array()?;
         r.end()?;
         Ok(Hello {
@@ -331,6 +407,7 @@ impl<'a> Hello<'a> {
             world,
             from,
             to,
+            protection,
             nonce,
         })
     }
@@ -412,6 +489,8 @@ pub enum RejectReason {
     Generation = 3,
     /// Ranks or world size do not fit the ring, or a malformed message.
     Protocol = 4,
+    /// Different data-frame protection.
+    Protection = 5,
 }
 
 /// Either side: the connection is refused.
@@ -421,6 +500,8 @@ pub struct Reject {
     pub reason: RejectReason,
     /// The refusing side's generation.
     pub generation: u64,
+    /// The refusing side's data-frame protection.
+    pub protection: Protection,
 }
 
 impl Reject {
@@ -429,6 +510,7 @@ impl Reject {
         let mut f = SmallFrame::new(Kind::Reject);
         f.put(&[self.reason as u8]);
         f.put(&self.generation.to_le_bytes());
+        f.put(&[self.protection as u8]);
         f.finish()
     }
     /// Parses a `Reject` payload.
@@ -445,11 +527,17 @@ impl Reject {
             2 => RejectReason::WrongJob,
             3 => RejectReason::Generation,
             4 => RejectReason::Protocol,
+            5 => RejectReason::Protection,
             _ => return Err(ProtocolError::Malformed("reject")),
         };
         let generation = r.u64()?;
+        let protection = Protection::from_u8(r.array::<1>()?[0])?;
         r.end()?;
-        Ok(Reject { reason, generation })
+        Ok(Reject {
+            reason,
+            generation,
+            protection,
+        })
     }
 }
 
@@ -549,6 +637,7 @@ mod tests {
             world: 4,
             from: 3,
             to: 2,
+            protection: Protection::Encryption,
             nonce: [9; 32],
         };
         let f = hello.encode();
@@ -567,6 +656,7 @@ mod tests {
         let r = Reject {
             reason: RejectReason::Generation,
             generation: 5,
+            protection: Protection::Integrity,
         };
         let f = r.encode();
         assert_eq!(

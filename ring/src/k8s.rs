@@ -28,13 +28,13 @@ use kube::runtime::{WatchStreamExt, watcher};
 
 use diphoma_contract::{
     self as contract, ENV_DETECTION_SECONDS, ENV_JOB_NAME, ENV_JOB_UID, ENV_KEY_FILE,
-    ENV_MEMBERSHIP, ENV_NAMESPACE, ENV_POD_IP, ENV_POD_NAME, ENV_RING_PORT, FailureReport,
-    MEMBERSHIP_KEY, Membership, ProgressReport,
+    ENV_MEMBERSHIP, ENV_NAMESPACE, ENV_POD_IP, ENV_POD_NAME, ENV_RING_PORT, ENV_RING_PROTECTION,
+    FailureReport, MEMBERSHIP_KEY, Membership, ProgressReport,
 };
 
 use crate::liveness::Responder;
 use crate::source::{Control, Generation, Progress, RingSource};
-use crate::{AbortHandle, CommError, Config};
+use crate::{AbortHandle, CommError, Config, Protection};
 
 /// How often rank 0 writes its progress record.
 pub const PROGRESS_EVERY: Duration = Duration::from_secs(5);
@@ -75,6 +75,8 @@ pub struct WorkerEnv {
     pub membership: String,
     /// `DIPHOMA_DETECTION_SECONDS` (whole seconds, at least 1).
     pub detection: Duration,
+    /// `DIPHOMA_RING_PROTECTION`: `integrity` (default when unset) or `encryption`.
+    pub protection: Protection,
 }
 
 /// A missing or malformed contract variable; the message names it.
@@ -137,6 +139,19 @@ impl WorkerEnv {
                         format!("{detection:?} is not a positive number of seconds"),
                     )
                 })?,
+            protection: match get(ENV_RING_PROTECTION).as_deref().map(str::trim) {
+                None | Some("") => Protection::default(),
+                Some(v) => v
+                    .parse()
+                    .ok()
+                    .filter(|p| *p != Protection::None)
+                    .ok_or_else(|| {
+                        invalid(
+                            ENV_RING_PROTECTION,
+                            format!("{v:?} is not one of integrity, encryption"),
+                        )
+                    })?,
+            },
         })
     }
 
@@ -418,6 +433,7 @@ impl KubeRing {
         );
         config.timeout = self.op_timeout;
         config.liveness = Some(liveness_window(self.env.detection));
+        config.protection = self.env.protection;
         self.current = Some(m);
         Ok(Generation { config, listener })
     }
@@ -660,6 +676,11 @@ mod tests {
         assert_eq!(w.ring_port, 29500);
         assert_eq!(w.pod_ip.to_string(), "127.0.0.5");
         assert_eq!(w.detection, Duration::from_secs(10));
+        assert_eq!(w.protection, Protection::Integrity, "integrity when unset");
+        let mut enc = env.clone();
+        enc.insert(ENV_RING_PROTECTION, "encryption".into());
+        let w = WorkerEnv::from_lookup(|n| enc.get(n).cloned()).unwrap();
+        assert_eq!(w.protection, Protection::Encryption);
         for var in env.keys() {
             let mut e = env.clone();
             e.remove(var);
@@ -674,6 +695,8 @@ mod tests {
             (ENV_POD_IP, "pod"),
             (ENV_DETECTION_SECONDS, "0"),
             (ENV_DETECTION_SECONDS, "2.5s"),
+            (ENV_RING_PROTECTION, "none"),
+            (ENV_RING_PROTECTION, "aes"),
         ] {
             let mut e = env.clone();
             e.insert(var, bad.to_string());

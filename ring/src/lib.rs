@@ -1,5 +1,5 @@
 //! Diphoma's ring runtime: allreduce, reduce-scatter, all-gather, broadcast and barrier over
-//! authenticated TCP, for one ring generation at a time, and the membership follower that tells
+//! authenticated TCP (every data frame tagged, or encrypted on request), for one ring generation at a time, and the membership follower that tells
 //! a worker pod which generation to join.
 //!
 //! ```no_run
@@ -20,7 +20,8 @@
 //! | [`schedule`] | the collective schedules as pure step lists (ring, recursive doubling, trees, chains, ring reduce-scatter and all-gather) | touch sockets |
 //! | [`reduce`] | element types (f32, f16, bf16, f64, i32, i64) and the reduction kernels (sum, max, min) | touch sockets |
 //! | [`frame`] | the wire format: 16-byte headers, handshake messages, validating decoders, [`ProtocolError`] | touch sockets, allocate while decoding, import `error` |
-//! | [`auth`] | the HMAC-SHA256 challenge-response on one stream, refusal counters | open sockets, see data |
+//! | [`auth`] | the HMAC-SHA256 challenge-response on one stream, the HKDF-SHA256 frame keys, refusal counters | open sockets, see data |
+//! | [`seal`] | per-frame protection of one direction: BLAKE3 keyed tags or AES-256-GCM, the frame counter | touch sockets, decide what a failure means |
 //! | [`comm`] | the [`Communicator`] and its collectives (`comm/mod.rs`), the non-blocking transport (`comm/transport.rs`), joining a generation (`comm/join.rs`) | choose schedules by itself beyond size thresholds |
 //! | [`liveness`] | liveness apart from progress: the UDP [`liveness::Responder`] a process runs at its ring address, the keyed ping/pong, [`liveness::probe`] | touch the TCP ring, judge what silence means |
 //! | [`error`] | [`CommError`], the error of every communicator call | do I/O |
@@ -65,11 +66,12 @@ pub mod k8s;
 pub mod liveness;
 pub mod reduce;
 pub mod schedule;
+pub mod seal;
 pub mod source;
 
 pub use auth::RefusalCounters;
 pub use comm::{AbortHandle, Communicator, Config};
 pub use error::CommError;
-pub use frame::ProtocolError;
+pub use frame::{Protection, ProtocolError};
 pub use half::{bf16, f16};
 pub use reduce::{DType, Element, ReduceOp};

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use diphoma_ring::auth::{self, AuthParams};
 use diphoma_ring::frame::{Header, Hello, Kind};
-use diphoma_ring::{CommError, Communicator, ProtocolError, ReduceOp};
+use diphoma_ring::{CommError, Communicator, Protection, ProtocolError, ReduceOp};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -89,6 +89,7 @@ fn intruders_are_refused_typed_and_counted() {
         job_uid: "job-uid-1",
         generation: 5,
         world: 2,
+        protection: Protection::Integrity,
     };
 
     intrude(addr0, |s| {
@@ -134,6 +135,7 @@ fn intruders_are_refused_typed_and_counted() {
             world: 2,
             from: 1,
             to: 0,
+            protection: Protection::Integrity,
             nonce: [1; 32],
         };
         s.write_all(&hello.encode().as_bytes()[..20]).unwrap(); // truncated
@@ -229,6 +231,7 @@ fn rogue_peer(send: impl FnOnce(&mut TcpStream) + Send + 'static) -> CommError {
         job_uid: &c1.job_uid,
         generation: 1,
         world: 2,
+        protection: Protection::Integrity,
     };
     auth::initiate(&mut s, &p, 1, 0).unwrap();
     send(&mut s);
@@ -354,6 +357,7 @@ fn a_stale_member_learns_it_from_a_newer_peer() {
             job_uid: "job-uid-1",
             generation: 8,
             world: 2,
+            protection: Protection::Integrity,
         };
         let e = auth::initiate(s, &p, 1, 0);
         assert!(matches!(e, Err(CommError::AuthFailed { .. })), "{e:?}");

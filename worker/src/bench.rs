@@ -1,7 +1,9 @@
 //! The allreduce benchmark: `bench` spawns N local `bench-rank` processes on 127.0.0.1 and
 //! relays rank 0's table (nccl-tests style, `performance.md` §1); `bench-rank` is one rank
 //! (reports its port on stdout, reads the peers and the key on stdin), with a hidden soak mode
-//! for tests. It must not train.
+//! for tests. With several `--protection` modes it forms one ring per mode and prints their
+//! busbw side by side (samples interleaved), the cost of data-frame protection. It must not
+//! train.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener};
@@ -10,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use diphoma_ring::comm::Algorithm;
-use diphoma_ring::{CommError, Communicator, Config, Element, ReduceOp, bf16, f16};
+use diphoma_ring::{CommError, Communicator, Config, Element, Protection, ReduceOp, bf16, f16};
 use rand::RngCore;
 
 use crate::AnyErr;
@@ -67,6 +69,10 @@ struct Common {
     /// Scratch segment in bytes.
     #[arg(long)]
     segment_bytes: Option<usize>,
+    /// Data-frame protection: `none`, `integrity` or `encryption`. Several (comma-separated)
+    /// form one ring per mode and print busbw side by side with the ratio to the first mode.
+    #[arg(long, value_delimiter = ',', default_value = "integrity")]
+    protection: Vec<Protection>,
     /// Soak mode (tests): allreduce this many bytes forever, print `RUNNING` after the first,
     /// and exit 3 with `ERROR <kind>` on the first failure.
     #[arg(long, hide = true)]
@@ -146,6 +152,8 @@ fn common_args(c: &Common) -> Vec<String> {
     v.extend(c.small_bytes.map(|x| format!("--small-bytes={x}")));
     v.extend(c.segment_bytes.map(|x| format!("--segment-bytes={x}")));
     v.extend(c.soak.as_ref().map(|x| format!("--soak={x}")));
+    let modes: Vec<_> = c.protection.iter().map(|p| p.as_str()).collect();
+    v.push(format!("--protection={}", modes.join(",")));
     v
 }
 
@@ -292,14 +300,24 @@ pub(crate) fn bench_rank(a: RankArgs) -> Result<ExitCode, AnyErr> {
     if let Some(b) = c.segment_bytes {
         cfg.segment_bytes = b;
     }
-    let mut comm = Communicator::connect(cfg, listener)?;
+    let mut comms = Vec::new();
+    for &mode in &c.protection {
+        let cfg = Config {
+            protection: mode,
+            ..cfg.clone()
+        };
+        let mut comm = Communicator::connect(cfg, listener.try_clone()?)?;
+        // Every rank has joined this ring before any rank joins the next on the same port.
+        comm.barrier()?;
+        comms.push(comm);
+    }
     if let Some(soak) = &c.soak {
-        return Ok(soak_loop(&mut comm, parse_size(soak)?));
+        return Ok(soak_loop(&mut comms[0], parse_size(soak)?));
     }
     match c.dtype {
-        DTypeArg::F32 => run_table::<f32>(&mut comm, c, "f32"),
-        DTypeArg::F16 => run_table::<f16>(&mut comm, c, "f16"),
-        DTypeArg::Bf16 => run_table::<bf16>(&mut comm, c, "bf16"),
+        DTypeArg::F32 => run_table::<f32>(&mut comms, c, "f32"),
+        DTypeArg::F16 => run_table::<f16>(&mut comms, c, "f16"),
+        DTypeArg::Bf16 => run_table::<bf16>(&mut comms, c, "bf16"),
     }?;
     Ok(ExitCode::SUCCESS)
 }
@@ -344,76 +362,162 @@ fn timed<T: Element>(comm: &mut Communicator, buf: &mut [T], k: usize) -> Result
     Ok((t0.elapsed().as_secs_f64() * 1e6 / k as f64) as f32)
 }
 
-fn run_table<T: Element>(comm: &mut Communicator, c: &Common, name: &str) -> Result<(), AnyErr> {
+/// The number of wrong elements over all ranks after one allreduce of `count` elements, where
+/// rank r contributes (r+1) + (i mod 7).
+fn gate<T: Element>(comm: &mut Communicator, count: usize) -> Result<u64, CommError> {
     let (n, rank) = (comm.world(), comm.rank());
+    let mut buf: Vec<T> = (0..count)
+        .map(|i| T::from_f32((rank + 1) as f32 + (i % 7) as f32))
+        .collect();
+    comm.allreduce(&mut buf, ReduceOp::Sum)?;
+    let tol = if std::mem::size_of::<T>() == 2 {
+        1e-2
+    } else {
+        1e-3
+    };
+    let wrong = buf
+        .iter()
+        .enumerate()
+        .filter(|(i, x)| {
+            let e = (n * (n + 1) / 2) as f32 + (n * (i % 7)) as f32;
+            let close = (x.to_f32() - e).abs() <= tol * e.abs() + tol; // false for NaN
+            !close
+        })
+        .count();
+    let mut w = [wrong as f32];
+    comm.allreduce(&mut w, ReduceOp::Sum)?;
+    Ok(w[0] as u64)
+}
+
+/// Operations per sample so that one sample lasts about `min_sample_ms` (agreed over ranks).
+fn calibrated_k<T: Element>(
+    comm: &mut Communicator,
+    buf: &mut [T],
+    c: &Common,
+) -> Result<usize, CommError> {
+    comm.barrier()?;
+    let tw = timed(comm, buf, c.warmup.max(1))?;
+    let k = calibrate(max_over_ranks(comm, &[tw])?[0], c.min_sample_ms);
+    comm.barrier()?;
+    let tw = timed(comm, buf, k)?;
+    Ok(calibrate(max_over_ranks(comm, &[tw])?[0], c.min_sample_ms))
+}
+
+/// The samples' max over ranks, sorted ascending.
+fn sorted_over_ranks(comm: &mut Communicator, ts: &[f32]) -> Result<Vec<f32>, CommError> {
+    let mut ts = max_over_ranks(comm, ts)?;
+    ts.sort_by(f32::total_cmp);
+    Ok(ts)
+}
+
+fn median(ts: &[f32]) -> f64 {
+    let s = ts.len();
+    if s % 2 == 1 {
+        ts[s / 2] as f64
+    } else {
+        (ts[s / 2 - 1] as f64 + ts[s / 2] as f64) / 2.0
+    }
+}
+
+/// busbw in GB/s of an allreduce of `nbytes` over `n` ranks taking `us`:
+/// algbw·2(n−1)/n (nccl-tests, doc/PERFORMANCE.md).
+fn busbw(nbytes: usize, us: f64, n: usize) -> f64 {
+    nbytes as f64 / (us * 1e-6) / 1e9 * 2.0 * (n as f64 - 1.0) / n as f64
+}
+
+/// Rank 0 prints the table of one ring (`comms` of one mode), or the side-by-side busbw of
+/// several modes (samples interleaved across modes, so that load hits them alike).
+fn run_table<T: Element>(comms: &mut [Communicator], c: &Common, name: &str) -> Result<(), AnyErr> {
+    let (n, rank) = (comms[0].world(), comms[0].rank());
     let esize = std::mem::size_of::<T>();
+    let modes: Vec<_> = c.protection.iter().map(|p| p.as_str()).collect();
     if rank == 0 {
         println!(
-            "# diphoma-worker {} allreduce  nranks={n}  dtype={name} op=sum in-place  warmup={} samples={} min_sample_ms={}",
+            "# diphoma-worker {} allreduce  nranks={n}  dtype={name} op=sum in-place  warmup={} samples={} min_sample_ms={} protection={}",
             env!("CARGO_PKG_VERSION"),
             c.warmup,
             c.samples,
-            c.min_sample_ms
+            c.min_sample_ms,
+            modes.join(",")
         );
         println!(
             "# time = median over samples of max-over-ranks(mean time per op within the sample); GB = 1e9 bytes"
         );
-        println!(
-            "#{:>11} {:>11} {:>6} {:>12} {:>12} {:>9} {:>9} {:>7}",
-            "size(B)", "count", "k/samp", "time(us)", "min(us)", "algbw", "busbw", "#wrong"
-        );
+        if comms.len() == 1 {
+            println!(
+                "#{:>11} {:>11} {:>6} {:>12} {:>12} {:>9} {:>9} {:>7}",
+                "size(B)", "count", "k/samp", "time(us)", "min(us)", "algbw", "busbw", "#wrong"
+            );
+        } else {
+            let busbw: Vec<_> = modes.iter().map(|m| format!("busbw {m}")).collect();
+            let ratio: Vec<_> = modes[1..]
+                .iter()
+                .map(|m| format!("{m}/{}", modes[0]))
+                .collect();
+            println!(
+                "| size(B) | {} | {} | #wrong |",
+                busbw.join(" | "),
+                ratio.join(" | ")
+            );
+            println!("|---|{}---|", "---|".repeat(2 * modes.len() - 1));
+        }
         std::io::stdout().flush()?;
     }
     for tok in c.sizes.split(',') {
         let count = (parse_size(tok)? / esize).max(1);
         let nbytes = count * esize;
-        // Correctness gate: rank r contributes (r+1) + (i mod 7).
-        let mut buf: Vec<T> = (0..count)
-            .map(|i| T::from_f32((rank + 1) as f32 + (i % 7) as f32))
-            .collect();
-        comm.allreduce(&mut buf, ReduceOp::Sum)?;
-        let tol = if esize == 2 { 1e-2 } else { 1e-3 };
-        let wrong = buf
-            .iter()
-            .enumerate()
-            .filter(|(i, x)| {
-                let e = (n * (n + 1) / 2) as f32 + (n * (i % 7)) as f32;
-                let close = (x.to_f32() - e).abs() <= tol * e.abs() + tol; // false for NaN
-                !close
-            })
-            .count();
-        let mut w = [wrong as f32];
-        comm.allreduce(&mut w, ReduceOp::Sum)?;
-        buf.iter_mut().for_each(|x| *x = T::from_f32(0.0));
-        comm.barrier()?;
-        let tw = timed(comm, &mut buf, c.warmup.max(1))?;
-        let mut k = calibrate(max_over_ranks(comm, &[tw])?[0], c.min_sample_ms);
-        comm.barrier()?;
-        let tw = timed(comm, &mut buf, k)?;
-        k = calibrate(max_over_ranks(comm, &[tw])?[0], c.min_sample_ms);
-        let mut ts = Vec::with_capacity(c.samples);
-        for _ in 0..c.samples {
-            comm.barrier()?;
-            ts.push(timed(comm, &mut buf, k)?);
+        let mut wrong = 0;
+        for comm in comms.iter_mut() {
+            wrong += gate::<T>(comm, count)?;
         }
-        let mut ts = max_over_ranks(comm, &ts)?;
-        ts.sort_by(f32::total_cmp);
-        let s = ts.len();
-        let med = if s % 2 == 1 {
-            ts[s / 2] as f64
-        } else {
-            (ts[s / 2 - 1] as f64 + ts[s / 2] as f64) / 2.0
-        };
-        let algbw = nbytes as f64 / (med * 1e-6) / 1e9;
-        // busbw = algbw·2(n−1)/n (nccl-tests, doc/PERFORMANCE.md)
-        let busbw = algbw * 2.0 * (n as f64 - 1.0) / n as f64;
-        if rank == 0 {
+        let mut buf = vec![T::from_f32(0.0); count];
+        let ks = comms
+            .iter_mut()
+            .map(|comm| calibrated_k(comm, &mut buf, c))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut ts = vec![Vec::with_capacity(c.samples); comms.len()];
+        for _ in 0..c.samples {
+            for (m, comm) in comms.iter_mut().enumerate() {
+                comm.barrier()?;
+                ts[m].push(timed(comm, &mut buf, ks[m])?);
+            }
+        }
+        let ts = comms
+            .iter_mut()
+            .zip(&ts)
+            .map(|(comm, t)| sorted_over_ranks(comm, t))
+            .collect::<Result<Vec<_>, _>>()?;
+        if rank != 0 {
+            continue;
+        }
+        let meds: Vec<f64> = ts.iter().map(|t| median(t)).collect();
+        if comms.len() == 1 {
+            let med = meds[0];
             println!(
                 " {:>11} {:>11} {:>6} {:>12.1} {:>12.1} {:>9.3} {:>9.3} {:>7}",
-                nbytes, count, k, med, ts[0], algbw, busbw, w[0] as u64
+                nbytes,
+                count,
+                ks[0],
+                med,
+                ts[0][0],
+                nbytes as f64 / (med * 1e-6) / 1e9,
+                busbw(nbytes, med, n),
+                wrong
             );
-            std::io::stdout().flush()?;
+        } else {
+            let bw: Vec<f64> = meds.iter().map(|&t| busbw(nbytes, t, n)).collect();
+            let cols: Vec<_> = bw.iter().map(|b| format!("{b:.3}")).collect();
+            let ratios: Vec<_> = bw[1..]
+                .iter()
+                .map(|b| format!("{:.2}", b / bw[0]))
+                .collect();
+            println!(
+                "| {nbytes} | {} | {} | {wrong} |",
+                cols.join(" | "),
+                ratios.join(" | ")
+            );
         }
+        std::io::stdout().flush()?;
     }
     Ok(())
 }

@@ -3,7 +3,8 @@
 //!
 //! Owns the blocking connect/accept phase of [`Communicator::connect`](super::Communicator::connect)
 //! (an accept thread next to the connecting one, both bounded by the config's deadline) and hands
-//! back the connections ready for the transport (non-blocking, `TCP_NODELAY`, socket buffers).
+//! back the connections ready for the transport (non-blocking, `TCP_NODELAY`, socket buffers)
+//! with the frame keys their handshakes derived.
 //! It must not run collectives.
 
 use std::net::{TcpListener, TcpStream};
@@ -17,6 +18,10 @@ use crate::auth::{self, AuthParams, RefusalCounters};
 use crate::error::CommError;
 use crate::frame::ProtocolError;
 use crate::schedule;
+use crate::seal::FrameKeys;
+
+/// A joined connection: the peer's rank, the stream, and its frame keys.
+type Joined = (usize, TcpStream, FrameKeys);
 
 /// Bound on each blocking handshake read or write (and each connect attempt).
 const HANDSHAKE_MAX: Duration = Duration::from_secs(5);
@@ -30,14 +35,14 @@ fn clamp_timeout(deadline: Instant) -> Option<Duration> {
 
 /// Connects and authenticates every peer `config.rank` needs within `config.timeout`, and
 /// returns the connections indexed by rank (`None` for ranks it needs no connection to), each
-/// non-blocking with `TCP_NODELAY` and the requested socket buffers.
+/// non-blocking with `TCP_NODELAY` and the requested socket buffers, with its frame keys.
 ///
 /// # Errors
 /// As [`Communicator::connect`](super::Communicator::connect).
 pub(super) fn join(
     config: &Config,
     listener: TcpListener,
-) -> Result<Vec<Option<TcpStream>>, CommError> {
+) -> Result<Vec<Option<(TcpStream, FrameKeys)>>, CommError> {
     let start = Instant::now();
     let deadline = start + config.timeout;
     let (rank, world) = (config.rank, config.world);
@@ -48,6 +53,7 @@ pub(super) fn join(
         job_uid: &config.job_uid,
         generation: config.generation,
         world: world as u32,
+        protection: config.protection,
     };
     let stop = AtomicBool::new(false);
     let counters = &config.counters;
@@ -77,8 +83,8 @@ pub(super) fn join(
         Err(CommError::Aborted) => return Err(acc.err().unwrap_or(CommError::Aborted)),
         c => c?,
     };
-    let mut links: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-    for (p, s) in con.into_iter().chain(acc?) {
+    let mut links: Vec<Option<(TcpStream, FrameKeys)>> = (0..world).map(|_| None).collect();
+    for (p, s, keys) in con.into_iter().chain(acc?) {
         s.set_nodelay(true).map_err(|source| CommError::Io {
             op: "connect",
             source,
@@ -90,7 +96,7 @@ pub(super) fn join(
         if config.socket_buffer > 0 {
             set_buffers(&s, config.socket_buffer);
         }
-        links[p] = Some(s);
+        links[p] = Some((s, keys));
     }
     Ok(links)
 }
@@ -105,8 +111,8 @@ fn accept_peers(
     deadline: Instant,
     stop: &AtomicBool,
     counters: &RefusalCounters,
-) -> Result<Vec<(usize, TcpStream)>, CommError> {
-    let mut got: Vec<(usize, TcpStream)> = Vec::new();
+) -> Result<Vec<Joined>, CommError> {
+    let mut got: Vec<Joined> = Vec::new();
     if higher.is_empty() {
         return Ok(got);
     }
@@ -146,15 +152,17 @@ fn accept_peers(
         match auth::accept(&mut s, params, rank as u32, |f| {
             higher.contains(&(f as usize))
         }) {
-            Ok(from) => {
-                got.retain(|(p, _)| *p != from as usize);
-                got.push((from as usize, s));
+            Ok((from, keys)) => {
+                got.retain(|(p, _, _)| *p != from as usize);
+                got.push((from as usize, s, keys));
             }
             // An authenticated peer is at a newer generation: ours will never form.
             Err(e @ CommError::StaleGeneration { ours, theirs }) if theirs > ours => {
                 counters.record(&e);
                 return Err(e);
             }
+            // An authenticated peer protects frames another way: no ring can form.
+            Err(e @ CommError::ProtectionMismatch { .. }) => return Err(e),
             Err(e) => counters.record(&e),
         }
     }
@@ -169,7 +177,7 @@ fn connect_peers(
     deadline: Instant,
     stop: &AtomicBool,
     counters: &RefusalCounters,
-) -> Result<Vec<(usize, TcpStream)>, CommError> {
+) -> Result<Vec<Joined>, CommError> {
     let mut out = Vec::new();
     for &p in lower {
         loop {
@@ -198,8 +206,8 @@ fn connect_peers(
                 continue;
             }
             match auth::initiate(&mut s, params, config.rank as u32, p as u32) {
-                Ok(()) => {
-                    out.push((p, s));
+                Ok(keys) => {
+                    out.push((p, s, keys));
                     break;
                 }
                 // The peer has not reached our generation yet: it will.

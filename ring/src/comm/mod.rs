@@ -14,6 +14,10 @@
 //! scratch segment ([`Config::segment_bytes`]) and is reduced into the user's buffer as soon as
 //! the segment is full, while the kernel keeps buffering the next segment.
 //!
+//! Data frames are protected per [`Config::protection`] (`seal.rs`: a keyed tag per frame by
+//! default, AES-256-GCM as an option): each connection has a [`Seal`] per direction, and a frame
+//! that fails its check ends the collective with [`CommError::IntegrityFailed`].
+//!
 //! Failure: any error shuts down every socket of the communicator, so each neighbour's pending
 //! read ends at once and the failure cascades around the ring within one hop per rank, far inside
 //! the timeout; the communicator is then poisoned and can only be dropped.
@@ -32,10 +36,12 @@ use std::time::{Duration, Instant};
 
 use crate::auth::RefusalCounters;
 use crate::error::CommError;
+use crate::frame::{MAX_DATA_PAYLOAD, Protection};
 use crate::liveness;
 use crate::reduce::{self, Element, ReduceOp};
 pub use crate::schedule::Algorithm;
 use crate::schedule::{self, Step};
+use crate::seal::Seal;
 use transport::{Kernel, StepCtx, reduce_scratch};
 
 /// Everything needed to join one ring generation.
@@ -54,6 +60,9 @@ pub struct Config {
     pub job_uid: String,
     /// The per-job HMAC key (at least [`diphoma_contract::MIN_KEY_LEN`] bytes).
     pub key: Vec<u8>,
+    /// How data frames are protected after the handshake; every member must use the same
+    /// mode (a mismatch fails the handshake). Default: [`Protection::Integrity`].
+    pub protection: Protection,
     /// Bound on every call: connect, and each collective unless `liveness` is set.
     pub timeout: Duration,
     /// Tells a slow peer from a hung one (see [`crate::liveness`]). When set, a collective that
@@ -98,6 +107,7 @@ impl std::fmt::Debug for Config {
             .field("generation", &self.generation)
             .field("job_uid", &self.job_uid)
             .field("key", &"<redacted>")
+            .field("protection", &self.protection)
             .field("timeout", &self.timeout)
             .field("liveness", &self.liveness)
             .field("spin", &self.spin)
@@ -137,6 +147,7 @@ impl Config {
             generation,
             job_uid: job_uid.into(),
             key: key.into(),
+            protection: Protection::default(),
             timeout: DEFAULT_TIMEOUT,
             liveness: None,
             spin: Duration::from_micros(if world <= cores { 50 } else { 200 }),
@@ -213,6 +224,11 @@ pub struct Communicator {
     segment_bytes: usize,
     algorithm: Option<Algorithm>,
     links: Vec<Option<TcpStream>>,
+    /// Per peer rank: the protection of the frames we send to it, and of those we receive.
+    tx_seals: Vec<Seal>,
+    rx_seals: Vec<Seal>,
+    /// Two frames' worth of ciphertext (send, receive) under encryption; empty otherwise.
+    stage: Vec<u8>,
     counters: Arc<RefusalCounters>,
     scratch: Vec<u64>,
     steps: Vec<Step>,
@@ -288,12 +304,24 @@ impl Communicator {
     /// [`CommError::Config`] on an unusable config; [`CommError::Timeout`] when not every peer
     /// joined within `config.timeout`; [`CommError::AuthFailed`], [`CommError::WrongJob`],
     /// [`CommError::StaleGeneration`] (peer newer than us) or [`CommError::Protocol`] when a peer
-    /// we connected to refused us or failed to prove the key. `StaleGeneration` with
+    /// we connected to refused us or failed to prove the key; [`CommError::ProtectionMismatch`]
+    /// when a peer runs another [`Config::protection`]. `StaleGeneration` with
     /// `theirs > ours` also comes back, without waiting for the timeout, when a peer that
     /// proved the key connected to us from a newer generation: ours will not form.
     pub fn connect(config: Config, listener: TcpListener) -> Result<Communicator, CommError> {
         config.validate()?;
-        let links = join::join(&config, listener)?;
+        let joined = join::join(&config, listener)?;
+        let seal =
+            |k: Option<&[u8; 32]>| k.map_or_else(Seal::none, |k| Seal::new(config.protection, k));
+        let tx_seals = joined
+            .iter()
+            .map(|j| seal(j.as_ref().map(|(_, k)| &k.send)))
+            .collect();
+        let rx_seals = joined
+            .iter()
+            .map(|j| seal(j.as_ref().map(|(_, k)| &k.recv)))
+            .collect();
+        let links: Vec<Option<TcpStream>> = joined.into_iter().map(|j| j.map(|(s, _)| s)).collect();
         let clones = links
             .iter()
             .flatten()
@@ -324,6 +352,12 @@ impl Communicator {
             segment_bytes,
             algorithm: config.algorithm,
             links,
+            tx_seals,
+            rx_seals,
+            stage: match config.protection {
+                Protection::Encryption => vec![0; 2 * MAX_DATA_PAYLOAD],
+                _ => Vec::new(),
+            },
             counters: config.counters.clone(),
             scratch: vec![0u64; scratch_bytes.div_ceil(8)],
             steps: Vec::with_capacity(64),
@@ -532,6 +566,9 @@ impl Communicator {
             }
             let ctx = StepCtx {
                 links: &self.links,
+                tx_seals: &mut self.tx_seals,
+                rx_seals: &mut self.rx_seals,
+                stage: &mut self.stage,
                 scratch: reduce_scratch(&mut self.scratch),
                 segment: self.segment_bytes,
                 seq: self.seq,

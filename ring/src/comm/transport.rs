@@ -3,9 +3,14 @@
 //! deadline passes.
 //!
 //! Owns framing a step's payload into data frames, checking each received header against the
-//! step (kind, sequence, length), reducing or copying received data through the scratch segment,
-//! and the socket options of data connections. It must not choose schedules or block past the
-//! collective's deadline.
+//! step (kind, sequence, length), driving each frame's [`Seal`] (the tag after each frame: fed
+//! incrementally as bytes arrive under integrity, through the stage buffer under encryption),
+//! reducing or copying received data through the scratch segment, and the socket options of
+//! data connections. It must not choose schedules or block past the collective's deadline.
+//!
+//! Under integrity, received bytes land (and a segment may be reduced) before the frame's tag
+//! is checked at its end; a step completes only when every frame verified, so unverified data
+//! never leaves this rank and a failed collective's buffer is unspecified anyway.
 
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::net::TcpStream;
@@ -17,9 +22,12 @@ use rustix::io::Errno;
 
 use super::{overlaps, timeout_err};
 use crate::error::CommError;
-use crate::frame::{HEADER_LEN, Header, Kind, MAX_DATA_PAYLOAD, ProtocolError};
+use crate::frame::{
+    HEADER_LEN, Header, Kind, MAX_DATA_PAYLOAD, Protection, ProtocolError, TAG_LEN,
+};
 use crate::reduce::{self, Element, ReduceOp};
 use crate::schedule::{Action, Step};
+use crate::seal::{FrameMac, Seal};
 
 /// Requests `bytes` of send and receive buffer on `s` (`SO_SNDBUF`/`SO_RCVBUF`). Best effort: a
 /// refused request leaves the kernel's default, which only costs speed.
@@ -124,6 +132,10 @@ impl Kernel {
 /// One step of one collective in flight: the connections, the scratch segment, the bounds.
 pub(super) struct StepCtx<'a> {
     pub(super) links: &'a [Option<TcpStream>],
+    pub(super) tx_seals: &'a mut [Seal],
+    pub(super) rx_seals: &'a mut [Seal],
+    /// Ciphertext of one frame each way under encryption (2 × `MAX_DATA_PAYLOAD`), else empty.
+    pub(super) stage: &'a mut [u8],
     pub(super) scratch: &'a mut [u8],
     pub(super) segment: usize,
     pub(super) seq: u64,
@@ -148,59 +160,93 @@ fn link_err(e: std::io::Error, peer: usize, op: &'static str) -> CommError {
     }
 }
 
-/// Sending half of a step: `data` in frames of at most `MAX_DATA_PAYLOAD` bytes.
+/// Sending half of a step: `data` in frames of at most `MAX_DATA_PAYLOAD` bytes, each written
+/// as header ‖ payload ‖ tag (no tag without protection; the payload from `stage` under
+/// encryption). Under integrity the tag is fed with the payload bytes as they are written (so
+/// hashing overlaps the transfer instead of delaying the frame), and written once complete.
 struct Tx<'a> {
     s: &'a TcpStream,
     peer: usize,
     data: *const u8,
     len: usize,
+    /// Start of the current frame's payload in `data`, and its length.
     pos: usize,
-    frame_end: usize,
+    flen: usize,
+    /// Bytes of the current frame (header, payload, tag) written so far.
+    off: usize,
     hdr: [u8; HEADER_LEN],
-    hdr_off: usize,
+    tag: [u8; TAG_LEN],
+    seal: &'a mut Seal,
+    /// The current frame's tag in progress (integrity), until its payload is all written.
+    mac: Option<FrameMac>,
+    stage: &'a mut [u8],
     started: bool,
     done: bool,
 }
 
 impl Tx<'_> {
+    fn frame_bytes(&self) -> usize {
+        HEADER_LEN + self.flen + self.seal.mode().tag_len()
+    }
+
     fn progress(&mut self, seq: u64, op: &'static str) -> Result<bool, CommError> {
         if self.done {
             return Ok(false);
         }
-        if self.hdr_off == HEADER_LEN && self.pos == self.frame_end {
-            let flen = (self.len - self.pos).min(MAX_DATA_PAYLOAD);
+        if !self.started || self.off == self.frame_bytes() {
+            self.pos += self.flen;
+            self.flen = (self.len - self.pos).min(MAX_DATA_PAYLOAD);
             self.hdr = Header {
                 kind: Kind::Data,
-                len: flen as u32,
+                len: self.flen as u32,
                 seq,
             }
             .encode();
-            self.hdr_off = 0;
-            self.frame_end = self.pos + flen;
+            // SAFETY: data..data+len is the step's send range of the caller's buffer, alive and
+            // not written during the step (writes go to disjoint ranges or to scratch).
+            let payload = unsafe { std::slice::from_raw_parts(self.data.add(self.pos), self.flen) };
+            match self.seal.mode() {
+                Protection::Integrity => self.mac = Some(self.seal.begin(&self.hdr)),
+                _ => self.tag = self.seal.seal(&self.hdr, payload, self.stage),
+            }
+            self.off = 0;
             self.started = true;
         }
-        // SAFETY: data..data+len is the step's send range of the caller's buffer, alive and not
-        // written during the step (writes go to disjoint ranges or to scratch).
-        let data = unsafe {
-            std::slice::from_raw_parts(self.data.add(self.pos), self.frame_end - self.pos)
-        };
-        let r = if self.hdr_off < HEADER_LEN {
-            let bufs = [IoSlice::new(&self.hdr[self.hdr_off..]), IoSlice::new(data)];
-            (&mut &*self.s).write_vectored(&bufs)
+        let payload = if self.seal.mode() == Protection::Encryption {
+            &self.stage[..self.flen]
         } else {
-            (&mut &*self.s).write(data)
+            // SAFETY: as above.
+            unsafe { std::slice::from_raw_parts(self.data.add(self.pos), self.flen) }
         };
-        match r {
+        let tl = self.seal.mode().tag_len();
+        let (h, p) = (
+            self.off.min(HEADER_LEN),
+            (self.off.max(HEADER_LEN) - HEADER_LEN).min(self.flen),
+        );
+        let t = (self.off.max(HEADER_LEN + self.flen) - HEADER_LEN - self.flen).min(tl);
+        // the tag only once computed (under integrity: when the payload is all written)
+        let t_end = if self.mac.is_some() { t } else { tl };
+        let bufs = [
+            IoSlice::new(&self.hdr[h..]),
+            IoSlice::new(&payload[p..]),
+            IoSlice::new(&self.tag[t..t_end]),
+        ];
+        match (&mut &*self.s).write_vectored(&bufs) {
             Ok(0) => Err(CommError::PeerLost {
                 rank: self.peer,
                 op,
             }),
-            Ok(mut n) => {
-                let h = n.min(HEADER_LEN - self.hdr_off);
-                self.hdr_off += h;
-                n -= h;
-                self.pos += n;
-                if self.hdr_off == HEADER_LEN && self.pos == self.len && self.started {
+            Ok(n) => {
+                self.off += n;
+                let p_end = (self.off.max(HEADER_LEN) - HEADER_LEN).min(self.flen);
+                if let Some(m) = self.mac.as_mut() {
+                    m.update(&payload[p..p_end]);
+                    if p_end == self.flen {
+                        self.tag = m.tag();
+                        self.mac = None;
+                    }
+                }
+                if self.off == self.frame_bytes() && self.pos + self.flen == self.len {
                     self.done = true;
                 }
                 Ok(true)
@@ -223,16 +269,26 @@ enum Sink {
     Deferred,
 }
 
-/// Receiving half of a step.
+/// Receiving half of a step: per frame, a header, its payload, then its tag (when protected).
 struct Rx<'a> {
     s: &'a TcpStream,
     peer: usize,
     dst: *mut u8,
     len: usize,
+    /// Payload bytes delivered to their destination.
     pos: usize,
+    /// The current frame's payload length, and how much of it is still to be read.
+    flen: usize,
     frame_left: usize,
     hdr: [u8; HEADER_LEN],
     hdr_off: usize,
+    tag: [u8; TAG_LEN],
+    tag_off: usize,
+    seal: &'a mut Seal,
+    /// The current frame's tag in progress (integrity).
+    mac: Option<FrameMac>,
+    /// The current frame's ciphertext (encryption), else empty.
+    stage: &'a mut [u8],
     sink: Sink,
     seg_start: usize,
     action: Action,
@@ -240,87 +296,26 @@ struct Rx<'a> {
 }
 
 impl Rx<'_> {
-    fn progress(&mut self, c: &mut StepCtx<'_>) -> Result<bool, CommError> {
-        if self.done {
-            return Ok(false);
-        }
-        // While a header is incomplete, read it together with the payload that should follow
-        // (one readv instead of two reads: the header's length is checked before any of those
-        // payload bytes are accounted, and they land only where the expected frame may go).
-        let in_header = self.hdr_off < HEADER_LEN;
-        let want = (self.len - self.pos).min(MAX_DATA_PAYLOAD);
-        let frame_left = if in_header { want } else { self.frame_left };
-        let room = match self.sink {
-            Sink::Direct | Sink::Deferred => frame_left,
-            Sink::Segmented => {
-                let seg_len = c.segment.min(self.len - self.seg_start);
-                (self.seg_start + seg_len - self.pos).min(frame_left)
-            }
-        };
-        let dst: &mut [u8] = match self.sink {
+    /// Where the next payload bytes go, at most `max` of them: the user's buffer or scratch.
+    fn target<'s>(&self, scratch: &'s mut [u8], segment: usize, max: usize) -> &'s mut [u8] {
+        match self.sink {
             // SAFETY: dst..dst+len is the step's receive range of the caller's buffer, not
             // read by the send half (Direct is used only without overlap).
-            Sink::Direct => unsafe { std::slice::from_raw_parts_mut(self.dst.add(self.pos), room) },
+            Sink::Direct => unsafe { std::slice::from_raw_parts_mut(self.dst.add(self.pos), max) },
             Sink::Segmented => {
+                let seg_len = segment.min(self.len - self.seg_start);
+                let room = (self.seg_start + seg_len - self.pos).min(max);
                 let off = self.pos - self.seg_start;
-                &mut c.scratch[off..off + room]
+                &mut scratch[off..off + room]
             }
-            Sink::Deferred => &mut c.scratch[self.pos..self.pos + room],
-        };
-        let r = if in_header {
-            let mut bufs = [
-                IoSliceMut::new(&mut self.hdr[self.hdr_off..]),
-                IoSliceMut::new(dst),
-            ];
-            (&mut &*self.s).read_vectored(&mut bufs)
-        } else {
-            (&mut &*self.s).read(dst)
-        };
-        let mut n = match r {
-            Ok(0) => {
-                return Err(CommError::PeerLost {
-                    rank: self.peer,
-                    op: c.op,
-                });
-            }
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => return Ok(true),
-            Err(e) => return Err(link_err(e, self.peer, c.op)),
-        };
-        if in_header {
-            let h = n.min(HEADER_LEN - self.hdr_off);
-            self.hdr_off += h;
-            n -= h;
-            if self.hdr_off < HEADER_LEN {
-                return Ok(true);
-            }
-            let h = Header::decode(&self.hdr)?;
-            if h.kind != Kind::Data {
-                return Err(ProtocolError::Unexpected {
-                    got: h.kind,
-                    expected: Kind::Data,
-                }
-                .into());
-            }
-            if h.seq != c.seq || h.len as usize != want {
-                return Err(ProtocolError::OutOfStep {
-                    seq: h.seq,
-                    len: h.len,
-                    want_seq: c.seq,
-                    want_len: want as u32,
-                }
-                .into());
-            }
-            self.frame_left = want;
-            if want == 0 {
-                self.done = true;
-                return Ok(true);
-            }
+            Sink::Deferred => &mut scratch[self.pos..self.pos + max],
         }
+    }
+
+    /// Accounts `n` payload bytes written by `target`, reducing a segment once it is full.
+    fn advance(&mut self, c: &mut StepCtx<'_>, n: usize) {
         self.pos += n;
-        self.frame_left -= n;
-        if self.sink == Sink::Segmented {
+        if n > 0 && self.sink == Sink::Segmented {
             let seg_len = c.segment.min(self.len - self.seg_start);
             if self.pos == self.seg_start + seg_len {
                 // SAFETY: as for Direct; the segment lies inside the receive range.
@@ -331,14 +326,163 @@ impl Rx<'_> {
                 self.seg_start = self.pos;
             }
         }
-        if self.frame_left == 0 {
-            if self.pos == self.len {
-                self.done = true;
-            } else {
-                self.hdr_off = 0;
+    }
+
+    /// Checks a complete header against the step and starts its frame.
+    fn start_frame(&mut self, c: &StepCtx<'_>, want: usize) -> Result<(), CommError> {
+        let h = Header::decode(&self.hdr)?;
+        if h.kind != Kind::Data {
+            return Err(ProtocolError::Unexpected {
+                got: h.kind,
+                expected: Kind::Data,
+            }
+            .into());
+        }
+        if h.seq != c.seq || h.len as usize != want {
+            return Err(ProtocolError::OutOfStep {
+                seq: h.seq,
+                len: h.len,
+                want_seq: c.seq,
+                want_len: want as u32,
+            }
+            .into());
+        }
+        (self.flen, self.frame_left, self.tag_off) = (want, want, 0);
+        self.mac = (self.seal.mode() == Protection::Integrity).then(|| self.seal.begin(&self.hdr));
+        Ok(())
+    }
+
+    /// Ends a frame whose payload and tag are all read: checks the tag (under encryption,
+    /// decrypts and delivers the payload), then expects the next header or is done.
+    fn finish_frame(&mut self, c: &mut StepCtx<'_>) -> Result<(), CommError> {
+        let refused = || CommError::IntegrityFailed {
+            rank: self.peer,
+            op: c.op,
+        };
+        match self.seal.mode() {
+            Protection::None => {}
+            Protection::Integrity => {
+                if !self.mac.take().is_some_and(|m| m.verify(&self.tag)) {
+                    return Err(refused());
+                }
+            }
+            Protection::Encryption => {
+                let (hdr, tag, flen) = (self.hdr, self.tag, self.flen);
+                if !self.seal.open(&hdr, &mut self.stage[..flen], &tag) {
+                    return Err(refused());
+                }
+                let mut off = 0;
+                while off < flen {
+                    let t = self.target(c.scratch, c.segment, flen - off);
+                    let n = t.len();
+                    t.copy_from_slice(&self.stage[off..off + n]);
+                    self.advance(c, n);
+                    off += n;
+                }
             }
         }
+        if self.pos == self.len {
+            self.done = true;
+        } else {
+            self.hdr_off = 0;
+        }
+        Ok(())
+    }
+
+    fn progress(&mut self, c: &mut StepCtx<'_>) -> Result<bool, CommError> {
+        if self.done {
+            return Ok(false);
+        }
+        let tl = self.seal.mode().tag_len();
+        let in_header = self.hdr_off < HEADER_LEN;
+        if !in_header && self.frame_left == 0 {
+            // the tag
+            let r = (&mut &*self.s).read(&mut self.tag[self.tag_off..tl]);
+            let Some(n) = self.read_result(r, c.op)? else {
+                return Ok(false);
+            };
+            self.tag_off += n;
+            if self.tag_off == tl {
+                self.finish_frame(c)?;
+            }
+            return Ok(true);
+        }
+        // While a header is incomplete, read it together with the payload that should follow
+        // (one readv instead of two reads: the header's length is checked before any of those
+        // payload bytes are accounted, and they land only where the expected frame may go).
+        let want = (self.len - self.pos).min(MAX_DATA_PAYLOAD);
+        let frame_left = if in_header { want } else { self.frame_left };
+        let encrypted = self.seal.mode() == Protection::Encryption;
+        let stage = std::mem::take(&mut self.stage);
+        let dst: &mut [u8] = if encrypted {
+            let got = if in_header { 0 } else { self.flen - frame_left };
+            &mut stage[got..got + frame_left]
+        } else {
+            self.target(c.scratch, c.segment, frame_left)
+        };
+        let r = if in_header {
+            let mut bufs = [
+                IoSliceMut::new(&mut self.hdr[self.hdr_off..]),
+                IoSliceMut::new(dst),
+            ];
+            (&mut &*self.s).read_vectored(&mut bufs)
+        } else {
+            (&mut &*self.s).read(dst)
+        };
+        let n = self.read_result(r, c.op);
+        let n = match n {
+            Ok(Some(n)) => n,
+            other => {
+                self.stage = stage;
+                return other.map(|_| false);
+            }
+        };
+        let mut payload = n;
+        if in_header {
+            let h = n.min(HEADER_LEN - self.hdr_off);
+            self.hdr_off += h;
+            payload -= h;
+            if self.hdr_off < HEADER_LEN {
+                self.stage = stage;
+                return Ok(true);
+            }
+            if let Err(e) = self.start_frame(c, want) {
+                self.stage = stage;
+                return Err(e);
+            }
+        }
+        if let Some(mut m) = self.mac.take() {
+            // the bytes `read` just wrote: `target` names the same place until `advance`
+            m.update(self.target(c.scratch, c.segment, payload));
+            self.mac = Some(m);
+        }
+        self.stage = stage;
+        self.frame_left -= payload;
+        if !encrypted {
+            self.advance(c, payload);
+        }
+        if self.frame_left == 0 && tl == 0 {
+            self.finish_frame(c)?;
+        }
         Ok(true)
+    }
+
+    /// The outcome of a read: `Some(n)` bytes, `None` when the socket has nothing now.
+    fn read_result(
+        &self,
+        r: std::io::Result<usize>,
+        op: &'static str,
+    ) -> Result<Option<usize>, CommError> {
+        match r {
+            Ok(0) => Err(CommError::PeerLost {
+                rank: self.peer,
+                op,
+            }),
+            Ok(n) => Ok(Some(n)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(Some(0)),
+            Err(e) => Err(link_err(e, self.peer, op)),
+        }
     }
 
     /// Applies the action to `d` from `scratch[from..from+len]`.
@@ -365,6 +509,12 @@ impl StepCtx<'_> {
         let base = buf.as_mut_ptr();
         let deferred = overlaps(step);
         let links = self.links;
+        let (tx_seals, rx_seals) = (
+            std::mem::take(&mut self.tx_seals),
+            std::mem::take(&mut self.rx_seals),
+        );
+        let stage = std::mem::take(&mut self.stage);
+        let (tx_stage, rx_stage) = stage.split_at_mut(stage.len() / 2);
         let mut tx = match &step.send {
             Some(t) => Some(Tx {
                 s: link(links, t.peer)?,
@@ -373,9 +523,13 @@ impl StepCtx<'_> {
                 data: unsafe { base.add(t.range.start * e) },
                 len: t.range.len() * e,
                 pos: 0,
-                frame_end: 0,
+                flen: 0,
+                off: 0,
                 hdr: [0; HEADER_LEN],
-                hdr_off: HEADER_LEN,
+                tag: [0; TAG_LEN],
+                seal: &mut tx_seals[t.peer],
+                mac: None,
+                stage: tx_stage,
                 started: false,
                 done: false,
             }),
@@ -389,9 +543,15 @@ impl StepCtx<'_> {
                 dst: unsafe { base.add(t.range.start * e) },
                 len: t.range.len() * e,
                 pos: 0,
+                flen: 0,
                 frame_left: 0,
                 hdr: [0; HEADER_LEN],
                 hdr_off: 0,
+                tag: [0; TAG_LEN],
+                tag_off: 0,
+                seal: &mut rx_seals[t.peer],
+                mac: None,
+                stage: rx_stage,
                 sink: match (deferred, action) {
                     (true, _) => Sink::Deferred,
                     (false, Action::Copy) => Sink::Direct,
