@@ -9,9 +9,11 @@ then runs on the group's background thread, in call order, returning an asynchro
 whose future completes when the ring is done. Contiguous tensors are reduced in place from
 their ``data_ptr()`` (no copy); non-contiguous ones go through a contiguous copy.
 
-Rendezvous: ``diphoma.Ring.from_env()`` (standalone: the launcher's ``DIPHOMA_*`` variables).
-The Kubernetes mode (the contract's variables and the ring ConfigMap through the ring's k8s
-follower) is a second way to build the ``Ring``; everything below it stays the same.
+Rendezvous: ``diphoma.Follower.from_env()`` (standalone: the launcher's ``DIPHOMA_*``
+variables or its ring directory; in a worker pod: the contract's variables and the ring
+ConfigMap, through ``diphoma-ring``'s follower). ``diphoma.torch.elastic`` re-forms the group at
+each new generation; ``diphoma.torch.ElasticSampler`` keeps the data order of a global batch
+fixed across world sizes.
 """
 
 import atexit
@@ -24,7 +26,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
-from diphoma import ConfigError, Ring
+import diphoma
+from diphoma import ConfigError, Follower
 
 BACKEND = "diphoma"
 
@@ -276,11 +279,23 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         return f"ProcessGroupDiphoma({self.ring!r})"
 
 
+# A ring joined by the elastic runner, for the next group it creates (see _create).
+_HANDOFF = []
+
+
 def _create(store, rank, size, timeout):
-    """The backend's constructor (``Backend.register_backend``): joins the ring described by the
-    environment, bounding the join and each collective by ``init_process_group``'s
-    ``timeout``; torch's store is used only by torch's own rendezvous."""
-    ring = Ring.from_env(timeout=timeout.total_seconds())
+    """The backend's constructor (``Backend.register_backend``): takes the ring the elastic
+    runner just joined, else joins the first generation of the membership source the
+    environment describes (``diphoma.Follower.from_env``: the launcher's variables, its ring
+    directory, or a worker pod's contract), bounding the join and each collective by
+    ``init_process_group``'s ``timeout``; torch's store is used only by torch's own
+    rendezvous."""
+    if _HANDOFF:
+        ring = _HANDOFF.pop()
+    else:
+        follower = Follower.from_env(timeout=timeout.total_seconds())
+        ring = follower.connect()
+        diphoma._set_follower(follower)
     if (ring.rank, ring.world) != (rank, size):
         raise ConfigError(
             f"diphoma: torch rank {rank}/world {size} differ from the ring's "
@@ -292,4 +307,6 @@ def _create(store, rank, size, timeout):
 if BACKEND not in dist.Backend.backend_list:
     dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
 
-__all__ = ["BACKEND", "ProcessGroupDiphoma"]
+from diphoma.torch.sampler import ElasticSampler  # noqa: E402  (after the registration)
+
+__all__ = ["BACKEND", "ElasticSampler", "ProcessGroupDiphoma"]
