@@ -6,7 +6,8 @@ started by ``python -m diphoma.run`` (which also sets torch's ``RANK``/``WORLD_S
 ``torch.distributed.ProcessGroup``; each collective is checked at once (CPU tensors of a
 supported dtype, a supported op: otherwise ``diphoma.ConfigError`` naming what is wrong) and
 then runs on the group's background thread, in call order, returning an asynchronous ``Work``
-whose future completes when the ring is done. Contiguous tensors are reduced in place from
+whose future completes when the ring is done (``wait()`` raises the collective's error, and a
+group whose collective failed refuses every later one with ``diphoma.RingChanged``). Contiguous tensors are reduced in place from
 their ``data_ptr()`` (no copy); non-contiguous ones go through a contiguous copy.
 
 Rendezvous: ``diphoma.Follower.from_env()`` (standalone: the launcher's ``DIPHOMA_*``
@@ -23,11 +24,10 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 import diphoma
-from diphoma import ConfigError, Follower
+from diphoma import ConfigError, Follower, RingChanged
 
 BACKEND = "diphoma"
 
@@ -101,6 +101,34 @@ class _InPlace:
             self.t.copy_(self.buf)
 
 
+class _Work(dist.Work):
+    """One collective's handle. Its future always completes with the collective's output;
+    ``wait()`` raises the collective's error. torch 2.15's DDP reducer crashes the interpreter
+    (SIGSEGV in backward) on a future completed with an exception, so a failure reaches DDP
+    as a completed bucket and then as the group's error: every later call raises
+    ``RingChanged`` (and ``diphoma.torch.elastic``'s ``State.commit`` checks it first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fut = Future()
+        self.error = None
+
+    def wait(self, timeout=None):
+        self.fut.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self):
+        return self.fut.done()
+
+    def is_success(self):
+        return self.fut.done() and self.error is None
+
+    def get_future(self):
+        return self.fut
+
+
 class ProcessGroupDiphoma(dist.ProcessGroup):
     """A ``torch.distributed`` process group over one ``diphoma.Ring``.
 
@@ -113,6 +141,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         self.ring = ring
         self._queue = queue.SimpleQueue()
         self._stopped = False
+        self.error = None  # the first collective that failed: the group is unusable after it
         self._thread = threading.Thread(target=self._serve, name="diphoma-pg", daemon=True)
         self._thread.start()
         _LIVE.add(self)
@@ -133,20 +162,22 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             item = self._queue.get()
             if item is _STOP:
                 return
-            job, fut, result = item
+            job, work, result = item
             try:
                 job()
             except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
+                work.error = e
+                self.error = self.error or e
+            work.fut.set_result(result)
 
     def _submit(self, job, result):
         if self._stopped:
             raise ConfigError("diphoma: the process group is shut down")
-        fut = Future()
-        self._queue.put((job, fut, result))
-        return _create_work_from_future(fut)
+        if self.error is not None:
+            raise RingChanged(f"an earlier collective of this group failed: {self.error}")
+        work = _Work()
+        self._queue.put((job, work, result))
+        return work
 
     def _reduce(self, native, t, op):
         """``native`` (the ring's allreduce or reduce_scatter) on the contiguous ``t`` with op

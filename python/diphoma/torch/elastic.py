@@ -105,7 +105,12 @@ class State:
         """Records the live state as the one to roll back to; on rank 0 writes a checkpoint
         when ``DIPHOMA_CHECKPOINT_EVERY`` divides ``step``; then asks the membership source
         (which also publishes rank 0's progress record, see ``diphoma.report``) whether a newer
-        generation was published: if so, raises so that ``run`` re-forms the ring."""
+        generation was published: if so, raises so that ``run`` re-forms the ring. Raises
+        ``RingChanged`` without committing when a collective of the group failed since (DDP's
+        gradient buckets complete even when the ring fails, see ``diphoma.torch``)."""
+        group = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        if getattr(group, "error", None) is not None:
+            raise RingChanged(f"diphoma: a collective failed during step {self.step}: {group.error}")
         self._saved = self.snapshot()
         progress = diphoma._progress
         dirname, n = checkpoint.directory(), checkpoint.every()
