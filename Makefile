@@ -6,7 +6,7 @@ NODES ?= 4
 GPUS ?= 8
 CARGO ?= cargo
 
-.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair cluster-up cluster-down demo wheel test-python
+.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair cluster-up cluster-down demo wheel test-python bench-torch
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -46,6 +46,9 @@ test-python: ## build the wheel, install it into a cached torch venv (created on
 
 bench: deps ## allreduce benchmark side by side with gloo and Open MPI (prints the merged table)
 	bash worker/bench/run.sh
+
+bench-torch: deps ## DDP step time gloo vs diphoma (ResNet-18/50, CPU, world 2 and 4) and all_reduce from Python vs the Rust bench; writes python/bench/RESULTS.md
+	bash python/bench/run.sh
 
 bench-repair: tools build ## ring repair on the local control plane: time-to-repair, node-loss detection, join time, repeated steps (median/min/max of 5 runs)
 	DIPHOMA_K8S_BIN="$$(bash e2e/cluster/build-bins.sh)" target/debug/diphoma-repair-bench --runs 5

@@ -28,6 +28,10 @@ broadcasts the state again (joiners receive it this way) and calls the function 
 Anything else propagates. A member that the new generation no longer lists (scale-down,
 SIGTERM in a pod) returns None.
 
+``DIPHOMA_TIMEOUT`` (seconds) bounds each join and collective (default: 30 standalone, 4 in a
+pod, below the job's failure detection); a pod whose joiners take long to start (``import
+torch``) raises it so that a new generation waits for them.
+
 The state travels as ``torch.save`` bytes over the ring's own broadcast: model and optimizer
 ``state_dict``s, ``step`` and the extra attributes (any picklable values). Peers are
 authenticated with the job's key, so the bytes are trusted like a checkpoint of the same job.
