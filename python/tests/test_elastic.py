@@ -6,13 +6,14 @@ global batch.
 
 Tolerance: every step trains the same global batch of 24 samples (``ElasticSampler``) and every
 run averages the same per-sample gradients; only the grouping of the float32 sums differs (the
-ranks' shares of 6 or 8 samples, then the ring's order, against one sum here), a few ulps per
-element: |Δg| ≤ 24·2⁻²⁴·Σ|gᵢ|/24 ≈ 6e-8·|g|·(terms) ≲ 1.5e-6·|g| for 24 terms. Over K = 40 SGD
-steps with lr 0.05 and momentum 0.9 (an effective step of at most 0.5·g) they add up to about
-K·0.5·1.5e-6·|g| ≈ 3e-5·|g|, with |g| ≲ 0.3 here (the mean of a loss of order 1 over 24 samples):
-≈ 1e-5. atol 5e-5 and rtol 2e-4 leave a margin of 5 and still catch a real error: a step lost
-or trained twice after the re-form, or a joiner with its own initial weights, moves the
-parameters by ≥ 1e-3 (checked below by training one step less).
+ranks' shares of 6 or 8 samples, then the ring's order, against one sum here). A float32 sum of
+n = 24 terms is off by at most (n−1)·2⁻²⁴ ≈ 1.4e-6 of the sum of magnitudes, so the two mean
+gradients differ by at most ≈ 2.8e-6·mean|gᵢ| per step. Over K = 40 SGD steps with lr 0.05 and
+momentum 0.9 (an effective step of at most lr/(1−0.9) = 0.5·g) that adds up to at most
+40·0.5·2.8e-6·mean|gᵢ| ≈ 5.6e-5·mean|gᵢ|, with mean|gᵢ| ≲ 0.3 here: ≈ 1.7e-5 (tanh layers do
+not amplify it over so few steps). atol 5e-5 and rtol 2e-4 leave a margin of 3 and still catch
+a real error: a step lost or trained twice after the re-form, or a joiner that kept its own
+weights, moves the parameters by far more (checked below against one step less).
 """
 
 import json
