@@ -12,7 +12,7 @@ use anyhow::{Context, Result, ensure};
 use common::*;
 use diphoma_e2e::kit::{pid_of, signal};
 use diphoma_e2e::kubelet::node::NodeConfig;
-use diphoma_operator::api::Phase;
+use diphoma_operator::api::{DiphomaJobStatus, Phase};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 
@@ -60,7 +60,7 @@ async fn the_pytorch_digits_example_survives_a_killed_worker(
     let applied = run_ok(ctx.cp.kubectl().args(["-n", &ns, "apply", "-f"]).arg(&file));
     std::fs::remove_file(&file)?;
     applied?;
-    let status = async || -> Result<_> {
+    let status = async || -> Result<DiphomaJobStatus> {
         Ok(job_status(&ctx.client, &ns, "pytorch-digits")
             .await?
             .status
