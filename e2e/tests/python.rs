@@ -110,7 +110,7 @@ async fn the_pytorch_digits_example_survives_a_killed_worker(
     let progress = st.progress.context("no progress")?;
     let accuracy = progress.test_accuracy.context("no test accuracy")?;
     ensure!(
-        progress.step == STEPS && accuracy >= 0.95,
+        progress.step == i64::try_from(STEPS)? && accuracy >= 0.95,
         "step {} of {STEPS}, test accuracy {accuracy}",
         progress.step
     );
