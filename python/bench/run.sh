@@ -8,6 +8,12 @@
 # Setup (idempotent): the cached torch venv with torchvision (python/venv.sh test), the wheel
 # built --release and installed into it, `cargo build --release -p diphoma-worker`.
 # Env: STEPS (10) WORLDS ("2 4") OUT (python/bench/RESULTS.md).
+#
+# Horovod is not compared: `pip install horovod` (0.28.1, the newest release, an sdist of 2023)
+# in a throwaway venv with HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1
+# failed on this machine (2026-12-01): its CMake configure stops at "No module named 'torch'"
+# inside pip's isolated build environment ("Failed building wheel for horovod"). Not retried
+# with --no-build-isolation against torch 2.15.
 set -euo pipefail
 repo="$(git rev-parse --show-toplevel)"
 cd "$repo"
