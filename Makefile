@@ -8,7 +8,7 @@ CARGO ?= cargo
 # How the local kubelet runs pods: process (fast) or podman (containers of the local images).
 RUNTIME ?= process
 
-.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair cluster-up cluster-down demo wheel test-python images image-pytorch
+.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair cluster-up cluster-down demo wheel test-python images image-pytorch bench-torch
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -48,6 +48,9 @@ test-python: ## build the wheel, install it into a cached torch venv (created on
 
 bench: deps ## allreduce benchmark side by side with gloo and Open MPI (prints the merged table)
 	bash worker/bench/run.sh
+
+bench-torch: deps ## DDP step time gloo vs diphoma (ResNet-18/50, CPU, world 2 and 4) and all_reduce from Python vs the Rust bench; writes python/bench/RESULTS.md
+	bash python/bench/run.sh
 
 bench-repair: tools build ## ring repair on the local control plane: time-to-repair, node-loss detection, join time, repeated steps (median/min/max of 5 runs)
 	DIPHOMA_K8S_BIN="$$(bash e2e/cluster/build-bins.sh)" target/debug/diphoma-repair-bench --runs 5

@@ -4,11 +4,16 @@
 # test` has torch, maturin and pytest (to run python/tests). Each is keyed by its pinned versions
 # and created once per machine (DIPHOMA_PYTHON_CACHE overrides ~/.cache/diphoma/python). PyPI's
 # torch for Linux x86-64 is the CUDA build: the test venv takes minutes and gigabytes the first
-# time (see python/README.md).
+# time (see README.md, "PyTorch"). The test venv also gets torchvision (the ResNet models of
+# manifests/examples/pytorch-resnet50.yaml and make bench-torch) with numpy and pillow, its
+# import-time dependencies, added once with --no-deps: the newest torchvision on PyPI, 0.29,
+# is built for torch 2.14, and its models (plain Python) run on 2.15; --no-deps keeps pip from
+# replacing torch.
 set -euo pipefail
 TORCH_VERSION=2.15.0
 MATURIN_VERSION=1.16.0
 PYTEST_VERSION=9.2.0
+VISION=("torchvision==0.29.2" "numpy==2.4.6" "pillow==13.0.0")
 root=${DIPHOMA_PYTHON_CACHE:-$HOME/.cache/diphoma/python}
 case "${1:-}" in
   build) venv=$root/maturin-$MATURIN_VERSION; pkgs=("maturin==$MATURIN_VERSION") ;;
@@ -22,5 +27,10 @@ if [[ ! -f $venv/.complete ]]; then
   python3 -m venv "$venv" >&2
   "$venv/bin/pip" install -q --disable-pip-version-check "${pkgs[@]}" >&2
   touch "$venv/.complete"
+fi
+if [[ $1 == test && ! -f $venv/.vision-0.29.2 ]]; then
+  echo "adding ${VISION[*]} to $venv" >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "${VISION[@]}" >&2
+  touch "$venv/.vision-0.29.2"
 fi
 echo "$venv"

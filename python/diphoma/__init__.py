@@ -2,17 +2,75 @@
 
 ``diphoma.Ring`` is one member of one ring generation of the Rust runtime (``diphoma-ring``):
 allreduce, reduce-scatter, all-gather, broadcast and barrier over authenticated TCP, run with
-the GIL released. ``import diphoma.torch`` registers the ``torch.distributed`` backend
-``"diphoma"``; ``python -m diphoma.run --nproc N script.py`` starts N ranks on 127.0.0.1.
+the GIL released. ``diphoma.Follower`` follows the ring's generations through ``diphoma-ring``'s
+membership sources (the fixed standalone ring, the ring directory of ``python -m diphoma.run
+--elastic``, or the ring ConfigMap in a worker pod). ``import diphoma.torch`` registers the
+``torch.distributed`` backend ``"diphoma"``; ``diphoma.torch.elastic`` re-forms the ring without
+restarting the process; ``python -m diphoma.run --nproc N script.py`` starts N ranks on
+127.0.0.1. ``diphoma.report`` publishes training progress on the Rust worker's heartbeat path.
 
 Exceptions: ``ConfigError`` (a ``ValueError``: a bad argument or environment variable, named in
-the message; nothing was sent) and ``RingError`` (a ``RuntimeError``: a collective or the join
-failed; the ring is unusable afterwards).
+the message; nothing was sent), ``RingError`` (a ``RuntimeError``: the ring could not be joined)
+and its subclass ``RingChanged`` (a collective of an established ring failed: a member was
+lost or a newer generation published; the ring must re-form).
 """
 
-from diphoma._native import ConfigError, Ring, RingError
+import time
 
-for _e in (ConfigError, RingError):
+from diphoma._native import ConfigError, Follower, Ring, RingChanged, RingError, membership_json
+
+for _e in (ConfigError, RingError, RingChanged):
     _e.__module__ = __name__  # shown as diphoma.ConfigError in tracebacks
 
-__all__ = ["ConfigError", "Ring", "RingError"]
+# The follower of the process group in use (set by the torch backend and the elastic runner),
+# and what report() was told so far.
+_current = {"follower": None}
+_progress = {"total_steps": None, "step": 0, "loss": float("nan"), "samples": 0, "since": None,
+             "last_checkpoint": None}
+
+
+def _set_follower(follower):
+    _current["follower"] = follower
+
+
+def _samples_per_second():
+    since = _progress["since"]
+    return 0.0 if since is None else _progress["samples"] / max(time.monotonic() - since, 1e-9)
+
+
+def report(step=None, loss=None, samples=None, test_accuracy=None, total_steps=None):
+    """Publishes training progress as the Rust worker does: rank 0's progress record (the
+    heartbeat ConfigMap's ``progress.json`` in a pod, ``<ring dir>/progress.json`` under
+    ``python -m diphoma.run --elastic``), written at most every 5 s and at the last step, which
+    the operator copies into ``status.progress`` (``kubectl get dpj``, ``/metrics``).
+
+    ``step``: steps done; ``total_steps``: steps in the run (needed once, before the first
+    record); ``loss``: the step's training loss; ``samples``: samples the step trained over the
+    whole ring (for samples/s); ``test_accuracy`` (in [0, 1]): the final record, written at
+    once. Other ranks and a ring without membership source write nothing. Raises
+    ``ConfigError`` when ``total_steps`` was never given or ``test_accuracy`` is outside [0, 1].
+    """
+    p = _progress
+    if total_steps is not None:
+        p["total_steps"] = int(total_steps)
+    if step is not None:
+        p["step"] = int(step)
+    if loss is not None:
+        p["loss"] = float(loss)
+    if samples is not None:
+        p["since"] = p["since"] or time.monotonic()
+        p["samples"] += int(samples)
+    follower = _current["follower"]
+    if test_accuracy is not None:
+        if not 0.0 <= test_accuracy <= 1.0:
+            raise ConfigError(f"diphoma.report: test_accuracy {test_accuracy} is not in [0, 1]")
+        if follower is not None:
+            follower.report_test_accuracy(float(test_accuracy))
+        return
+    if p["total_steps"] is None:
+        raise ConfigError("diphoma.report: total_steps was never given")
+    if follower is not None:
+        follower.publish(p["step"], p["total_steps"], p["loss"], _samples_per_second(), p["last_checkpoint"])
+
+
+__all__ = ["ConfigError", "Follower", "Ring", "RingChanged", "RingError", "membership_json", "report"]

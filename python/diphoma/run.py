@@ -9,6 +9,17 @@ random per-job key to a private temporary file, and sets for every rank the ring
 stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and the launcher exits with the failed
 rank's code (128 + N for a rank killed by signal N); SIGINT/SIGTERM to the launcher stop every
 rank. The key file is removed on exit.
+
+With ``--elastic`` the ranks follow a ring directory instead of a fixed world (the standalone
+stand-in for the operator and its two ConfigMaps, read by ``diphoma-ring``'s ``FileRing``): the
+launcher names its processes ``local-0``, ``local-1``, … (``DIPHOMA_POD_NAME``), writes
+generation 1 of the contract's membership into ``<dir>/membership.json`` (``DIPHOMA_RING_DIR``)
+and, when a rank dies, publishes the next generation without it, so the survivors re-form in
+their own processes (``diphoma.torch.elastic.run``). With ``--replace`` it also starts a new
+process for each lost one and publishes the generation after that with it (the joiner receives
+the state by broadcast). Rank 0's progress record (``diphoma.report``) and the failure reports
+land in the same directory (``progress.json``, ``report.<name>``). The launcher exits 0 once
+every remaining rank exited 0, and with the last failure's code when none remains.
 """
 
 import argparse
@@ -21,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from diphoma import membership_json
 
 HOST = "127.0.0.1"
 
@@ -96,10 +109,70 @@ def supervise(procs, grace):
         time.sleep(0.05)
 
 
+def write_atomic(path, text):
+    """Replaces ``path`` by ``text`` atomically (a temporary file, then rename)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.rename(tmp, path)
+
+
+class Elastic:
+    """The members of an elastic standalone ring and the generations published for them."""
+
+    def __init__(self, ring_dir, key_file, command, base=None):
+        self.ring_dir, self.key_file, self.command = ring_dir, key_file, command
+        self.base = dict(os.environ if base is None else base)
+        self.job_uid = f"standalone-{secrets.token_hex(8)}"
+        self.members = []  # [name, port, Popen], by rank
+        self.procs = []  # every process started, for the launcher to stop
+        self.generation = 0
+        self.spawned = 0
+
+    def spawn(self):
+        """Starts a new member process (not yet in a published generation)."""
+        name, port = f"local-{self.spawned}", free_ports(1)[0]
+        self.spawned += 1
+        env = dict(self.base, DIPHOMA_RING_DIR=self.ring_dir, DIPHOMA_POD_NAME=name,
+                   DIPHOMA_JOB_UID=self.job_uid, DIPHOMA_KEY_FILE=self.key_file)
+        self.procs.append(subprocess.Popen(self.command, env=env))
+        self.members.append([name, port, self.procs[-1]])
+
+    def publish(self):
+        """Writes the next generation: every member still listed, in rank order."""
+        self.generation += 1
+        doc = membership_json(self.generation, self.job_uid, [(n, HOST, port) for n, port, _ in self.members])
+        write_atomic(os.path.join(self.ring_dir, "membership.json"), doc)
+
+    def supervise(self, replace):
+        """Publishes a generation without each rank that fails (and, with ``replace``, one
+        with its replacement); returns the exit code (see the module doc)."""
+        code = 0
+        while True:
+            failed = [m for m in self.members if m[2].poll() not in (None, 0)]
+            if failed:
+                code = exit_code(failed[-1][2].returncode)
+                self.members = [m for m in self.members if m not in failed]
+                if not self.members:
+                    return code
+                self.publish()
+                if replace:
+                    for _ in failed:
+                        self.spawn()
+                    self.publish()
+            if all(m[2].poll() == 0 for m in self.members):
+                return 0
+            time.sleep(0.05)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m diphoma.run", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=1, help="number of ranks (default 1)")
     ap.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    ap.add_argument("--elastic", action="store_true",
+                    help="follow a ring directory: a rank that dies is dropped and the others re-form")
+    ap.add_argument("--replace", action="store_true", help="with --elastic: start a new rank for each lost one")
+    ap.add_argument("--ring-dir", help="with --elastic: the ring directory (default: a temporary one)")
     ap.add_argument("script", help="the training script")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = ap.parse_args(argv)
@@ -117,8 +190,18 @@ def main(argv=None):
         fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(secrets.token_bytes(32))
+        command = [sys.executable, a.script, *a.args]
+        if a.elastic:
+            ring_dir = a.ring_dir or tmp
+            os.makedirs(ring_dir, exist_ok=True)
+            ring = Elastic(ring_dir, key_file, command)
+            procs = ring.procs  # grows with the replacements
+            for _ in range(a.nproc):
+                ring.spawn()
+            ring.publish()
+            return ring.supervise(a.replace)
         for env in rank_envs(a.nproc, key_file):
-            procs.append(subprocess.Popen([sys.executable, a.script, *a.args], env=env))
+            procs.append(subprocess.Popen(command, env=env))
         return supervise(procs, a.grace)
     except KeyboardInterrupt:
         stop(procs, a.grace)

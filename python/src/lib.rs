@@ -6,15 +6,24 @@
 //!
 //! | item | owns | must not |
 //! |---|---|---|
-//! | [`Ring`] | one ring generation's [`Communicator`] and its collectives on raw CPU buffers (address + length from `tensor.data_ptr()`), each run with the GIL released | know about torch, keep a buffer past a call |
-//! | [`RingError`], [`ConfigError`] | the Python exceptions: a collective or join failed; a bad argument or environment variable (named in the message) | |
+//! | [`Ring`] | one ring generation's [`Communicator`] and its collectives on raw CPU buffers (address + length from `tensor.data_ptr()`), each run with the GIL released; the error of its failed collective | know about torch, keep a buffer past a call |
+//! | [`Follower`] | where the generations come from (`diphoma-ring`'s [`FixedRing`], [`FileRing`] or [`KubeRing`], chosen by the environment): joining the next one, the decision after a commit or a failure, the progress records | decide anything the ring's sources do not |
+//! | [`membership_json`] | the contract's membership document for the standalone launcher | |
+//! | [`RingError`], [`RingChanged`], [`ConfigError`] | the Python exceptions: the join failed; a collective of an established ring failed (the ring must re-form); a bad argument or environment variable (named in the message) | |
 //!
 //! The ring, the membership and the handshake are `diphoma-ring`'s: this crate only converts
 //! arguments and errors. It must not re-implement any of them.
 
+use std::net::TcpListener;
 use std::sync::Mutex;
+use std::time::Duration;
 
-use diphoma_ring::source::standalone_config;
+use diphoma_contract::{Member, Membership};
+use diphoma_ring::file::{ENV_RING_DIR, FileRing};
+use diphoma_ring::k8s::{KubeRing, OP_TIMEOUT, WorkerEnv};
+use diphoma_ring::source::{
+    Control, FixedRing, Generation, Progress, RingSource, standalone_config,
+};
 use diphoma_ring::{CommError, Communicator, Element, ReduceOp, bf16, f16};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -25,6 +34,14 @@ pyo3::create_exception!(
     PyRuntimeError,
     "A ring collective or the ring join failed (peer lost, timeout, authentication, aborted); \
      the ring is unusable afterwards."
+);
+pyo3::create_exception!(
+    _native,
+    RingChanged,
+    RingError,
+    "A collective of an established ring failed (a member was lost, hung, or a newer generation \
+     was published): the ring must re-form at the next generation. \
+     `diphoma.torch.elastic.run` catches it, rolls the state back and re-forms the ring."
 );
 pyo3::create_exception!(
     _native,
@@ -108,13 +125,26 @@ unsafe fn reduce<T: Element>(
 #[pyclass(module = "diphoma._native", frozen)]
 pub struct Ring {
     comm: Mutex<Communicator>,
+    /// The error of the first collective that failed (handed to [`Follower::failed`]).
+    failure: Mutex<Option<CommError>>,
     rank: usize,
     world: usize,
     generation: u64,
 }
 
 impl Ring {
-    /// Runs `f` on the communicator with the GIL released.
+    fn new(comm: Communicator) -> Ring {
+        Ring {
+            rank: comm.rank(),
+            world: comm.world(),
+            generation: comm.generation(),
+            comm: Mutex::new(comm),
+            failure: Mutex::default(),
+        }
+    }
+
+    /// Runs `f` on the communicator with the GIL released; a failure other than a bad argument
+    /// is kept and raised as [`RingChanged`].
     fn with<R: Send>(
         &self,
         py: Python<'_>,
@@ -124,7 +154,18 @@ impl Ring {
             let mut c = self.comm.lock().unwrap_or_else(|p| p.into_inner());
             f(&mut c)
         })
-        .map_err(ring_err)
+        .map_err(|e| match e {
+            CommError::Config(m) => ConfigError::new_err(m),
+            e => {
+                let msg = format!(
+                    "diphoma: ring generation {} (rank {} of {}) failed: {e}; the ring must re-form",
+                    self.generation, self.rank, self.world
+                );
+                let mut slot = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+                slot.get_or_insert(e);
+                RingChanged::new_err(msg)
+            }
+        })
     }
 
     fn reduction(
@@ -179,12 +220,16 @@ impl Ring {
         let comm = py
             .detach(|| Communicator::bind_and_connect(cfg))
             .map_err(ring_err)?;
-        Ok(Ring {
-            rank: comm.rank(),
-            world: comm.world(),
-            generation: comm.generation(),
-            comm: Mutex::new(comm),
-        })
+        Ok(Ring::new(comm))
+    }
+
+    /// True once a collective of this ring failed (it raised [`RingChanged`]).
+    #[getter]
+    fn failed(&self) -> bool {
+        self.failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
     }
 
     /// This member's rank.
@@ -265,11 +310,318 @@ impl Ring {
     }
 }
 
+/// Where the generations come from.
+enum Source {
+    /// Standalone, one generation (`python -m diphoma.run`).
+    Fixed(FixedRing),
+    /// Standalone and elastic: the ring directory of `python -m diphoma.run --elastic`.
+    File(Box<FileRing>),
+    /// A worker pod: the ring ConfigMap (the operator's contract).
+    Kube(Box<KubeRing>),
+}
+
+impl Source {
+    fn ring(&mut self) -> &mut dyn RingSource {
+        match self {
+            Source::Fixed(s) => s,
+            Source::File(s) => s.as_mut(),
+            Source::Kube(s) => s.as_mut(),
+        }
+    }
+}
+
+/// What the follower knows besides its source.
+struct Following {
+    source: Source,
+    /// The generation to join next.
+    pending: Option<Generation>,
+    /// (generation, rank) of the ring joined last.
+    current: (u64, usize),
+}
+
+fn config_err(e: impl std::fmt::Display) -> PyErr {
+    ConfigError::new_err(e.to_string())
+}
+
+/// Reads `DIPHOMA_KEY_FILE` through the contract's check.
+fn read_key() -> PyResult<Vec<u8>> {
+    let var = diphoma_contract::ENV_KEY_FILE;
+    let path = std::env::var(var)
+        .map_err(|_| config_err(format!("environment variable {var} is not set")))?;
+    std::fs::read(&path)
+        .map_err(|e| e.to_string())
+        .and_then(|b| diphoma_contract::parse_key(b).map_err(|e| e.to_string()))
+        .map_err(|e| config_err(format!("environment variable {var}: {path}: {e}")))
+}
+
+fn required(var: &str) -> PyResult<String> {
+    std::env::var(var)
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .ok_or_else(|| config_err(format!("environment variable {var} is not set")))
+}
+
+/// The ring's generations as this process sees them: joins each one and asks `diphoma-ring`'s
+/// membership source what to do after a commit or a failure (the same decisions as the Rust
+/// worker). The source is chosen by the environment: `DIPHOMA_RING_DIR` (standalone elastic,
+/// with `DIPHOMA_POD_NAME` naming this member), `DIPHOMA_MEMBERSHIP` (a worker pod: the
+/// contract's variables), else the fixed standalone ring of `Ring.from_env`.
+#[pyclass(module = "diphoma._native", frozen)]
+pub struct Follower {
+    state: Mutex<Following>,
+}
+
+impl Follower {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Following> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn progress(
+    current: (u64, usize),
+    step: u64,
+    total_steps: u64,
+    loss: f32,
+    samples_per_second: f64,
+    last_checkpoint: Option<u64>,
+) -> Progress {
+    Progress {
+        step,
+        total_steps,
+        generation: current.0,
+        rank: current.1,
+        loss,
+        samples_per_second,
+        last_checkpoint,
+        allreduce_seconds: 0.0,
+        allreduce_bytes: 0,
+    }
+}
+
+#[pymethods]
+impl Follower {
+    /// Starts following the generations described by the environment (see the class) and
+    /// waits for the first one that lists this process. `timeout` (seconds, > 0) bounds each
+    /// join and collective and the wait for a first generation; default 30 (4 in a pod, below
+    /// the job's failure detection).
+    ///
+    /// Raises `ConfigError` naming a missing or malformed variable, `RingError` when no
+    /// generation lists this process in time (or SIGTERM arrives first in a pod).
+    #[staticmethod]
+    #[pyo3(signature = (timeout = None))]
+    fn from_env(py: Python<'_>, timeout: Option<f64>) -> PyResult<Follower> {
+        let timeout = timeout
+            .map(|t| {
+                Duration::try_from_secs_f64(t)
+                    .ok()
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| config_err(format!("timeout {t} s is not positive")))
+            })
+            .transpose()?;
+        let (source, pending) = if let Ok(dir) = std::env::var(ENV_RING_DIR) {
+            let name = required(diphoma_contract::ENV_POD_NAME)?;
+            let t = timeout.unwrap_or(diphoma_ring::comm::DEFAULT_TIMEOUT);
+            let mut f = FileRing::start(dir.clone().into(), name.clone(), read_key()?, t);
+            let g = py.detach(|| f.first_generation(t)).ok_or_else(|| {
+                RingError::new_err(format!(
+                    "no generation in {dir}/membership.json listed member {name} within {t:?}"
+                ))
+            })?;
+            (Source::File(Box::new(f)), g)
+        } else if std::env::var(diphoma_contract::ENV_MEMBERSHIP).is_ok() {
+            let env = WorkerEnv::from_env().map_err(config_err)?;
+            let key = env.read_key().map_err(config_err)?;
+            let mut k = KubeRing::start(env, key).map_err(config_err)?;
+            k.set_op_timeout(timeout.unwrap_or(OP_TIMEOUT));
+            let g = py
+                .detach(|| k.first_generation())
+                .map_err(config_err)?
+                .ok_or_else(|| RingError::new_err("SIGTERM before the first generation"))?;
+            (Source::Kube(Box::new(k)), g)
+        } else {
+            let mut config = standalone_config(|n| std::env::var(n).ok()).map_err(config_err)?;
+            if let Some(t) = timeout {
+                config.timeout = t;
+            }
+            let addr = config.addresses[config.rank];
+            let listener = TcpListener::bind(addr)
+                .map_err(|e| RingError::new_err(format!("binding {addr}: {e}")))?;
+            (Source::Fixed(FixedRing), Generation { config, listener })
+        };
+        Ok(Follower {
+            state: Mutex::new(Following {
+                source,
+                pending: Some(pending),
+                current: (0, 0),
+            }),
+        })
+    }
+
+    /// Joins the next generation (the first, or the one `commit`/`failed` chose); when the
+    /// join fails, asks the source for the one after, as the Rust worker does.
+    ///
+    /// Raises `RingError` when there is none to join (the ring could not re-form, or this
+    /// process is no longer a member).
+    fn connect(&self, py: Python<'_>) -> PyResult<Ring> {
+        py.detach(|| {
+            let mut st = self.lock();
+            loop {
+                let Some(g) = st.pending.take() else {
+                    return Err(RingError::new_err("diphoma: no ring generation to join"));
+                };
+                let generation = g.config.generation;
+                match Communicator::connect(g.config, g.listener) {
+                    Ok(comm) => {
+                        st.current = (generation, comm.rank());
+                        st.source
+                            .ring()
+                            .connected(generation, comm.rank(), comm.abort_handle());
+                        return Ok(Ring::new(comm));
+                    }
+                    Err(e) => match st.source.ring().after_failure(&e) {
+                        Some(next) => st.pending = Some(next),
+                        None => {
+                            return Err(RingError::new_err(format!(
+                                "diphoma: joining ring generation {generation} failed: {e}"
+                            )));
+                        }
+                    },
+                }
+            }
+        })
+    }
+
+    /// After a committed step: publishes the progress (rank 0, every few seconds and at the
+    /// last step; only when `total_steps` is known) and returns the source's decision:
+    /// "continue", "switch" (a newer generation lists this process: `connect` joins it) or
+    /// "leave" (scale-down, SIGTERM in a pod).
+    #[pyo3(signature = (step, total_steps = None, loss = f32::NAN, samples_per_second = 0.0, last_checkpoint = None))]
+    fn commit(
+        &self,
+        step: u64,
+        total_steps: Option<u64>,
+        loss: f32,
+        samples_per_second: f64,
+        last_checkpoint: Option<u64>,
+    ) -> &'static str {
+        let mut st = self.lock();
+        let mut p = progress(
+            st.current,
+            step,
+            total_steps.unwrap_or(0),
+            loss,
+            samples_per_second,
+            last_checkpoint,
+        );
+        if total_steps.is_none() {
+            p.rank = usize::MAX; // the sources publish rank 0's progress only
+        }
+        match st.source.ring().after_commit(&p) {
+            Control::Continue => "continue",
+            Control::Switch(g) => {
+                st.pending = Some(g);
+                "switch"
+            }
+            Control::Leave => "leave",
+        }
+    }
+
+    /// After `ring` raised `RingChanged`: reports the failure and chooses the generation to
+    /// join next. Returns False when there is none (give up).
+    fn failed(&self, py: Python<'_>, ring: &Ring) -> bool {
+        let err = ring
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .unwrap_or(CommError::Aborted);
+        py.detach(|| {
+            let mut st = self.lock();
+            st.pending = st.source.ring().after_failure(&err);
+            st.pending.is_some()
+        })
+    }
+
+    /// Publishes a progress record between commits (rank 0 only; at most every few seconds
+    /// except at the last step), as `commit` does, without asking for a decision.
+    #[pyo3(signature = (step, total_steps, loss = f32::NAN, samples_per_second = 0.0, last_checkpoint = None))]
+    fn publish(
+        &self,
+        step: u64,
+        total_steps: u64,
+        loss: f32,
+        samples_per_second: f64,
+        last_checkpoint: Option<u64>,
+    ) {
+        let mut st = self.lock();
+        let p = progress(
+            st.current,
+            step,
+            total_steps,
+            loss,
+            samples_per_second,
+            last_checkpoint,
+        );
+        match &mut st.source {
+            Source::Fixed(_) => {}
+            Source::File(f) => f.publish_progress(&p),
+            Source::Kube(k) => k.publish_progress(&p),
+        }
+    }
+
+    /// Rank 0's last record: its last progress record again with the test accuracy (in
+    /// [0, 1]), which the operator copies into the job's status.
+    fn report_test_accuracy(&self, accuracy: f64) {
+        match &mut self.lock().source {
+            Source::Fixed(_) => {}
+            Source::File(f) => f.report_test_accuracy(accuracy),
+            Source::Kube(k) => k.report_test_accuracy(accuracy),
+        }
+    }
+}
+
+/// The contract's membership JSON for generation `generation` of job `job_uid`; `members`
+/// lists (name, IP address, port) by rank. Raises `ConfigError` naming the invalid field.
+#[pyfunction]
+fn membership_json(
+    generation: u64,
+    job_uid: String,
+    members: Vec<(String, String, u16)>,
+) -> PyResult<String> {
+    let members = members
+        .into_iter()
+        .enumerate()
+        .map(|(i, (pod, address, port))| {
+            let address = address.parse().map_err(|_| {
+                config_err(format!(
+                    "members[{i}].address: {address:?} is not an IP address"
+                ))
+            })?;
+            Ok(Member {
+                rank: i as u32,
+                pod,
+                address,
+                port,
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let m = Membership {
+        generation,
+        job_uid,
+        members,
+    };
+    m.validate().map_err(config_err)?;
+    serde_json::to_string(&m).map_err(config_err)
+}
+
 /// The module `diphoma._native`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Ring>()?;
+    m.add_class::<Follower>()?;
+    m.add_function(wrap_pyfunction!(membership_json, m)?)?;
     m.add("RingError", m.py().get_type::<RingError>())?;
+    m.add("RingChanged", m.py().get_type::<RingChanged>())?;
     m.add("ConfigError", m.py().get_type::<ConfigError>())?;
     Ok(())
 }

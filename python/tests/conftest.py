@@ -9,11 +9,12 @@ import pytest
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 
 
-def launch(nproc, script, *args, timeout=120, env=None):
-    """Runs ``python -m diphoma.run --nproc N scripts/SCRIPT ARGS`` and returns the completed
-    process (stdout and stderr captured as text)."""
+def launch(nproc, script, *args, timeout=120, env=None, elastic=False):
+    """Runs ``python -m diphoma.run --nproc N [--elastic] scripts/SCRIPT ARGS`` and returns the
+    completed process (stdout and stderr captured as text)."""
+    flags = ["--elastic"] if elastic else []
     return subprocess.run(
-        [sys.executable, "-m", "diphoma.run", "--nproc", str(nproc), os.path.join(SCRIPTS, script), *args],
+        [sys.executable, "-m", "diphoma.run", "--nproc", str(nproc), *flags, os.path.join(SCRIPTS, script), *args],
         capture_output=True,
         text=True,
         timeout=timeout,

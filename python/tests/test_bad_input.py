@@ -123,3 +123,11 @@ def test_shut_down_group_refuses_and_exit_is_clean(monkeypatch, tmp_path):
     pg.shutdown()
     with pytest.raises(diphoma.ConfigError, match="shut down"):
         pg.allreduce([torch.ones(2)])
+
+
+def test_ddp_backward_through_a_lost_peer_raises_instead_of_crashing():
+    """torch's DDP reducer crashed the interpreter (SIGSEGV) on a bucket whose Work future
+    failed; the group now completes the bucket and refuses the next call with RingChanged."""
+    p = launch(2, "ddp_peer_lost.py", timeout=120)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "RingChanged: " in p.stdout and "failed" in p.stdout, p.stdout

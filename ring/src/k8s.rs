@@ -521,6 +521,34 @@ impl KubeRing {
 }
 
 impl KubeRing {
+    /// Rank 0 patches `p` into the heartbeat as its progress record when it is the last step or
+    /// [`PROGRESS_EVERY`] has passed since its previous write (in the background; the last one
+    /// waits). Other ranks write nothing. [`RingSource::after_commit`] calls it; a training loop
+    /// that reports between commits (`diphoma.report` in Python) may too.
+    pub fn publish_progress(&mut self, p: &Progress) {
+        let last = p.step == p.total_steps;
+        if p.rank == 0
+            && (last
+                || self
+                    .last_progress
+                    .is_none_or(|t| t.elapsed() >= PROGRESS_EVERY))
+        {
+            self.last_progress = Some(Instant::now());
+            let report = ProgressReport {
+                generation: p.generation,
+                step: p.step,
+                total_steps: Some(p.total_steps),
+                loss: Some(f64::from(p.loss)),
+                samples_per_second: Some(p.samples_per_second),
+                last_checkpoint_step: p.last_checkpoint,
+                test_accuracy: None,
+                time: now(),
+            };
+            self.write_progress(&report, last);
+            self.last_report = Some(report);
+        }
+    }
+
     /// Rank 0's last word: its final progress report again, with the trained model's accuracy
     /// on the test split (in [0, 1]), for the job's status. Other ranks write nothing.
     pub fn report_test_accuracy(&mut self, accuracy: f64) {
@@ -568,27 +596,7 @@ impl RingSource for KubeRing {
         if self.terminating() {
             return Control::Leave;
         }
-        let last = p.step == p.total_steps;
-        if p.rank == 0
-            && (last
-                || self
-                    .last_progress
-                    .is_none_or(|t| t.elapsed() >= PROGRESS_EVERY))
-        {
-            self.last_progress = Some(Instant::now());
-            let report = ProgressReport {
-                generation: p.generation,
-                step: p.step,
-                total_steps: Some(p.total_steps),
-                loss: Some(f64::from(p.loss)),
-                samples_per_second: Some(p.samples_per_second),
-                last_checkpoint_step: p.last_checkpoint,
-                test_accuracy: None,
-                time: now(),
-            };
-            self.write_progress(&report, last);
-            self.last_report = Some(report);
-        }
+        self.publish_progress(p);
         self.decision()
     }
 

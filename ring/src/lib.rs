@@ -27,6 +27,7 @@
 //! | [`error`] | [`CommError`], the error of every communicator call | do I/O |
 //! | [`source`] | the [`source::RingSource`] a training loop follows, the standalone [`source::FixedRing`] and [`source::standalone_config`] (a launcher's env) | train |
 //! | [`k8s`] | the membership follower: contract env, the ring ConfigMap as a [`source::RingSource`], heartbeat writes | train, record metrics |
+//! | [`file`] | the standalone membership follower: a ring directory (`membership.json` in, heartbeat records out) as a [`source::RingSource`] | train |
 //!
 //! This crate must not import candle, safetensors or anything of training, nor the operator:
 //! its only Diphoma dependency is `diphoma-contract`.
@@ -61,6 +62,7 @@ compile_error!("the wire format is little-endian and buffers travel as raw bytes
 pub mod auth;
 pub mod comm;
 pub mod error;
+pub mod file;
 pub mod frame;
 pub mod k8s;
 pub mod liveness;

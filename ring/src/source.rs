@@ -2,7 +2,7 @@
 //! each committed step and after each failure, what it answers ([`Control`], [`Generation`]),
 //! and what the loop tells it ([`Progress`]). [`FixedRing`] and [`local_generation`] are the
 //! standalone source (one generation on 127.0.0.1); [`crate::k8s::KubeRing`] follows the ring
-//! ConfigMap. [`standalone_config`] reads a standalone rank's generation from the variables a
+//! ConfigMap and [`crate::file::FileRing`] a standalone launcher's ring directory. [`standalone_config`] reads a standalone rank's generation from the variables a
 //! launcher sets (`python -m diphoma.run`).
 //!
 //! Owns the trait and its plain data; it must not train (no model, no optimizer) and does no

@@ -32,8 +32,13 @@ pub fn bin_dir() -> std::path::PathBuf {
         .to_owned()
 }
 
+/// Image → executable mappings a test binary adds to its kubelet's table, set before
+/// [`run_tests`] (the PyTorch tests map `diphoma-pytorch` to a venv's python).
+pub static EXTRA_IMAGES: std::sync::OnceLock<Vec<(String, std::path::PathBuf)>> =
+    std::sync::OnceLock::new();
+
 /// Starts the process kubelet on `cp` with `nodes` and `runtime`; `diphoma-ghost` maps to a
-/// missing binary.
+/// missing binary, and [`EXTRA_IMAGES`] are added.
 pub async fn start_kubelet(
     cp: &ControlPlane,
     client: &Client,
@@ -45,6 +50,9 @@ pub async fn start_kubelet(
     cfg.runtime = runtime;
     cfg.images
         .insert("diphoma-ghost", "/nonexistent/diphoma-ghost".into());
+    for (image, program) in EXTRA_IMAGES.get().into_iter().flatten() {
+        cfg.images.insert(image, program.clone());
+    }
     Ok(Kubelet::start(client.clone(), cfg).await?)
 }
 

@@ -6,12 +6,15 @@ started by ``python -m diphoma.run`` (which also sets torch's ``RANK``/``WORLD_S
 ``torch.distributed.ProcessGroup``; each collective is checked at once (CPU tensors of a
 supported dtype, a supported op: otherwise ``diphoma.ConfigError`` naming what is wrong) and
 then runs on the group's background thread, in call order, returning an asynchronous ``Work``
-whose future completes when the ring is done. Contiguous tensors are reduced in place from
+whose future completes when the ring is done (``wait()`` raises the collective's error, and a
+group whose collective failed refuses every later one with ``diphoma.RingChanged``). Contiguous tensors are reduced in place from
 their ``data_ptr()`` (no copy); non-contiguous ones go through a contiguous copy.
 
-Rendezvous: ``diphoma.Ring.from_env()`` (standalone: the launcher's ``DIPHOMA_*`` variables).
-The Kubernetes mode (the contract's variables and the ring ConfigMap through the ring's k8s
-follower) is a second way to build the ``Ring``; everything below it stays the same.
+Rendezvous: ``diphoma.Follower.from_env()`` (standalone: the launcher's ``DIPHOMA_*``
+variables or its ring directory; in a worker pod: the contract's variables and the ring
+ConfigMap, through ``diphoma-ring``'s follower). ``diphoma.torch.elastic`` re-forms the group at
+each new generation; ``diphoma.torch.ElasticSampler`` keeps the data order of a global batch
+fixed across world sizes.
 """
 
 import atexit
@@ -21,10 +24,10 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
-from diphoma import ConfigError, Ring
+import diphoma
+from diphoma import ConfigError, Follower, RingChanged
 
 BACKEND = "diphoma"
 
@@ -98,6 +101,34 @@ class _InPlace:
             self.t.copy_(self.buf)
 
 
+class _Work(dist.Work):
+    """One collective's handle. Its future always completes with the collective's output;
+    ``wait()`` raises the collective's error. torch 2.15's DDP reducer crashes the interpreter
+    (SIGSEGV in backward) on a future completed with an exception, so a failure reaches DDP
+    as a completed bucket and then as the group's error: every later call raises
+    ``RingChanged`` (and ``diphoma.torch.elastic``'s ``State.commit`` checks it first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fut = Future()
+        self.error = None
+
+    def wait(self, timeout=None):
+        self.fut.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self):
+        return self.fut.done()
+
+    def is_success(self):
+        return self.fut.done() and self.error is None
+
+    def get_future(self):
+        return self.fut
+
+
 class ProcessGroupDiphoma(dist.ProcessGroup):
     """A ``torch.distributed`` process group over one ``diphoma.Ring``.
 
@@ -110,6 +141,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         self.ring = ring
         self._queue = queue.SimpleQueue()
         self._stopped = False
+        self.error = None  # the first collective that failed: the group is unusable after it
         self._thread = threading.Thread(target=self._serve, name="diphoma-pg", daemon=True)
         self._thread.start()
         _LIVE.add(self)
@@ -130,20 +162,22 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             item = self._queue.get()
             if item is _STOP:
                 return
-            job, fut, result = item
+            job, work, result = item
             try:
                 job()
             except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
+                work.error = e
+                self.error = self.error or e
+            work.fut.set_result(result)
 
     def _submit(self, job, result):
         if self._stopped:
             raise ConfigError("diphoma: the process group is shut down")
-        fut = Future()
-        self._queue.put((job, fut, result))
-        return _create_work_from_future(fut)
+        if self.error is not None:
+            raise RingChanged(f"an earlier collective of this group failed: {self.error}")
+        work = _Work()
+        self._queue.put((job, work, result))
+        return work
 
     def _reduce(self, native, t, op):
         """``native`` (the ring's allreduce or reduce_scatter) on the contiguous ``t`` with op
@@ -276,11 +310,23 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         return f"ProcessGroupDiphoma({self.ring!r})"
 
 
+# A ring joined by the elastic runner, for the next group it creates (see _create).
+_HANDOFF = []
+
+
 def _create(store, rank, size, timeout):
-    """The backend's constructor (``Backend.register_backend``): joins the ring described by the
-    environment, bounding the join and each collective by ``init_process_group``'s
-    ``timeout``; torch's store is used only by torch's own rendezvous."""
-    ring = Ring.from_env(timeout=timeout.total_seconds())
+    """The backend's constructor (``Backend.register_backend``): takes the ring the elastic
+    runner just joined, else joins the first generation of the membership source the
+    environment describes (``diphoma.Follower.from_env``: the launcher's variables, its ring
+    directory, or a worker pod's contract), bounding the join and each collective by
+    ``init_process_group``'s ``timeout``; torch's store is used only by torch's own
+    rendezvous."""
+    if _HANDOFF:
+        ring = _HANDOFF.pop()
+    else:
+        follower = Follower.from_env(timeout=timeout.total_seconds())
+        ring = follower.connect()
+        diphoma._set_follower(follower)
     if (ring.rank, ring.world) != (rank, size):
         raise ConfigError(
             f"diphoma: torch rank {rank}/world {size} differ from the ring's "
@@ -292,4 +338,6 @@ def _create(store, rank, size, timeout):
 if BACKEND not in dist.Backend.backend_list:
     dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
 
-__all__ = ["BACKEND", "ProcessGroupDiphoma"]
+from diphoma.torch.sampler import ElasticSampler  # noqa: E402  (after the registration)
+
+__all__ = ["BACKEND", "ElasticSampler", "ProcessGroupDiphoma"]

@@ -26,9 +26,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def __init__(self, length, global_batch, seed=0):
         if global_batch < 1 or length < global_batch:
-            raise ConfigError(
-                f"ElasticSampler: global_batch {global_batch} must be in 1..=length {length}"
-            )
+            raise ConfigError(f"ElasticSampler: global_batch {global_batch} must be in 1..=length {length}")
         self.length, self.global_batch, self.seed = length, global_batch, seed
         self.steps_per_epoch = length // global_batch
         self.step = 0
@@ -54,9 +52,8 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def __iter__(self):
         rank, world = dist.get_rank(), dist.get_world_size()
-        start = self.step
-        end = (start // self.steps_per_epoch + 1) * self.steps_per_epoch
-        for s in range(start, end):
+        end = (self.step // self.steps_per_epoch + 1) * self.steps_per_epoch
+        for s in range(self.step, end):
             self.step = s
             yield self.share(s, rank, world)
 
