@@ -19,8 +19,9 @@ repo="$(git rev-parse --show-toplevel)"
 cd "$repo"
 STEPS="${STEPS:-10}"; WORLDS="${WORLDS:-2 4}"; OUT="${OUT:-$repo/python/bench/RESULTS.md}"
 venv=$(bash python/venv.sh test)
-"$venv/bin/maturin" build --quiet --release -m python/Cargo.toml -o target/wheels-bench >&2
-"$venv/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps target/wheels-bench/diphoma-*.whl
+target=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+"$venv/bin/maturin" build --quiet --release -m python/Cargo.toml -o "$target/wheels-bench" >&2
+"$venv/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$target"/wheels-bench/diphoma-*.whl
 cargo build --release -p diphoma-worker
 rows=$(mktemp); rust=$(mktemp)
 trap 'rm -f "$rows" "$rust"' EXIT
@@ -31,7 +32,7 @@ for w in $WORLDS; do
   done
   for backend in gloo diphoma; do launch "$w" allreduce "$backend" "$rows"; done
   echo "## world $w" >>"$rust"
-  target/release/diphoma-worker bench --world "$w" --sizes 1K,4K,16K,64K,256K,1M,4M,16M,64M >>"$rust"
+  "$target/release/diphoma-worker" bench --world "$w" --sizes 1K,4K,16K,64K,256K,1M,4M,16M,64M >>"$rust"
 done
 "$venv/bin/python" - "$rows" "$rust" "$OUT" <<'PY'
 import json, sys, platform, datetime
