@@ -20,14 +20,19 @@ ensure_base() {
   local rc=$?; rm -f "$tar"; return $rc
 }
 
-# build_image NAME CONTAINERFILE CONTEXT [BUILDAH ARGS...] — builds localhost/NAME:VERSION (nothing
-# pulled) and prints its name, size and build seconds. The working containers that buildah keeps
+# The registry the chart's defaults and the examples name; local builds carry its tag too, so
+# that they run unchanged on the local cluster.
+DIPHOMA_REGISTRY=ghcr.io/diphoma
+
+# build_image NAME CONTAINERFILE CONTEXT [BUILDAH ARGS...] — builds localhost/NAME:VERSION, also
+# tagged $DIPHOMA_REGISTRY/NAME:VERSION (nothing pulled), and prints its name, size and seconds. The working containers that buildah keeps
 # for the intermediate stages of this build are removed, and the untagged images they leave.
 build_image() {
   local ref before start=$SECONDS; ref=localhost/$1:$(diphoma_image_version)
   before=$(buildah containers --quiet | sort)
   buildah bud --quiet --pull=never --layers=false --runtime=runc --ulimit=nofile=20000:20000 \
-    --ulimit=nproc=32768:32768 -t "$ref" -f "$2" "${@:4}" "$3" >/dev/null || return 1
+    --ulimit=nproc=32768:32768 -t "$ref" -t "$DIPHOMA_REGISTRY/$1:$(diphoma_image_version)" \
+    -f "$2" "${@:4}" "$3" >/dev/null || return 1
   for c in $(comm -13 <(echo "$before") <(buildah containers --quiet | sort)); do
     buildah rm "$c" >/dev/null
   done

@@ -33,14 +33,14 @@ follow() { # what timeout_s cond
 step "GPU nodes of the local kubelet"
 kubectl get nodes -L nvidia.com/gpu.product,nvidia.com/gpu.count
 
-# Container mode: the images of the local store (images/build.sh), never pulled.
-images=(); image_of() { echo "$1"; }
+# Container mode: the images of the local store (images/build.sh), never pulled. They are also
+# tagged with the registry the examples name, so digits.yaml applies unchanged.
+images=()
 if [[ "${DIPHOMA_RUNTIME:-process}" == podman ]]; then
   # shellcheck source=images/env.sh
   source "$ROOT/images/env.sh"
   images=(--set image.repository=localhost/diphoma-operator --set image.pullPolicy=Never
     --set helmTest.image.repository=localhost/diphoma-probe)
-  image_of() { echo "localhost/${1##*/}"; }
   step "the images, in the local image store"
   podman images --filter "reference=localhost/diphoma-*:$(diphoma_image_version)"
 fi
@@ -67,9 +67,7 @@ spec:
   hostPath: {path: $D/volumes/digits-checkpoints}
   claimRef: {namespace: $ns, name: digits-checkpoints}
 YAML
-worker_image=$(image_of ghcr.io/diphoma/diphoma-worker:0.1.0)
-sed "s#image: ghcr.io/diphoma/diphoma-worker:0.1.0#image: $worker_image#" "$ROOT/manifests/examples/digits.yaml" |
-  kubectl -n "$ns" apply -f -
+kubectl -n "$ns" apply -f "$ROOT/manifests/examples/digits.yaml"
 follow "the first ring" 120 '[[ $phase == Running && ${step:-0} =~ ^[0-9]+$ && $step -ge 1 ]]'
 kubectl -n "$ns" get pods -o wide
 echo "ring membership (generation $(field .status.ring.generation)):"
@@ -98,7 +96,7 @@ echo "checkpoints: $(ls "$D/volumes/digits-checkpoints" | tr '\n' ' ')"
 kubectl -n "$ns" get events --field-selector involvedObject.kind=DiphomaJob -o custom-columns=REASON:.reason,MESSAGE:.message | tail -8
 
 step "the allreduce runtime: a benchmark pod with 4 GPUs (4 ranks)"
-kubectl -n "$ns" apply -f - >/dev/null <<YAML
+kubectl -n "$ns" apply -f - >/dev/null <<'YAML'
 apiVersion: v1
 kind: Pod
 metadata: {name: allreduce-bench}
@@ -106,7 +104,7 @@ spec:
   restartPolicy: Never
   containers:
   - name: bench
-    image: $worker_image
+    image: ghcr.io/diphoma/diphoma-worker:0.1.0
     args: [bench, --world, "4", --sizes, "1K,64K,1M", --samples, "5"]
     resources: {limits: {nvidia.com/gpu: "4"}}
 YAML

@@ -98,7 +98,7 @@ pub enum Error {
     },
     /// Container mode: an image that is not in the local image store (nothing is pulled).
     #[error(
-        "image {image:?} is not in the local image store (podman images); this kubelet pulls nothing: build it with `make images`"
+        "image {image:?} is not in the local image store (podman images); this kubelet pulls nothing: `make images` builds diphoma-operator, diphoma-worker and diphoma-probe, `make image-pytorch` diphoma-pytorch, each tagged localhost/NAME:VERSION and ghcr.io/diphoma/NAME:VERSION"
     )]
     ImageNotPresent {
         /// The pod's image reference.

@@ -31,6 +31,7 @@ fn main() -> Result<()> {
         OperatorMode::None,
         tests![
             gpu_pod_is_bound_to_a_node_with_room_and_reports_its_exit_code,
+            a_finished_pods_gpu_is_free_for_the_next_pod,
             pod_asking_for_more_gpus_than_any_node_has_stays_pending,
             deployment_gets_pods_from_the_controller_manager_and_replicaset_deletion_collects_them,
             pod_sees_env_downward_api_volumes_and_only_its_serviceaccount_permissions,
@@ -96,6 +97,32 @@ async fn gpu_pod_is_bound_to_a_node_with_room_and_reports_its_exit_code(
         "{:?}",
         terminated(&failed)
     );
+    Ok(())
+}
+
+/// A pod that has finished (and stays in the API, as Succeeded) no longer holds its GPU: the next
+/// pod on the 1-GPU node gets it at once (found by trying the local cluster as a user: a finished
+/// job's pods kept the node full until they were deleted).
+async fn a_finished_pods_gpu_is_free_for_the_next_pod(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    let on_small = json!({"spec": {"nodeName": "gpu-small",
+        "containers": [{"resources": {"limits": {"nvidia.com/gpu": "1"}}}]}});
+    for name in ["first", "second"] {
+        create(
+            &ctx.client,
+            &ns,
+            &probe_pod(name, &["--env"], on_small.clone()),
+        )
+        .await?;
+        let p = wait_pod(&ctx.client, &ns, name, 20, "Succeeded", |p| {
+            phase(p) == "Succeeded"
+        })
+        .await?;
+        let log = log(&ctx, &p)?;
+        ensure!(
+            log.contains("env CUDA_VISIBLE_DEVICES=0"),
+            "{name} did not get the node's GPU: {log}"
+        );
+    }
     Ok(())
 }
 

@@ -5,7 +5,8 @@
 //! Then: `helm test` against the operator's container, a training job whose worker container is
 //! killed with SIGKILL (repaired; the survivors keep their containers; Succeeded), what a
 //! container sees (env, a ConfigMap volume, its user, a read-only root, SIGTERM on deletion), and
-//! an image that is not in the store (`ErrImageNeverPull` or `ImagePullBackOff`, with a message).
+//! an image that is not in the store (`ErrImageNeverPull` or `ImagePullBackOff`, with a message;
+//! started once it is built).
 
 mod common;
 
@@ -212,6 +213,36 @@ async fn an_image_missing_from_the_store_is_reported_not_run(
     ctx: Arc<Ctx>,
     ns: String,
 ) -> Result<()> {
+    // An image built after the pod was created is found at the next periodic sync, as a real
+    // kubelet's pull retries would (a tag of the probe image stands in for the build).
+    let late = "localhost/diphoma-built-late:1";
+    let podman = |args: &[&str]| {
+        std::process::Command::new("podman")
+            .args(["--storage-driver", "vfs"])
+            .args(args)
+            .status()
+    };
+    let pod = probe_pod(
+        "late",
+        &[],
+        json!({"spec": {"containers": [{"name": "main", "image": late, "imagePullPolicy": "Never"}]}}),
+    );
+    create(&ctx.client, &ns, &pod).await?;
+    wait_pod(&ctx.client, &ns, "late", 60, "ErrImageNeverPull", |p| {
+        first_container(p)
+            .and_then(|c| c.state.as_ref()?.waiting.as_ref()?.reason.clone())
+            .as_deref()
+            == Some("ErrImageNeverPull")
+    })
+    .await?;
+    ensure!(podman(&["tag", &format!("localhost/diphoma-probe:{}", tag()?), late])?.success());
+    let started = wait_pod(&ctx.client, &ns, "late", 60, "Succeeded", |p| {
+        phase(p) == "Succeeded"
+    })
+    .await;
+    podman(&["untag", late])?;
+    started?;
+
     for (name, policy, reason) in [
         ("never", "Never", "ErrImageNeverPull"),
         ("ifnotpresent", "IfNotPresent", "ImagePullBackOff"),

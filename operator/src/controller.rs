@@ -317,22 +317,19 @@ async fn campaign(
     }
 }
 
-/// Resolves once the Lease `name` is seen going from held to released (no holder), looking every
-/// [`STANDBY_POLL`]; a Lease that cannot be read counts as unchanged.
+/// Resolves once the Lease `name` exists without a holder (released), looking every
+/// [`STANDBY_POLL`]; a Lease that cannot be read, or does not exist yet (the managers create it),
+/// counts as held. Not only a change from held to released: a leader that releases before this
+/// standby's first look must not leave it asleep until the Lease would have expired.
 async fn released(leases: &Api<Lease>, name: &str) {
-    let mut held = false;
     loop {
         tokio::time::sleep(STANDBY_POLL).await;
-        let Ok(lease) = leases.get_opt(name).await else {
-            continue;
-        };
-        let holder = lease
-            .and_then(|l| l.spec?.holder_identity)
-            .filter(|h| !h.is_empty());
-        if held && holder.is_none() {
-            return;
+        if let Ok(Some(lease)) = leases.get_opt(name).await {
+            let holder = lease.spec.and_then(|s| s.holder_identity);
+            if holder.is_none_or(|h| h.is_empty()) {
+                return;
+            }
         }
-        held = holder.is_some();
     }
 }
 
@@ -559,8 +556,7 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
         .unwrap_or_default();
     obs.refused = refusals.pods.clone();
     let plan = plan::plan(job, &obs); // pure
-    apply(ctx, job, &plan, refusals).await?; // writes
-    ctx.metrics.observe_plan(&plan);
+    apply(ctx, job, &plan, refusals).await?; // writes (and the metrics of what they did)
     Ok(plan
         .look_again
         .map_or_else(Action::await_change, Action::requeue))
@@ -748,6 +744,7 @@ async fn apply(
     }
     // Status first: a counted failure is never lost, even if what follows fails.
     write_status(&jobs, &name, job.status.as_ref(), &plan.status).await?;
+    ctx.metrics.observe_failures(plan);
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     for f in plan.failures.iter().filter(|f| f.exists) {
         annotate(&pods, &f.pod, ANNOT_FAILURE_COUNTED, f.cause.as_str()).await?;
@@ -836,6 +833,7 @@ async fn apply(
             generation: m.generation,
             source,
         })?;
+        ctx.metrics.observe_publish(plan);
     }
     for r in &plan.relabel {
         relabel(&pods, r).await?;

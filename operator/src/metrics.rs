@@ -137,14 +137,19 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Records what a reconcile's plan did.
-    pub fn observe_plan(&self, plan: &Plan) {
+    /// Records the failures a plan counted, once its status is written.
+    pub fn observe_failures(&self, plan: &Plan) {
         for f in &plan.failures {
             self.failures.with_label_values(&[f.cause.as_str()]).inc();
             if f.rank.is_some() {
                 self.repairs.with_label_values(&[f.cause.as_str()]).inc();
             }
         }
+    }
+
+    /// Records a plan's ring publication (and the repair it ends), once the ring is written: a
+    /// write that fails after it must not lose it (the next reconcile finds it published).
+    pub fn observe_publish(&self, plan: &Plan) {
         if plan.publish.is_some() {
             self.generations.inc();
             if let Some(s) = plan
@@ -285,7 +290,7 @@ mod tests {
             at: jiff::Timestamp::UNIX_EPOCH,
         };
         plan.failures = vec![f(Some(1)), f(None)];
-        m.observe_plan(&plan);
+        m.observe_failures(&plan);
         let mut job = crate::build::tests::basic();
         let mut status = crate::api::DiphomaJobStatus {
             phase: Some(Phase::Running),

@@ -70,7 +70,8 @@ pub fn user(pod: Option<&PodSecurityContext>, c: Option<&SecurityContext>) -> Op
     Some(gid.map_or(uid.to_string(), |g| format!("{uid}:{g}")))
 }
 
-/// podman flags for a container's security context: `readOnlyRootFilesystem` (`--read-only`),
+/// podman flags for a container's security context: `readOnlyRootFilesystem` (`--read-only`,
+/// no writable tmpfs),
 /// `allowPrivilegeEscalation: false` (`no-new-privileges`), `capabilities` drop and add. Pure.
 pub fn security_flags(c: &Container) -> Vec<String> {
     let Some(sc) = &c.security_context else {
@@ -78,7 +79,8 @@ pub fn security_flags(c: &Container) -> Vec<String> {
     };
     let mut f = vec![];
     if sc.read_only_root_filesystem == Some(true) {
-        f.push("--read-only".to_owned());
+        // Without podman's writable /tmp, /var/tmp and /run: a real pod has none either.
+        f.extend(["--read-only", "--read-only-tmpfs=false"].map(str::to_owned));
     }
     if sc.allow_privilege_escalation == Some(false) {
         f.push("--security-opt=no-new-privileges".to_owned());
@@ -273,6 +275,7 @@ mod tests {
             security_flags(&c),
             [
                 "--read-only",
+                "--read-only-tmpfs=false",
                 "--security-opt=no-new-privileges",
                 "--cap-drop=all",
                 "--cap-add=net_bind_service"

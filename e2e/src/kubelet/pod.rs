@@ -100,6 +100,9 @@ struct Worker {
     /// Per container, the probe tasks of its running process.
     probes: Vec<Vec<tokio::task::AbortHandle>>,
     verdicts: mpsc::UnboundedSender<Verdict>,
+    /// The start failed for want of an image: tried again at each periodic sync (the image may
+    /// have been built since), as the real kubelet retries pulls.
+    retry_start: bool,
 }
 
 type Exits = mpsc::UnboundedReceiver<(usize, ExitStatus)>;
@@ -135,6 +138,7 @@ pub(crate) async fn run(
         restart_at: vec![],
         start_time: now(),
         last_patch: None,
+        retry_start: false,
     };
     let terminal = matches!(w.phase_in_api(), "Succeeded" | "Failed");
     if !terminal && w.pod.metadata.deletion_timestamp.is_none() {
@@ -182,6 +186,8 @@ impl Worker {
                     Error::ImageNotPresent { .. } => "ImagePullBackOff",
                     _ => "CreateContainerConfigError",
                 };
+                // Images are checked first, before anything is allocated: safe to start again.
+                self.retry_start = reason != "CreateContainerConfigError";
                 tracing::warn!(pod = %self.key(), error = %e, "cannot start pod");
                 for r in &mut self.records {
                     r.state = RunState::Waiting {
@@ -508,6 +514,9 @@ impl Worker {
         } else {
             self.records[i].state = term;
         }
+        if matches!(status::phase(&self.records), "Succeeded" | "Failed") {
+            self.release_gpus(); // a finished pod's GPUs are free, as the device manager's
+        }
     }
 
     /// Patches pod status when it differs from the last patch (no self-triggered churn).
@@ -570,6 +579,9 @@ impl Worker {
             let next_restart = self.restart_at.iter().flatten().min().copied();
             tokio::select! {
                 _ = resync.tick() => {
+                    if std::mem::take(&mut self.retry_start) {
+                        self.start().await;
+                    }
                     let name = self.pod.metadata.name.clone().unwrap_or_default();
                     match self.api.get_opt(&name).await {
                         Ok(Some(p)) if p.metadata.uid == self.pod.metadata.uid => self.pod = p,
