@@ -12,7 +12,9 @@ BASE=localhost/diphoma-python-base:bookworm
 ensure_base "$BASE" apt python3,python3-venv,ca-certificates
 ctx=$(mktemp -d); trap 'rm -rf "$ctx"' EXIT
 mkdir -p "$ctx/target/wheels"
-cp "$ROOT"/target/wheels/diphoma-*.whl "$ctx/target/wheels/"
+TARGET=$(cd "$ROOT" && cargo metadata --format-version 1 --no-deps |
+  python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+cp "$TARGET"/wheels/diphoma-*.whl "$ctx/target/wheels/"
 ca=/etc/ssl/certs/ca-certificates.crt
 build_image diphoma-pytorch "$HERE/pytorch.Containerfile" "$ctx" --build-arg "BASE=$BASE" \
   --build-arg WHEEL=prebuilt --network=host --volume="$ca:$ca:ro"

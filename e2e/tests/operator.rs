@@ -1529,7 +1529,7 @@ async fn a_job_applied_again_while_its_predecessors_pods_terminate_runs(
 /// Issue 12 case 6. With `backoffLimit: 0`, an eviction through the Eviction API (a disruption,
 /// not the job's fault) is repaired and the job goes on: counted in `status.disruptions`, not
 /// in `status.failures`; `lastFailure.time` is the eviction's request, not its deadline (30 s
-/// of grace later), so it is not in the future and `repairs.lastSeconds` is not clamped to 0.
+/// of grace later), so it is not in the future.
 async fn an_eviction_is_a_disruption_and_spends_no_backoff_limit(
     ctx: Arc<Ctx>,
     ns: String,
@@ -1545,6 +1545,7 @@ async fn an_eviction_is_a_disruption_and_spends_no_backoff_limit(
     let victim = "evicted-worker-1".to_owned();
     // Held, so that the operator sees the evicted pod however fast its process ends.
     hold(&pods, std::slice::from_ref(&victim), true).await?;
+    let evicted_at = jiff::Timestamp::now();
     let result = async {
         pods.evict(&victim, &kube::api::EvictParams::default())
             .await?;
@@ -1576,10 +1577,12 @@ async fn an_eviction_is_a_disruption_and_spends_no_backoff_limit(
             at <= read_at,
             "lastFailure.time {at} is in the future of {read_at}"
         );
+        // The old code timed the loss at the graceful deletion's deadline (request + 30 s), which
+        // also clamped repairs.lastSeconds to 0; the request or the process's end is far earlier.
+        let deadline = evicted_at + jiff::SignedDuration::from_secs(30);
         ensure!(
-            st.repairs.last_seconds.is_some_and(|s| s > 0.0),
-            "repairs.lastSeconds {:?}",
-            st.repairs.last_seconds
+            at < deadline - jiff::SignedDuration::from_secs(10),
+            "lastFailure.time {at} is near the deletion's deadline {deadline}, not its request"
         );
         Ok(())
     }
