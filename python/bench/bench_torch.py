@@ -62,7 +62,9 @@ def allreduce():
         dist.all_reduce(t)
         t0 = time.perf_counter()
         dist.all_reduce(t)
-        n = max(5, min(200, int(0.5 / max(time.perf_counter() - t0, 1e-6))))
+        n = torch.tensor([max(5, min(200, int(0.5 / max(time.perf_counter() - t0, 1e-6))))])
+        dist.broadcast(n, 0)  # every rank must run as many: a rank's own estimate would hang
+        n = int(n)
         rows.append({"kind": "allreduce", "bytes": size, "median_s": timed(lambda: dist.all_reduce(t), n)})
     return rows
 
