@@ -38,7 +38,7 @@ pub use nodes::{NodeLease, node_lease};
 pub use status::conditions;
 
 /// What the reconciler observed for one job.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Observed {
     /// The job's worker pods: labelled with its name and owned by it (owner UID).
     pub pods: Vec<Pod>,

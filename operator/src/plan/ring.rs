@@ -213,14 +213,7 @@ mod tests {
         let obs = Observed {
             pods: vec![],
             ring: Some(m),
-            nodes: Default::default(),
-            progress: None,
-            reports: vec![],
-            now: jiff::Timestamp::UNIX_EPOCH,
-            refused: Default::default(),
-            foreign: Default::default(),
-            missing: vec![],
-            heartbeat_changed: None,
+            ..Default::default()
         };
         let mut plan = Plan::default();
         plan.delete.push(super::super::Deletion {
@@ -268,14 +261,7 @@ mod tests {
                 pod("w-3", "n3", &[]), // not a member, no labels: nothing to do
             ],
             ring: Some(ring.clone()),
-            nodes: Default::default(),
-            progress: None,
-            reports: vec![],
-            now: jiff::Timestamp::UNIX_EPOCH,
-            refused: Default::default(),
-            foreign: Default::default(),
-            missing: vec![],
-            heartbeat_changed: None,
+            ..Default::default()
         };
         let plan = Plan::default();
         assert_eq!(

@@ -191,14 +191,7 @@ mod tests {
         let obs = Observed {
             pods: vec![running(0), running(2)],
             ring: None,
-            nodes: Default::default(),
-            progress: None,
-            reports: vec![],
-            now: jiff::Timestamp::UNIX_EPOCH,
-            refused: Default::default(),
-            foreign: Default::default(),
-            missing: vec![],
-            heartbeat_changed: None,
+            ..Default::default()
         };
         let dead = Found {
             dead_nodes: ["n1".to_owned()].into(),
