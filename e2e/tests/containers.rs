@@ -90,17 +90,7 @@ async fn a_worker_container_killed_with_sigkill_is_repaired_and_the_job_succeeds
     signal(pid_of(&pods.get("digits-worker-1").await?)?, libc::SIGKILL);
     let g2 = running_ring(&ctx, &ns, "digits", 3, g1).await?;
     ensure!(g2.generation > g1, "no repair: {g2:?}");
-    let mut st = None;
-    eventually(240, "digits finished", async || {
-        st = job_status(&ctx.client, &ns, "digits").await?.status;
-        Ok(st
-            .as_ref()
-            .and_then(|s| s.phase)
-            .is_some_and(Phase::is_terminal))
-    })
-    .await
-    .with_context(|| format!("last status: {st:?}"))?;
-    let st = st.unwrap();
+    let st = finished(&ctx, &ns, "digits", 240).await?;
     ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
     ensure!(
         st.repairs.by_cause.get("ProcessExit") == Some(&1),

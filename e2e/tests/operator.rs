@@ -426,17 +426,7 @@ async fn a_node_whose_clock_is_behind_is_never_lost_and_its_skew_is_reported_onc
         ..detecting_job("skewed", 2)
     };
     start_job(&ctx, &ns, &job, 2).await?;
-    let mut st = None;
-    eventually(60, "the job on the skewed node finished", async || {
-        st = job_status(&ctx.client, &ns, "skewed").await?.status;
-        Ok(st
-            .as_ref()
-            .and_then(|s| s.phase)
-            .is_some_and(Phase::is_terminal))
-    })
-    .await
-    .with_context(|| format!("last status: {st:?}"))?;
-    let st = st.unwrap();
+    let st = finished(&ctx, &ns, "skewed", 60).await?;
     ensure!(
         st.phase == Some(Phase::Succeeded) && st.failures.total == 0,
         "{:?} {:?}",

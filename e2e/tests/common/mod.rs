@@ -576,3 +576,21 @@ pub async fn running_ring(
     }
     Ok(found.unwrap())
 }
+
+/// Waits up to `secs` for the job to reach a terminal phase; returns its status then.
+pub async fn finished(ctx: &Ctx, ns: &str, name: &str, secs: u64) -> Result<DiphomaJobStatus> {
+    let mut last = None;
+    let waited = eventually(secs, &format!("{name} finished"), async || {
+        last = job_status(&ctx.client, ns, name).await?.status;
+        Ok(last
+            .as_ref()
+            .and_then(|s| s.phase)
+            .is_some_and(Phase::is_terminal))
+    })
+    .await;
+    if let Err(e) = waited {
+        let states = pod_states(&ctx.client, ns).await?;
+        return Err(e.context(format!("last status: {last:?}; pods: {states:#?}")));
+    }
+    Ok(last.unwrap())
+}
