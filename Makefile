@@ -49,7 +49,7 @@ test-python: ## build the wheel, install it into a cached torch venv (created on
 bench: deps ## allreduce benchmark side by side with gloo and Open MPI (prints the merged table)
 	bash worker/bench/run.sh
 
-bench-torch: deps ## DDP step time gloo vs diphoma (ResNet-18/50, CPU, world 2 and 4) and all_reduce from Python vs the Rust bench; writes python/bench/RESULTS.md
+bench-torch: deps ## DDP step time gloo vs diphoma with and without frame protection (ResNet-18/50, CPU, world 2 and 4, interleaved rounds) and all_reduce from Python vs the Rust bench; writes python/bench/RESULTS.md
 	bash python/bench/run.sh
 
 bench-repair: tools build ## ring repair on the local control plane: time-to-repair, node-loss detection, join time, repeated steps (median/min/max of 5 runs)

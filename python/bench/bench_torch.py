@@ -4,14 +4,20 @@
 with BACKEND (gloo, diphoma), a batch of 2 synthetic 32×32 images per rank; after 2 warm-up
 steps, STEPS timed steps with gradient allreduce and STEPS under ``no_sync()`` (the same
 compute, no communication). Rank 0 appends one JSON line to OUT: the median step time with
-and without communication; the communication share is 1 − no_sync / step.
+and without communication (s); the communication share is 1 − no_sync / step.
 
-``allreduce BACKEND OUT``: ``torch.distributed.all_reduce`` of float32 tensors of 1 KiB to 64
-MiB (powers of 4); per size the median of a number of calls that fills about 0.5 s (at least
-5); rank 0 appends one JSON line per size.
+``allreduce BACKEND SIZES OUT``: ``torch.distributed.all_reduce`` (sum, in place) of float32
+tensors of each size in SIZES (bytes, comma-separated), timed as ``diphoma-worker bench`` times
+the Rust runtime (performance.md §1): 5 warm-up operations, k calibrated on rank 0 so that k
+back-to-back operations take about 20 ms, 20 samples of k operations, each sample the slowest
+rank's mean; rank 0 appends one JSON line per size with the median (s) and k.
+
+Every JSON line carries the backend, the world size and ``DIPHOMA_RING_PROTECTION`` (the
+diphoma ring's frame protection; gloo has none).
 """
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -23,8 +29,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import diphoma.torch  # noqa: F401  registers "diphoma"
 
+SAMPLES, SAMPLE_S, WARMUP = 20, 0.02, 5
+
 
 def timed(fn, n):
+    """Median over ``n`` calls of ``fn`` (s), each call started together (barrier)."""
     out = []
     for _ in range(n):
         dist.barrier()
@@ -34,7 +43,7 @@ def timed(fn, n):
     return statistics.median(out)
 
 
-def ddp(model_name, steps, out):
+def ddp(model_name, steps):
     torch.manual_seed(0)
     model = DDP(getattr(torchvision.models, model_name)(num_classes=10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -51,32 +60,48 @@ def ddp(model_name, steps, out):
 
     timed(step, 2)
     with_comm, without = timed(step, steps), timed(local, steps)
-    return {"kind": "ddp", "model": model_name, "step_s": with_comm, "compute_s": without,
-            "comm_share": max(0.0, 1 - without / with_comm)}
+    return [{"kind": "ddp", "model": model_name, "step_s": with_comm, "compute_s": without,
+             "comm_share": max(0.0, 1 - without / with_comm)}]
 
 
-def allreduce():
+def allreduce(sizes):
     rows = []
-    for size in [1 << k for k in range(10, 27, 2)]:
-        t = torch.ones(size // 4)
-        dist.all_reduce(t)
+    for size in sizes:
+        t = torch.zeros(size // 4)  # zeros: sums stay finite however many operations run
+        for _ in range(WARMUP):
+            dist.all_reduce(t)
+        dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(t)
-        n = torch.tensor([max(5, min(200, int(0.5 / max(time.perf_counter() - t0, 1e-6))))])
-        dist.broadcast(n, 0)  # every rank must run as many: a rank's own estimate would hang
-        n = int(n)
-        rows.append({"kind": "allreduce", "bytes": size, "median_s": timed(lambda: dist.all_reduce(t), n)})
+        k = torch.tensor([max(1, min(4096, round(SAMPLE_S / max(time.perf_counter() - t0, 1e-7))))])
+        dist.broadcast(k, 0)  # every rank must run as many: a rank's own estimate would hang
+        k = int(k)
+        means = torch.zeros(SAMPLES, dtype=torch.float64)
+        for i in range(SAMPLES):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(k):
+                dist.all_reduce(t)
+            means[i] = (time.perf_counter() - t0) / k
+        dist.all_reduce(means, op=dist.ReduceOp.MAX)  # each sample: the slowest rank's mean
+        rows.append({"kind": "allreduce", "bytes": size, "k": k, "median_s": statistics.median(means.tolist())})
     return rows
 
 
 def main():
     mode, backend = sys.argv[1], sys.argv[2]
     dist.init_process_group(backend=backend)
-    rows = [ddp(sys.argv[3], int(sys.argv[4]), sys.argv[5])] if mode == "ddp" else allreduce()
+    if mode == "ddp":
+        rows = ddp(sys.argv[3], int(sys.argv[4]))
+    else:
+        rows = allreduce([int(s) for s in sys.argv[3].split(",")])
+    protection = (os.environ.get("DIPHOMA_RING_PROTECTION") or "integrity") if backend == "diphoma" else "-"
     if dist.get_rank() == 0:
         with open(sys.argv[-1], "a") as f:
             for r in rows:
-                f.write(json.dumps({**r, "backend": backend, "world": dist.get_world_size()}) + "\n")
+                f.write(json.dumps({**r, "backend": backend, "protection": protection,
+                                    "world": dist.get_world_size(),
+                                    "round": int(os.environ.get("BENCH_ROUND", "0"))}) + "\n")
     dist.destroy_process_group()
 
 

@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# python/bench/run.sh — `make bench-torch`: in one run on this machine, DDP step time on CPU
-# with backend gloo against diphoma (torchvision ResNet-18 and ResNet-50, synthetic 32×32
-# images, batch 2 per rank, world 2 and 4: step time, communication share, ratio), and
-# torch.distributed.all_reduce latency from Python (1 KiB–64 MiB) against the Rust
-# `diphoma-worker bench` (the binding's overhead). Writes python/bench/RESULTS.md.
+# python/bench/run.sh — `make bench-torch`: in one run on this machine, in ROUNDS interleaved
+# rounds (the order of the contenders rotates each round, so that load hits them alike):
+# - DDP step time on CPU with backend gloo against diphoma, the latter with the ring's default
+#   frame protection (integrity) and without it (none; gloo has none): torchvision ResNet-18
+#   and ResNet-50, synthetic 32×32 images, batch 2 per rank, world 2 and 4; step time,
+#   communication share, ratio to gloo;
+# - torch.distributed.all_reduce from Python (gloo, diphoma integrity, diphoma none) against the
+#   Rust `diphoma-worker bench` (integrity, none) at the protocol's sizes, timed alike (the
+#   binding's overhead).
+# Writes python/bench/RESULTS.md: medians over rounds, ratios as the median of the rounds'
+# ratios with their min–max, and the machine's load average before and after.
 #
 # Setup (idempotent): the cached torch venv with torchvision (python/venv.sh test), the wheel
 # built --release and installed into it, `cargo build --release -p diphoma-worker`.
-# Env: STEPS (10) WORLDS ("2 4") OUT (python/bench/RESULTS.md).
+# Env: ROUNDS (3) STEPS (10) WORLDS ("2 4") MODELS ("resnet18 resnet50")
+#      SIZES (1K,64K,1M,16M,64M) OUT (python/bench/RESULTS.md).
 #
 # Horovod is not compared: `pip install horovod` (0.28.1, the newest release, an sdist of 2023)
 # in a throwaway venv with HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1
@@ -17,7 +24,9 @@
 set -euo pipefail
 repo="$(git rev-parse --show-toplevel)"
 cd "$repo"
-STEPS="${STEPS:-10}"; WORLDS="${WORLDS:-2 4}"; OUT="${OUT:-$repo/python/bench/RESULTS.md}"
+ROUNDS="${ROUNDS:-3}"; STEPS="${STEPS:-10}"; WORLDS="${WORLDS:-2 4}"
+MODELS="${MODELS:-resnet18 resnet50}"; SIZES="${SIZES:-1K,64K,1M,16M,64M}"
+OUT="${OUT:-$repo/python/bench/RESULTS.md}"
 venv=$(bash python/venv.sh test)
 target=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 "$venv/bin/maturin" build --quiet --release -m python/Cargo.toml -o "$target/wheels-bench" >&2
@@ -25,35 +34,29 @@ target=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,s
 cargo build --release -p diphoma-worker
 rows=$(mktemp); rust=$(mktemp)
 trap 'rm -f "$rows" "$rust"' EXIT
-launch() { PYTHONWARNINGS=ignore "$venv/bin/python" -m diphoma.run --nproc "$1" python/bench/bench_torch.py "${@:2}"; }
-for w in $WORLDS; do
-  for model in resnet18 resnet50; do
-    for backend in gloo diphoma; do launch "$w" ddp "$backend" "$model" "$STEPS" "$rows"; done
+bytes=$(python3 -c 'import sys; m={"K":1<<10,"M":1<<20,"G":1<<30}; print(",".join(str(int(s[:-1])*m[s[-1]] if s[-1] in m else int(s)) for s in sys.argv[1].split(",")))' "$SIZES")
+contenders=(gloo diphoma:integrity diphoma:none)
+# launch ROUND CONTENDER WORLD ARGS…: one run of bench_torch.py under the standalone launcher.
+launch() {
+  local backend=${2%%:*} protection=${2#*:}
+  [[ $backend == gloo ]] && protection=integrity   # unused by gloo
+  BENCH_ROUND=$1 DIPHOMA_RING_PROTECTION=$protection PYTHONWARNINGS=ignore \
+    "$venv/bin/python" -m diphoma.run --nproc "$3" python/bench/bench_torch.py "${@:4}"
+}
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+for ((r = 0; r < ROUNDS; r++)); do
+  order=("${contenders[@]:r%3}" "${contenders[@]:0:r%3}")   # rotate the order each round
+  for w in $WORLDS; do
+    echo "round $((r + 1))/$ROUNDS world $w: ${order[*]}" >&2
+    for model in $MODELS; do
+      for c in "${order[@]}"; do launch "$r" "$c" "$w" ddp "${c%%:*}" "$model" "$STEPS" "$rows"; done
+    done
+    for c in "${order[@]}"; do launch "$r" "$c" "$w" allreduce "${c%%:*}" "$bytes" "$rows"; done
+    for p in integrity none; do
+      echo "## round $r world $w protection $p" >>"$rust"
+      "$target/release/diphoma-worker" bench --world "$w" --sizes "$SIZES" --protection "$p" >>"$rust"
+    done
   done
-  for backend in gloo diphoma; do launch "$w" allreduce "$backend" "$rows"; done
-  echo "## world $w" >>"$rust"
-  "$target/release/diphoma-worker" bench --world "$w" --sizes 1K,4K,16K,64K,256K,1M,4M,16M,64M >>"$rust"
 done
-"$venv/bin/python" - "$rows" "$rust" "$OUT" <<'PY'
-import json, sys, platform, datetime
-rows = [json.loads(l) for l in open(sys.argv[1])]
-out = ["# make bench-torch", "", f"Run {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC on {platform.node()} "
-       f"({__import__('os').cpu_count()} CPUs), one run; medians.", "",
-       "## DDP step on CPU (synthetic 32×32, batch 2 per rank)", "",
-       "| model | world | gloo step (ms) | gloo comm share | diphoma step (ms) | diphoma comm share | diphoma / gloo |",
-       "|---|---|---|---|---|---|---|"]
-ddp = {(r["model"], r["world"], r["backend"]): r for r in rows if r["kind"] == "ddp"}
-for (m, w) in sorted({(m, w) for m, w, _ in ddp}):
-    g, d = ddp.get((m, w, "gloo")), ddp.get((m, w, "diphoma"))
-    if g and d:
-        out.append(f"| {m} | {w} | {g['step_s']*1e3:.1f} | {g['comm_share']:.0%} | {d['step_s']*1e3:.1f} | "
-                   f"{d['comm_share']:.0%} | {d['step_s']/g['step_s']:.2f} |")
-out += ["", "## torch.distributed.all_reduce from Python (float32, µs)", "",
-        "| world | bytes | gloo | diphoma |", "|---|---|---|---|"]
-ar = {(r["world"], r["bytes"], r["backend"]): r["median_s"] for r in rows if r["kind"] == "allreduce"}
-for (w, b) in sorted({(w, b) for w, b, _ in ar}):
-    out.append(f"| {w} | {b} | {ar.get((w, b, 'gloo'), float('nan'))*1e6:.0f} | {ar.get((w, b, 'diphoma'), float('nan'))*1e6:.0f} |")
-out += ["", "## The Rust `diphoma-worker bench` in the same run", "", "```", open(sys.argv[2]).read().rstrip(), "```", ""]
-open(sys.argv[3], "w").write("\n".join(out))
-print("\n".join(out))
-PY
+load_after=$(cut -d' ' -f1-3 /proc/loadavg)
+"$venv/bin/python" python/bench/report.py "$rows" "$rust" "$OUT" "$load_before" "$load_after" "ROUNDS=$ROUNDS STEPS=$STEPS"

@@ -8,7 +8,9 @@ random per-job key to a private temporary file, and sets for every rank the ring
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``. When a rank fails, the others are
 stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and the launcher exits with the failed
 rank's code (128 + N for a rank killed by signal N); SIGINT/SIGTERM to the launcher stop every
-rank. The key file is removed on exit.
+rank. The key file is removed on exit. ``DIPHOMA_RING_PROTECTION`` passes through from the
+launcher's environment: ``none`` (allowed on this loopback-only ring), ``integrity`` (the
+default) or ``encryption``.
 
 With ``--elastic`` the ranks follow a ring directory instead of a fixed world (the standalone
 stand-in for the operator and its two ConfigMaps, read by ``diphoma-ring``'s ``FileRing``): the

@@ -95,6 +95,31 @@ pub enum EnvError {
     },
 }
 
+/// Parses `DIPHOMA_RING_PROTECTION`'s value: unset or empty gives [`Protection::default`]
+/// (integrity); otherwise one of `allowed`, by the names [`Protection`] parses.
+///
+/// # Errors
+/// [`EnvError::Invalid`] naming the variable and the allowed names.
+pub(crate) fn protection_var(
+    value: Option<String>,
+    allowed: &[Protection],
+) -> Result<Protection, EnvError> {
+    match value.as_deref().map(str::trim) {
+        None | Some("") => Ok(Protection::default()),
+        Some(v) => v
+            .parse()
+            .ok()
+            .filter(|p| allowed.contains(p))
+            .ok_or_else(|| {
+                let names: Vec<_> = allowed.iter().map(|p| p.as_str()).collect();
+                EnvError::Invalid {
+                    var: ENV_RING_PROTECTION,
+                    problem: format!("{v:?} is not one of {}", names.join(", ")),
+                }
+            }),
+    }
+}
+
 impl WorkerEnv {
     /// Parses the contract variables through `get` (a variable's value, `None` when unset).
     ///
@@ -139,19 +164,10 @@ impl WorkerEnv {
                         format!("{detection:?} is not a positive number of seconds"),
                     )
                 })?,
-            protection: match get(ENV_RING_PROTECTION).as_deref().map(str::trim) {
-                None | Some("") => Protection::default(),
-                Some(v) => v
-                    .parse()
-                    .ok()
-                    .filter(|p| *p != Protection::None)
-                    .ok_or_else(|| {
-                        invalid(
-                            ENV_RING_PROTECTION,
-                            format!("{v:?} is not one of integrity, encryption"),
-                        )
-                    })?,
-            },
+            protection: protection_var(
+                get(ENV_RING_PROTECTION),
+                &[Protection::Integrity, Protection::Encryption],
+            )?,
         })
     }
 

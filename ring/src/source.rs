@@ -11,10 +11,10 @@
 
 use std::net::{SocketAddr, TcpListener};
 
-use diphoma_contract::{ENV_JOB_UID, ENV_KEY_FILE};
+use diphoma_contract::{ENV_JOB_UID, ENV_KEY_FILE, ENV_RING_PROTECTION};
 
-use crate::k8s::EnvError;
-use crate::{AbortHandle, CommError, Config};
+use crate::k8s::{EnvError, protection_var};
+use crate::{AbortHandle, CommError, Config, Protection};
 
 /// Standalone env: this process's rank, `0..DIPHOMA_WORLD_SIZE`.
 pub const ENV_RANK: &str = "DIPHOMA_RANK";
@@ -27,7 +27,9 @@ pub const ENV_RING_ADDRESSES: &str = "DIPHOMA_RING_ADDRESSES";
 /// Generation 1 of a standalone ring, from the launcher's variables read through `get`:
 /// [`ENV_RANK`], [`ENV_WORLD_SIZE`], [`ENV_RING_ADDRESSES`], and the contract's
 /// `DIPHOMA_JOB_UID` and `DIPHOMA_KEY_FILE` (the per-job key, at least
-/// [`diphoma_contract::MIN_KEY_LEN`] bytes). The other fields keep [`Config::new`]'s defaults.
+/// [`diphoma_contract::MIN_KEY_LEN`] bytes), and `DIPHOMA_RING_PROTECTION` (`none`, `integrity`
+/// — the default when unset — or `encryption`; `none` is allowed here, unlike in a pod, because
+/// a standalone ring runs on 127.0.0.1 only). The other fields keep [`Config::new`]'s defaults.
 ///
 /// # Errors
 /// [`EnvError`] naming the first missing or malformed variable (an unreadable or short key
@@ -69,7 +71,18 @@ pub fn standalone_config(get: impl Fn(&str) -> Option<String>) -> Result<Config,
         .map_err(|e| e.to_string())
         .and_then(|b| diphoma_contract::parse_key(b).map_err(|e| e.to_string()))
         .map_err(|e| invalid(ENV_KEY_FILE, format!("{key_file}: {e}")))?;
-    Ok(Config::new(rank, world, addresses, 1, job_uid, key))
+    let protection = protection_var(
+        get(ENV_RING_PROTECTION),
+        &[
+            Protection::None,
+            Protection::Integrity,
+            Protection::Encryption,
+        ],
+    )?;
+    Ok(Config {
+        protection,
+        ..Config::new(rank, world, addresses, 1, job_uid, key)
+    })
 }
 
 /// One ring generation to join: the communicator config and the listener bound at this
@@ -208,6 +221,15 @@ mod tests {
         assert_eq!((c.rank, c.world, c.generation), (1, 2, 1));
         assert_eq!(c.addresses[1], "127.0.0.1:4001".parse().unwrap());
         assert_eq!(c.key, vec![7u8; 32]);
+        assert_eq!(c.protection, Protection::Integrity, "the default");
+        for (name, p) in [
+            ("none", Protection::None),
+            ("encryption", Protection::Encryption),
+        ] {
+            let mut v = good.to_vec();
+            v.push((ENV_RING_PROTECTION, name));
+            assert_eq!(standalone_config(lookup(&v)).unwrap().protection, p);
+        }
         let with = |var: &str, val: Option<&str>| {
             let mut v: Vec<(&str, &str)> =
                 good.iter().copied().filter(|(k, _)| *k != var).collect();
@@ -229,6 +251,9 @@ mod tests {
         assert!(with(ENV_RING_ADDRESSES, Some("a,b")).contains(ENV_RING_ADDRESSES));
         assert!(with(ENV_KEY_FILE, Some(short)).contains(ENV_KEY_FILE));
         assert!(with(ENV_KEY_FILE, Some("/nonexistent/k")).contains(ENV_KEY_FILE));
+        assert!(with(ENV_RING_PROTECTION, Some("mac")).contains(
+            "DIPHOMA_RING_PROTECTION: \"mac\" is not one of none, integrity, encryption"
+        ));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

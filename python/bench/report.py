@@ -1,0 +1,91 @@
+"""Writes ``make bench-torch``'s RESULTS.md from the rows of bench_torch.py (JSON lines) and
+the tables of ``diphoma-worker bench`` (see run.sh). Ratios are the median over rounds of the
+per-round ratio, with its min–max; times are medians over rounds of each run's median.
+
+Usage: ``report.py ROWS RUST OUT LOAD_BEFORE LOAD_AFTER PARAMS``.
+"""
+
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+from collections import defaultdict
+
+rows_path, rust_path, out_path, load_before, load_after, params = sys.argv[1:7]
+rows = [json.loads(line) for line in open(rows_path)]
+NAMES = {("gloo", "-"): "gloo", ("diphoma", "integrity"): "diphoma", ("diphoma", "none"): "diphoma none"}
+
+
+def name(r):
+    return NAMES[(r["backend"], r["protection"])]
+
+
+def spread(xs):
+    """``median (min–max)`` of the per-round values ``xs``."""
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}–{max(xs):.2f})" if xs else "–"
+
+
+def ratios(by_round, a, b):
+    """Per-round ratios b / a over the rounds that have both."""
+    return [v[b] / v[a] for v in by_round.values() if a in v and b in v]
+
+
+out = ["# make bench-torch", "",
+       f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()} "
+       f"({os.cpu_count()} CPUs), `make bench-torch` with {params}; load average before "
+       f"{load_before}, after {load_after}.", "",
+       "`diphoma` is the ring with its default frame protection (integrity: a keyed BLAKE3 tag per "
+       "frame); `diphoma none` is the same ring without it, as gloo runs. Ratios: median over rounds "
+       "of each round's ratio (min–max).", "",
+       "## DDP step on CPU (torchvision, synthetic 32×32, batch 2 per rank)", "",
+       "| model | world | gloo step (ms) | comm share | diphoma step (ms) | comm share | diphoma none step (ms) | comm share | diphoma / gloo | diphoma none / gloo |",
+       "|---|---|---|---|---|---|---|---|---|---|"]
+ddp = defaultdict(lambda: defaultdict(dict))  # (model, world) -> round -> name -> row
+for r in rows:
+    if r["kind"] == "ddp":
+        ddp[(r["model"], r["world"])][r["round"]][name(r)] = r
+for (m, w), by_round in sorted(ddp.items()):
+    cells = []
+    for n in ("gloo", "diphoma", "diphoma none"):
+        rs = [v[n] for v in by_round.values() if n in v]
+        cells += [f"{statistics.median(x['step_s'] for x in rs) * 1e3:.0f}" if rs else "–",
+                  f"{statistics.median(x['comm_share'] for x in rs):.0%}" if rs else "–"]
+    steps = {k: {n: x["step_s"] for n, x in v.items()} for k, v in by_round.items()}
+    out.append(f"| {m} | {w} | {' | '.join(cells)} | {spread(ratios(steps, 'gloo', 'diphoma'))} | "
+               f"{spread(ratios(steps, 'gloo', 'diphoma none'))} |")
+
+# The Rust bench: "## round R world W protection P" then nccl-tests rows (size count k time ...).
+rust = defaultdict(dict)  # (world, bytes) -> round -> "rust integrity"/"rust none" -> seconds
+key = None
+for line in open(rust_path):
+    if m := re.match(r"## round (\d+) world (\d+) protection (\w+)", line):
+        key = (int(m[1]), int(m[2]), m[3])
+    elif key and (f := line.split()) and f[0].isdigit():
+        rust[(key[1], int(f[0]))].setdefault(key[0], {})[f"rust {key[2]}"] = float(f[3]) * 1e-6
+ar = defaultdict(dict)
+for r in rows:
+    if r["kind"] == "allreduce":
+        ar[(r["world"], r["bytes"])].setdefault(r["round"], {})[name(r)] = r["median_s"]
+out += ["", "## all_reduce (float32, sum, in place): from Python and the Rust bench, µs", "",
+        "Timed alike (performance.md §1): k back-to-back operations per sample (≈20 ms), 20 samples, "
+        "each the slowest rank's mean, median. Overhead: Python diphoma / Rust at the same protection.", "",
+        "| world | bytes | gloo | diphoma | diphoma none | Rust integrity | Rust none | diphoma / gloo | diphoma none / gloo | overhead integrity | overhead none |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
+for (w, b) in sorted(set(ar) | set(rust)):
+    by_round = defaultdict(dict)
+    for src in (ar.get((w, b), {}), rust.get((w, b), {})):
+        for k, v in src.items():
+            by_round[k].update(v)
+    med = [statistics.median(v[n] for v in by_round.values() if n in v) * 1e6
+           if any(n in v for v in by_round.values()) else float("nan")
+           for n in ("gloo", "diphoma", "diphoma none", "rust integrity", "rust none")]
+    out.append(f"| {w} | {b} | " + " | ".join(f"{x:.0f}" for x in med) + " | "
+               + " | ".join(spread(ratios(by_round, a, c)) for a, c in
+                            (("gloo", "diphoma"), ("gloo", "diphoma none"),
+                             ("rust integrity", "diphoma"), ("rust none", "diphoma none"))) + " |")
+out += ["", "## The Rust bench's own tables", "", "```", open(rust_path).read().rstrip(), "```", ""]
+open(out_path, "w").write("\n".join(out))
+print("\n".join(out))
