@@ -31,7 +31,9 @@ pub struct Metrics {
     pub duration: Histogram,
     /// `diphoma_operator_ring_repairs_total{cause}`: ring members lost and replaced.
     pub repairs: IntCounterVec,
-    /// `diphoma_operator_worker_failures_total{cause}`: failures counted against backoffLimit.
+    /// `diphoma_operator_worker_failures_total{cause}`: every worker failure, by cause; the
+    /// disruption causes (Evicted, Preempted, NodeLost) are the ones not counted against
+    /// backoffLimit (they count against `faultTolerance.disruptionLimit`).
     pub failures: IntCounterVec,
     /// `diphoma_operator_time_to_repair_seconds`: from a member's loss to the ring re-formed.
     pub time_to_repair: Histogram,
@@ -84,7 +86,7 @@ impl Default for Metrics {
             ),
             failures: counter_vec(
                 "worker_failures_total",
-                "Worker failures counted against backoffLimit, by cause",
+                "Worker failures by cause (Evicted, Preempted and NodeLost count against disruptionLimit, the others against backoffLimit)",
                 "cause",
             ),
             time_to_repair: Histogram::with_opts(
