@@ -266,8 +266,18 @@ async fn the_operator_runs_as_a_pod_under_exactly_its_chart_rbac(
         in_ns(&["create", "events.events.k8s.io"]),
         vec!["list", "nodes"],
         vec!["watch", "nodes"],
-        vec!["list", "leases.coordination.k8s.io", "-n", "kube-node-lease"],
-        vec!["watch", "leases.coordination.k8s.io", "-n", "kube-node-lease"],
+        vec![
+            "list",
+            "leases.coordination.k8s.io",
+            "-n",
+            "kube-node-lease",
+        ],
+        vec![
+            "watch",
+            "leases.coordination.k8s.io",
+            "-n",
+            "kube-node-lease",
+        ],
     ];
     // Beyond it: secrets are never fetched (only their metadata is watched), nothing is
     // escalated, nodes and the job spec are never written, nothing is fetched one by one (the

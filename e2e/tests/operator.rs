@@ -1861,7 +1861,10 @@ async fn deleted_children_come_back_from_the_watch_alone(ctx: Arc<Ctx>, ns: Stri
             .and_then(|s| s.ring)
             .map(|r| r.generation as u64);
         for g in [cm, st].into_iter().flatten() {
-            ensure!(g >= *highest, "ring generation went back from {highest} to {g}");
+            ensure!(
+                g >= *highest,
+                "ring generation went back from {highest} to {g}"
+            );
             *highest = g;
         }
         Ok(())
@@ -1884,9 +1887,18 @@ async fn deleted_children_come_back_from_the_watch_alone(ctx: Arc<Ctx>, ns: Stri
         eventually(20, &format!("{kind} {name} restored"), async || {
             watch_generations(&mut highest).await?;
             Ok(match kind {
-                "ConfigMap" => configmaps.get_opt(name).await?.is_some_and(|o| owned(&o.metadata)),
-                "Secret" => secrets.get_opt(name).await?.is_some_and(|o| owned(&o.metadata)),
-                _ => services.get_opt(name).await?.is_some_and(|o| owned(&o.metadata)),
+                "ConfigMap" => configmaps
+                    .get_opt(name)
+                    .await?
+                    .is_some_and(|o| owned(&o.metadata)),
+                "Secret" => secrets
+                    .get_opt(name)
+                    .await?
+                    .is_some_and(|o| owned(&o.metadata)),
+                _ => services
+                    .get_opt(name)
+                    .await?
+                    .is_some_and(|o| owned(&o.metadata)),
             })
         })
         .await?;

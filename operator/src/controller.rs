@@ -554,13 +554,14 @@ fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String
             .filter(|cm| owned_by(&cm.metadata, &uid))
     };
     let ring_name = contract::membership_configmap_name(&name);
-    let ring = match configmap(&ring_name).and_then(|cm| cm.data.as_ref()?.get(MEMBERSHIP_KEY).cloned()) {
-        Some(json) => Some(Membership::parse(&json).map_err(|source| Error::Ring {
-            name: ring_name.clone(),
-            source,
-        })?),
-        None => None,
-    };
+    let ring =
+        match configmap(&ring_name).and_then(|cm| cm.data.as_ref()?.get(MEMBERSHIP_KEY).cloned()) {
+            Some(json) => Some(Membership::parse(&json).map_err(|source| Error::Ring {
+                name: ring_name.clone(),
+                source,
+            })?),
+            None => None,
+        };
     let heartbeat = configmap(&contract::heartbeat_configmap_name(&name));
     let version = heartbeat
         .as_ref()
@@ -673,12 +674,13 @@ async fn apply(
         } else {
             DeleteParams::default()
         };
-        let gone = ignore_missing(pods.delete(&d.pod, &dp).await.map(|e| e.left())).map_err(
-            |source| Error::DeletePod {
-                pod: d.pod.clone(),
-                source,
-            },
-        )?;
+        let gone =
+            ignore_missing(pods.delete(&d.pod, &dp).await.map(|e| e.left())).map_err(|source| {
+                Error::DeletePod {
+                    pod: d.pod.clone(),
+                    source,
+                }
+            })?;
         if let Some(p) = gone {
             written.note(Kind::Pod, &p.metadata);
         }
@@ -851,15 +853,19 @@ async fn mark(pods: &Api<Pod>, pod: &str, body: serde_json::Value) -> Result<Pod
         .patch(pod, &PatchParams::default(), &Patch::Merge(&body))
         .await;
     ignore_missing(r).map_err(|source| Error::MarkPod {
-            pod: pod.to_owned(),
-            source,
-        })
+        pod: pod.to_owned(),
+        source,
+    })
 }
 
 /// The static children: ServiceAccount, Role, RoleBinding, Service and (with
 /// [`Options::network_policy`]) NetworkPolicy applied; the key Secret and the heartbeat
 /// ConfigMap created once. Each write is noted in `written`.
-async fn apply_children(ctx: &Context, job: &DiphomaJob, written: &mut Written) -> Result<(), Error> {
+async fn apply_children(
+    ctx: &Context,
+    job: &DiphomaJob,
+    written: &mut Written,
+) -> Result<(), Error> {
     let (client, ns) = (&ctx.client, job.namespace().unwrap_or_default());
     let failed = |kind: &'static str, name: &str| {
         let name = name.to_owned();

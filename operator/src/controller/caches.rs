@@ -429,8 +429,8 @@ impl Caches {
     /// Starts nothing: builds the watches that feed these caches from `writers` (children by
     /// label `app.kubernetes.io/managed-by`, node Leases and Nodes); polled by the controller.
     pub fn watches(self: &Arc<Self>, client: &Client, writers: Writers) -> Streams {
-        let owned =
-            watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"));
+        let owned = watcher::Config::default()
+            .labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"));
         let seen = &self.seen;
         let leases = watcher(
             Api::<Lease>::namespaced(client.clone(), "kube-node-lease"),
@@ -521,9 +521,9 @@ impl Caches {
             ),
             absent(&self.services, &ns, &build::service(job).name_any(), &uid),
             absent(&self.secrets, &ns, &build::key_secret_name(&name), &uid),
-            self.network_policies.as_ref().and_then(|np| {
-                absent(np, &ns, &build::network_policy(job).name_any(), &uid)
-            }),
+            self.network_policies
+                .as_ref()
+                .and_then(|np| absent(np, &ns, &build::network_policy(job).name_any(), &uid)),
             (!heartbeat_owned).then(|| format!("ConfigMap/{heartbeat}")),
         ]
         .into_iter()
@@ -608,8 +608,10 @@ mod tests {
     use watcher::Event as Ev;
 
     fn lease(node: &str, renewed: jiff::Timestamp) -> Lease {
-        serde_json::from_value(json!({"metadata": {"name": node, "namespace": "kube-node-lease"},
-            "spec": {"renewTime": renewed.to_string(), "leaseDurationSeconds": 8}}))
+        serde_json::from_value(
+            json!({"metadata": {"name": node, "namespace": "kube-node-lease"},
+            "spec": {"renewTime": renewed.to_string(), "leaseDurationSeconds": 8}}),
+        )
         .unwrap()
     }
 
@@ -628,7 +630,10 @@ mod tests {
         let t0 = jiff::Timestamp::now();
         let at = Instant::now();
         let s = |d: i64| t0 + jiff::SignedDuration::from_secs(d);
-        assert_eq!(caches.on_lease(&Ev::Apply(lease("n0", s(0))), at, s(0)), ["n0"]);
+        assert_eq!(
+            caches.on_lease(&Ev::Apply(lease("n0", s(0))), at, s(0)),
+            ["n0"]
+        );
         let renewed = caches.on_lease(&Ev::Apply(lease("n0", s(2))), at, s(2));
         assert!(renewed.is_empty(), "a renewal reconciles nothing");
         let health = caches.node_health("n0", at + Duration::from_secs(1));
@@ -637,11 +642,20 @@ mod tests {
         assert_eq!(caches.on_node(&Ev::Apply(node("n0", "True"))), ["n0"]);
         assert!(caches.on_node(&Ev::Apply(node("n0", "True"))).is_empty());
         assert_eq!(caches.on_node(&Ev::Apply(node("n0", "False"))), ["n0"]);
-        assert_eq!(caches.on_lease(&Ev::Delete(lease("n0", s(2))), at, s(3)), ["n0"]);
+        assert_eq!(
+            caches.on_lease(&Ev::Delete(lease("n0", s(2))), at, s(3)),
+            ["n0"]
+        );
         assert_eq!(caches.node_health("n0", at).lease_age, None);
         // A renewTime 30 s behind the operator's clock is a skew, handed to one plan once.
-        assert_eq!(caches.on_lease(&Ev::Apply(lease("n1", s(0))), at, s(0)), ["n1"]);
-        assert_eq!(caches.on_lease(&Ev::Apply(lease("n1", s(-28))), at, s(2)), ["n1"]);
+        assert_eq!(
+            caches.on_lease(&Ev::Apply(lease("n1", s(0))), at, s(0)),
+            ["n1"]
+        );
+        assert_eq!(
+            caches.on_lease(&Ev::Apply(lease("n1", s(-28))), at, s(2)),
+            ["n1"]
+        );
         assert!(caches.node_health("n1", at).clock_skew.is_some());
         assert!(caches.node_health("n1", at).clock_skew.is_none());
         // The jobs on a node, by their pods' owners.

@@ -147,8 +147,9 @@ fn caches(job: &DiphomaJob, objects: &[(String, Value)]) -> Arc<Caches> {
     for (path, v) in objects {
         if path.ends_with("/pods") {
             for p in v["items"].as_array().unwrap() {
-                w.pods
-                    .apply_watcher_event(&Ev::InitApply(serde_json::from_value(p.clone()).unwrap()));
+                w.pods.apply_watcher_event(&Ev::InitApply(
+                    serde_json::from_value(p.clone()).unwrap(),
+                ));
             }
         } else if path.contains("/configmaps/") {
             w.configmaps
@@ -163,13 +164,15 @@ fn caches(job: &DiphomaJob, objects: &[(String, Value)]) -> Arc<Caches> {
     w.service_accounts.apply_watcher_event(&Ev::InitApply(
         build::service_account(job).metadata.into_response_partial(),
     ));
-    w.roles
-        .apply_watcher_event(&Ev::InitApply(build::role(job).metadata.into_response_partial()));
+    w.roles.apply_watcher_event(&Ev::InitApply(
+        build::role(job).metadata.into_response_partial(),
+    ));
     w.role_bindings.apply_watcher_event(&Ev::InitApply(
         build::role_binding(job).metadata.into_response_partial(),
     ));
-    w.services
-        .apply_watcher_event(&Ev::InitApply(build::service(job).metadata.into_response_partial()));
+    w.services.apply_watcher_event(&Ev::InitApply(
+        build::service(job).metadata.into_response_partial(),
+    ));
     w.secrets.apply_watcher_event(&Ev::InitApply(
         build::key_secret(job, vec![0; 32])
             .metadata
@@ -251,7 +254,10 @@ async fn a_lease_renewed_by_a_clock_behind_the_operators_is_not_lost() {
         .await
         .unwrap();
     let log = log.lock().unwrap().clone();
-    assert!(log.is_empty(), "a healthy node's job made requests: {log:?}");
+    assert!(
+        log.is_empty(),
+        "a healthy node's job made requests: {log:?}"
+    );
 }
 
 #[tokio::test]

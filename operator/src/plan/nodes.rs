@@ -92,7 +92,10 @@ pub fn judge_nodes(nodes: &BTreeMap<String, NodeHealth>, detection_seconds: i32)
 /// renewed meanwhile (its age passes both two renewal intervals and `detection_seconds`), plus
 /// 100 ms; none when no node with a Lease is still unjudged (already lost, or no Lease). A renewal
 /// pushes this back: the reconcile it schedules then finds the node fresh and schedules again.
-pub fn next_check(nodes: &BTreeMap<String, NodeHealth>, detection_seconds: i32) -> Option<Duration> {
+pub fn next_check(
+    nodes: &BTreeMap<String, NodeHealth>,
+    detection_seconds: i32,
+) -> Option<Duration> {
     let detection = Duration::from_secs(detection_seconds.max(0).unsigned_abs().into());
     nodes
         .values()
@@ -301,9 +304,15 @@ mod tests {
         // A detectionSeconds below two renewals: lost once late.
         assert_eq!(next_check(&nodes, 1), Some(ms(1_100)));
         // Lost already, or without a Lease: nothing left to wait for.
-        let gone = BTreeMap::from([("a".to_owned(), health(11)), ("b".to_owned(), NodeHealth::default())]);
+        let gone = BTreeMap::from([
+            ("a".to_owned(), health(11)),
+            ("b".to_owned(), NodeHealth::default()),
+        ]);
         assert_eq!(next_check(&gone, 10), None);
-        assert_eq!(node_lease(Some(Duration::from_secs(11)), Some(8), 10), NodeLease::Lost);
+        assert_eq!(
+            node_lease(Some(Duration::from_secs(11)), Some(8), 10),
+            NodeLease::Lost
+        );
     }
 
     #[test]

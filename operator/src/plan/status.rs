@@ -300,14 +300,17 @@ pub fn reporting(
 
 /// How long until [`reporting`] would say `ReportsStopped` if no report arrives meanwhile (the
 /// silence passed by whole seconds, plus 100 ms); none once it does, or before a first report.
-pub fn reports_due(job: &DiphomaJob, obs: &Observed, reported: bool) -> Option<std::time::Duration> {
+pub fn reports_due(
+    job: &DiphomaJob,
+    obs: &Observed,
+    reported: bool,
+) -> Option<std::time::Duration> {
     let silence = (i64::from(job.spec.fault_tolerance.detection_seconds) * REPORT_SILENCE_FACTOR)
         .max(MIN_REPORT_SILENCE_SECONDS);
     let changed = obs.heartbeat_changed.filter(|_| reported)?;
     let due = changed + jiff::SignedDuration::from_secs(silence + 1);
     let left = due.duration_since(obs.now);
-    (!left.is_negative())
-        .then(|| left.unsigned_abs() + std::time::Duration::from_millis(100))
+    (!left.is_negative()).then(|| left.unsigned_abs() + std::time::Duration::from_millis(100))
 }
 
 /// Condition `type_` with (status, reason, message) `now`; it keeps its `lastTransitionTime`
