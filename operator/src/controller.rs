@@ -348,6 +348,7 @@ pub async fn run(
     let lost_flag = lost.clone();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let (stopping_tx, mut stopping) = tokio::sync::watch::channel(false);
+    let closing = caches.clone();
     tokio::spawn(async move {
         match leadership {
             Some(mut rx) => tokio::select! {
@@ -360,6 +361,7 @@ pub async fn run(
         // the shutdown, as client-go's ReleaseOnCancel), while the controller drains.
         let _ = stop_tx.send(());
         let _ = stopping_tx.send(true);
+        closing.close(); // the reconciles in flight no longer wait for the watches
     });
     let stop = async move {
         let _ = stop_rx.await;
@@ -482,7 +484,11 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
             .remove(&job_key(job));
         return Ok(Action::await_change()); // owner references clean up the children
     }
-    ctx.caches.ready().await; // the first lists: before them, missing may only be unlisted
+    tracing::debug!(job = %job_key(job), "reconcile");
+    // The first lists: before them, a missing object may only be unlisted yet.
+    if !ctx.caches.ready().await {
+        return Ok(Action::await_change()); // stopping
+    }
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
     let (mut obs, heartbeat_version) = observe(&ctx.caches, job)?; // from the caches
@@ -506,6 +512,7 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
     let mut written = Written::default();
     let applied = apply(ctx, job, &plan, refusals, &mut written).await; // writes
     // Read-your-writes: the next reconcile of this job plans from what this one wrote.
+    tracing::debug!(job = %job_key(job), ?written, ok = applied.is_ok(), "applied");
     let late = ctx.caches.caught_up(&written, CATCH_UP).await;
     if !late.is_empty() {
         tracing::warn!(job = %job.name_any(), ?late, "the watches did not deliver this reconcile's writes within {CATCH_UP:?}");

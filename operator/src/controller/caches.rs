@@ -75,20 +75,59 @@ pub fn resource_version(meta: &ObjectMeta) -> Option<u64> {
 }
 
 /// Per [`Kind`]: the highest `resourceVersion` its watch has delivered (after its store applied
-/// it).
-pub struct Seen([watch::Sender<u64>; KINDS]);
+/// it); and which watches have listed once ([`Listed`]).
+pub struct Seen {
+    versions: [watch::Sender<u64>; KINDS],
+    listed: watch::Sender<u32>,
+}
+
+/// A watch that lists: a [`Kind`]'s, or the node Leases' or Nodes'.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listed {
+    /// The watch of a [`Kind`].
+    Kind(Kind),
+    /// The node Leases.
+    Leases,
+    /// The Nodes.
+    Nodes,
+}
+
+impl Listed {
+    fn bit(self) -> u32 {
+        match self {
+            Listed::Kind(k) => 1 << (k as u32),
+            Listed::Leases => 1 << KINDS,
+            Listed::Nodes => 1 << (KINDS + 1),
+        }
+    }
+}
 
 impl Default for Seen {
     fn default() -> Self {
-        Seen(std::array::from_fn(|_| watch::Sender::new(0)))
+        Seen {
+            versions: std::array::from_fn(|_| watch::Sender::new(0)),
+            listed: watch::Sender::new(0),
+        }
     }
 }
 
 impl Seen {
+    /// Records that the watch `w` has listed once (its store holds a complete list).
+    pub fn listed(&self, w: Listed) {
+        self.listed.send_modify(|l| *l |= w.bit());
+    }
+
+    /// Resolves once every watch of `all` has listed once. (Not [`Store::wait_until_ready`]: its
+    /// one-shot channel wakes only the last of several waiters, and reconciles wait together.)
+    async fn all_listed(&self, all: &[Listed]) {
+        let mask = all.iter().fold(0, |m, w| m | w.bit());
+        let _ = self.listed.subscribe().wait_for(|l| l & mask == mask).await;
+    }
+
     /// Records that the watch of `kind` delivered `meta`.
     pub fn note(&self, kind: Kind, meta: &ObjectMeta) {
         if let Some(rv) = resource_version(meta) {
-            self.0[kind as usize].send_if_modified(|m| {
+            self.versions[kind as usize].send_if_modified(|m| {
                 let newer = rv > *m;
                 if newer {
                     *m = rv;
@@ -100,7 +139,7 @@ impl Seen {
 
     /// Resolves once the watch of `kind` has delivered `resourceVersion` `rv` or a later one.
     pub async fn caught_up(&self, kind: Kind, rv: u64) {
-        let mut rx = self.0[kind as usize].subscribe();
+        let mut rx = self.versions[kind as usize].subscribe();
         let _ = rx.wait_for(|m| *m >= rv).await;
     }
 }
@@ -153,8 +192,8 @@ pub struct Caches {
     pub network_policies: Option<Store<PartialObjectMeta<NetworkPolicy>>>,
     /// Per node name: its Lease and readiness.
     pub nodes: Mutex<BTreeMap<String, NodeSeen>>,
-    /// Whether the Lease and Node watches have each listed once.
-    nodes_listed: watch::Sender<(bool, bool)>,
+    /// Set when the controller stops: the watches are no longer polled ([`Caches::close`]).
+    closing: watch::Sender<bool>,
     /// What each watch has delivered.
     pub seen: Arc<Seen>,
 }
@@ -231,7 +270,7 @@ impl Caches {
             secrets,
             network_policies,
             nodes: Mutex::default(),
-            nodes_listed: watch::Sender::new((false, false)),
+            closing: watch::Sender::new(false),
             seen: Arc::default(),
         };
         let writers = Writers {
@@ -247,44 +286,68 @@ impl Caches {
         (caches, writers)
     }
 
-    /// Caches fed by nothing, the node memory counted as listed: every store reads empty and
+    /// Caches fed by nothing, every watch counted as listed: every store reads empty and
     /// [`Caches::ready`] resolves at once (a context without watches).
     pub fn unwatched() -> Caches {
         let (caches, _) = Caches::new(false);
-        caches.set_listed(true, true);
+        caches.all_listed();
         caches
     }
 
-    /// Marks the Lease (`leases`) and Node (`nodes`) watches as having listed once.
-    pub fn set_listed(&self, leases: bool, nodes: bool) {
-        self.nodes_listed.send_modify(|(l, n)| {
-            *l |= leases;
-            *n |= nodes;
-        });
+    /// The watches these caches need listed before a plan.
+    fn needed(&self) -> Vec<Listed> {
+        let mut all = vec![
+            Listed::Kind(Kind::Pod),
+            Listed::Kind(Kind::ConfigMap),
+            Listed::Kind(Kind::ServiceAccount),
+            Listed::Kind(Kind::Role),
+            Listed::Kind(Kind::RoleBinding),
+            Listed::Kind(Kind::Service),
+            Listed::Kind(Kind::Secret),
+            Listed::Leases,
+            Listed::Nodes,
+        ];
+        if self.network_policies.is_some() {
+            all.push(Listed::Kind(Kind::NetworkPolicy));
+        }
+        all
     }
 
-    /// Resolves once every store and the node memory hold a first complete list (a store whose
-    /// writer is gone counts as ready): before that, a missing object may only be unlisted yet.
-    pub async fn ready(&self) {
-        let _ = self.pods.wait_until_ready().await;
-        let _ = self.configmaps.wait_until_ready().await;
-        let _ = self.service_accounts.wait_until_ready().await;
-        let _ = self.roles.wait_until_ready().await;
-        let _ = self.role_bindings.wait_until_ready().await;
-        let _ = self.services.wait_until_ready().await;
-        let _ = self.secrets.wait_until_ready().await;
-        if let Some(np) = &self.network_policies {
-            let _ = np.wait_until_ready().await;
+    /// Counts every watch as listed (caches filled by hand).
+    pub fn all_listed(&self) {
+        for w in self.needed() {
+            self.seen.listed(w);
         }
-        let _ = self
-            .nodes_listed
-            .subscribe()
-            .wait_for(|(l, n)| *l && *n)
-            .await;
+    }
+
+    /// Tells the waits ([`Caches::ready`], [`Caches::caught_up`]) that the watches are no longer
+    /// polled (the controller stops): they return at once.
+    pub fn close(&self) {
+        self.closing.send_replace(true);
+    }
+
+    /// Resolves once the controller stops ([`Caches::close`]).
+    async fn closed(&self) {
+        let _ = self.closing.subscribe().wait_for(|c| *c).await;
+    }
+
+    /// True once every store and the node memory hold a first complete list: before that, a
+    /// missing object may only be unlisted yet.
+    /// False when the controller stops first: nothing may be planned from these caches then.
+    pub async fn ready(&self) -> bool {
+        tokio::select! {
+            _ = self.listed() => true,
+            _ = self.closed() => false,
+        }
+    }
+
+    /// See [`Caches::ready`].
+    async fn listed(&self) {
+        self.seen.all_listed(&self.needed()).await;
     }
 
     /// Waits, at most `limit` in all, until every watch has delivered the writes `w`; the kinds
-    /// it has not caught up with by then are returned.
+    /// it has not caught up with by then are returned (none when the controller stops first).
     pub async fn caught_up(&self, w: &Written, limit: Duration) -> Vec<Kind> {
         let deadline = tokio::time::Instant::now() + limit;
         let mut late = vec![];
@@ -294,8 +357,11 @@ impl Caches {
                 continue;
             }
             let wait = tokio::time::timeout_at(deadline, self.seen.caught_up(*kind, *rv));
-            if wait.await.is_err() {
-                late.push(*kind);
+            tokio::select! {
+                done = wait => if done.is_err() {
+                    late.push(*kind);
+                },
+                _ = self.closed() => break,
             }
         }
         late
@@ -384,8 +450,7 @@ impl Caches {
                 vec![name]
             }
             watcher::Event::InitDone => {
-                drop(nodes);
-                self.set_listed(true, false);
+                self.seen.listed(Listed::Leases);
                 vec![]
             }
             watcher::Event::Init => vec![],
@@ -418,8 +483,7 @@ impl Caches {
                 vec![name]
             }
             watcher::Event::InitDone => {
-                drop(nodes);
-                self.set_listed(false, true);
+                self.seen.listed(Listed::Nodes);
                 vec![]
             }
             watcher::Event::Init => vec![],
@@ -591,13 +655,12 @@ where
     let stream = watcher(api, cfg.clone())
         .default_backoff()
         .modify(|o: &mut K| o.meta_mut().managed_fields = None);
-    reflector::reflector(writer, stream).inspect(move |ev| {
-        if let Ok(
-            watcher::Event::Apply(o) | watcher::Event::Delete(o) | watcher::Event::InitApply(o),
-        ) = ev
-        {
-            seen.note(kind, o.meta());
+    reflector::reflector(writer, stream).inspect(move |ev| match ev {
+        Ok(watcher::Event::Apply(o) | watcher::Event::Delete(o) | watcher::Event::InitApply(o)) => {
+            seen.note(kind, o.meta())
         }
+        Ok(watcher::Event::InitDone) => seen.listed(Listed::Kind(kind)),
+        _ => {}
     })
 }
 

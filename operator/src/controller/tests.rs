@@ -185,7 +185,7 @@ fn caches(job: &DiphomaJob, objects: &[(String, Value)]) -> Arc<Caches> {
     w.role_bindings.apply_watcher_event(&Ev::InitDone);
     w.services.apply_watcher_event(&Ev::InitDone);
     w.secrets.apply_watcher_event(&Ev::InitDone);
-    caches.set_listed(true, true);
+    caches.all_listed();
     Arc::new(caches)
 }
 
