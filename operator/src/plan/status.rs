@@ -310,7 +310,8 @@ pub fn reports_due(
     let changed = obs.heartbeat_changed.filter(|_| reported)?;
     let due = changed + jiff::SignedDuration::from_secs(silence + 1);
     let left = due.duration_since(obs.now);
-    (!left.is_negative()).then(|| left.unsigned_abs() + std::time::Duration::from_millis(100))
+    left.is_positive()
+        .then(|| left.unsigned_abs() + std::time::Duration::from_millis(100))
 }
 
 /// Condition `type_` with (status, reason, message) `now`; it keeps its `lastTransitionTime`

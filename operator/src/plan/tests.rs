@@ -1274,3 +1274,41 @@ fn a_missing_child_is_restored_and_a_lost_reporting_path_shows() {
         (false, "False".into(), "ReportsStopped".into())
     );
 }
+
+/// The workers' reports falling silent is a timer of the plan's own: a running job that has
+/// reported is looked at again when `Reporting` would turn `ReportsStopped` (30 s of silence for
+/// `detectionSeconds` 10, judged in whole seconds), and then says so.
+#[test]
+fn reports_falling_silent_are_a_timer() {
+    let j = with_status(basic(), Phase::Running);
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let progress = ProgressReport {
+        generation: 3,
+        step: 120,
+        total_steps: Some(500),
+        loss: None,
+        samples_per_second: None,
+        last_checkpoint_step: None,
+        test_accuracy: None,
+        time: t(90).to_string(),
+    };
+    let at = |now: i64| Observed {
+        progress: Some(progress.clone()),
+        heartbeat_changed: Some(t(90)),
+        now: t(now),
+        ..obs(pods.clone(), Some(ring(&j, 3, &[0, 1, 2, 3])))
+    };
+    let reporting = |p: &Plan| {
+        p.status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Reporting")
+            .map(|c| c.reason.clone())
+    };
+    let quiet = plan(&j, &at(100));
+    assert_eq!(quiet.look_again, Some(Duration::from_millis(21_100)));
+    assert_eq!(reporting(&quiet).as_deref(), Some("ReportsArriving"));
+    let due = plan(&j, &at(121));
+    assert_eq!(reporting(&due).as_deref(), Some("ReportsStopped"));
+    assert_eq!(due.look_again, None, "nothing left to wait for");
+}
