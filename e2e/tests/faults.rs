@@ -454,8 +454,24 @@ async fn a_periodic_job_across_two_gpu_products_survives_a_kill_9(
         lo.is_some_and(|l| l >= 1) && hi.is_some_and(|h| h >= lo.unwrap_or(0)),
         "batch shares {lo:?}..{hi:?}"
     );
+    eprintln!("mixed-gpus progress: {p:?}");
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(ctx.client.clone());
+    let mut summaries = 0;
     for pod in worker_pods(&ctx, &ns, name).await? {
+        // Every finished worker's summary: one average per 8 steps, not one allreduce a step.
+        let log = log_of(&ctx, &pod)?;
+        if let Some(line) = log.lines().find(|l| l.starts_with("allreduces ")) {
+            let n: Vec<u64> = line
+                .split_whitespace()
+                .filter_map(|w| w.trim_end_matches(',').parse().ok())
+                .collect();
+            ensure!(
+                n.len() >= 2 && n[0] * 8 <= n[1] + 8,
+                "{}: {line}",
+                pod.name_any()
+            );
+            summaries += 1;
+        }
         let node = pod.spec.and_then(|s| s.node_name).context("unbound pod")?;
         let product = nodes
             .get(&node)
@@ -469,6 +485,7 @@ async fn a_periodic_job_across_two_gpu_products_survives_a_kill_9(
             "{node}: {product}"
         );
     }
+    ensure!(summaries >= 3, "{summaries} workers printed their summary");
     Ok(())
 }
 
