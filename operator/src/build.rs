@@ -699,9 +699,11 @@ pub(crate) mod tests {
         assert_eq!(e[contract::ENV_SPEED_WEIGHTED], "true");
         assert_eq!(e[contract::ENV_BALANCE_EVERY], "10");
         assert_eq!(e[contract::ENV_SYNC_EVERY], "0");
-        j = job(json!({"replicas": 2, "template": {"spec": {"containers": [{"name": "w"}]}},
+        j = job(
+            json!({"replicas": 2, "template": {"spec": {"containers": [{"name": "w"}]}},
             "balance": {"speedWeighted": false, "everySteps": 5},
-            "sync": {"mode": "Periodic", "everySteps": 8}}));
+            "sync": {"mode": "Periodic", "everySteps": 8}}),
+        );
         let e = env(&j);
         assert_eq!(e[contract::ENV_SPEED_WEIGHTED], "false");
         assert_eq!(e[contract::ENV_BALANCE_EVERY], "5");

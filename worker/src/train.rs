@@ -708,8 +708,7 @@ pub fn train_rank(
                 *last = snapshot(step, &model, &opt)?;
             }
             if comm.rank() == 0 {
-                last_checkpoint =
-                    maybe_checkpoint(cfg, s, step, &model, &opt)?.or(last_checkpoint);
+                last_checkpoint = maybe_checkpoint(cfg, s, step, &model, &opt)?.or(last_checkpoint);
             }
             stats.steps += step - s;
             stats.seconds += t0.elapsed().as_secs_f64();
@@ -770,7 +769,11 @@ pub fn train_rank(
         left,
         stats,
         shares,
-        rates: if cfg.speed_weighted { rates } else { Vec::new() },
+        rates: if cfg.speed_weighted {
+            rates
+        } else {
+            Vec::new()
+        },
     })
 }
 

@@ -106,7 +106,10 @@ fn speed_weighted_shares_follow_a_slow_rank_and_leave_the_model_unchanged() {
         &e[0].model.flat_params().unwrap(),
     );
     eprintln!("max parameter gap speed-weighted vs equal: {d:e}");
-    assert!(d <= TOL, "speed-weighted shares moved the parameters by {d}");
+    assert!(
+        d <= TOL,
+        "speed-weighted shares moved the parameters by {d}"
+    );
     assert!(max_diff(&w[0].losses, &e[0].losses) <= TOL);
 }
 
@@ -138,7 +141,10 @@ fn speed_weighted_shares_survive_a_ring_change_unchanged_in_result() {
         assert_eq!(o.shares.len(), 3);
         assert!(o.shares[0] < o.shares[1].min(o.shares[2]), "{:?}", o.shares);
         let d = max_diff(&o.model.flat_params().unwrap(), &p_ref);
-        assert!(d <= TOL, "rank {r}: {d} from the equal-share undisturbed run");
+        assert!(
+            d <= TOL,
+            "rank {r}: {d} from the equal-share undisturbed run"
+        );
     }
     // The split was uneven in the ring of four too.
     let four = outs[1].1.shares.iter().find(|s| s.len() == 4 && s[0] < 16);
@@ -251,9 +257,20 @@ impl Drop for Procs {
 
 /// `shares a/b/c/d` at the end of a progress line of rank 0, with its step.
 fn logged_shares(line: &str) -> Option<(u64, Vec<usize>)> {
-    let step = line.strip_prefix("step ")?.split_whitespace().next()?.parse().ok()?;
+    let step = line
+        .strip_prefix("step ")?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
     let shares = line.rsplit_once("shares ")?.1;
-    Some((step, shares.split('/').map(|x| x.parse().ok()).collect::<Option<_>>()?))
+    Some((
+        step,
+        shares
+            .split('/')
+            .map(|x| x.parse().ok())
+            .collect::<Option<_>>()?,
+    ))
 }
 
 /// Four real rank processes (`train --launched`), ranks 0–2 pinned to CPU 0 and rank 3 to
@@ -293,8 +310,17 @@ fn a_rank_sharing_its_core_with_a_burner_gets_a_smaller_share() {
         let child = Command::new("taskset")
             .args(["-c", cpu])
             .arg(worker())
-            .args(["train", "--launched", "--model", "synthetic", "--params", "400000"])
-            .args(["--layers", "2", "--lr", "0.05", "--steps", "100000", "--batch", "64"])
+            .args([
+                "train",
+                "--launched",
+                "--model",
+                "synthetic",
+                "--params",
+                "400000",
+            ])
+            .args([
+                "--layers", "2", "--lr", "0.05", "--steps", "100000", "--batch", "64",
+            ])
             .args(["--balance-every", "2", "--log-every", "2"])
             .env("RAYON_NUM_THREADS", "1")
             .env("DIPHOMA_RANK", rank.to_string())
@@ -302,7 +328,11 @@ fn a_rank_sharing_its_core_with_a_burner_gets_a_smaller_share() {
             .env("DIPHOMA_RING_ADDRESSES", &addrs)
             .env("DIPHOMA_JOB_UID", "burn")
             .env("DIPHOMA_KEY_FILE", &key)
-            .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
+            .stdout(if rank == 0 {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
@@ -320,7 +350,16 @@ fn a_rank_sharing_its_core_with_a_burner_gets_a_smaller_share() {
     // Settle without the burner, then the burner on rank 3's core.
     let (at, before) = next_shares(20);
     let burner = Command::new("nice")
-        .args(["-n", "-10", "taskset", "-c", "1", "sh", "-c", "while :; do :; done"])
+        .args([
+            "-n",
+            "-10",
+            "taskset",
+            "-c",
+            "1",
+            "sh",
+            "-c",
+            "while :; do :; done",
+        ])
         .spawn()
         .unwrap();
     procs.0.push(burner);
@@ -332,5 +371,8 @@ fn a_rank_sharing_its_core_with_a_burner_gets_a_smaller_share() {
     // Rank 3's share drops (so the others' grow in total: the batch is fixed) and it is now
     // the smallest.
     assert!(during[3] < before[3], "rank 3: {before:?} -> {during:?}");
-    assert!(during[..3].iter().all(|&x| x > during[3]), "{before:?} -> {during:?}");
+    assert!(
+        during[..3].iter().all(|&x| x > during[3]),
+        "{before:?} -> {during:?}"
+    );
 }

@@ -765,7 +765,10 @@ fn reports_of_an_older_generation_are_ignored_and_progress_is_copied() {
     );
     assert_eq!((got.loss, got.test_accuracy), (Some(0.25), Some(0.97)));
     // The spread of the speed-weighted split.
-    assert_eq!((got.min_batch_share, got.max_batch_share), (Some(10), Some(18)));
+    assert_eq!(
+        (got.min_batch_share, got.max_batch_share),
+        (Some(10), Some(18))
+    );
 }
 
 #[test]
