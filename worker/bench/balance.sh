@@ -38,7 +38,7 @@ ss=[socket.socket() for _ in range(4)]
 [s.bind(("127.0.0.1",0)) for s in ss]
 print(",".join("127.0.0.1:%d" % s.getsockname()[1] for s in ss))')
   nice -n -10 taskset -c 1 sh -c 'while :; do :; done' & local burner=$!; pids+=("$burner")
-  local ranks=()
+  local ranks=() r
   for r in 0 1 2 3; do
     local cpu=0; [[ $r == 3 ]] && cpu=1
     DIPHOMA_RANK=$r DIPHOMA_WORLD_SIZE=4 DIPHOMA_RING_ADDRESSES=$addrs DIPHOMA_JOB_UID=bench \
@@ -53,7 +53,7 @@ print(",".join("127.0.0.1:%d" % s.getsockname()[1] for s in ss))')
   cp "$work/rank0.out" "$out"
 }
 # field FILE REGEX: the first capture of REGEX in FILE.
-field() { sed -nE "s/.*$2.*/\1/p" "$1" | head -1; }
+field() { sed -nE "s#.*$2.*#\1#p" "$1" | head -1; }
 
 echo "# Balance benchmark (make bench-balance)"
 echo
