@@ -14,11 +14,13 @@
 # H = 1, 4, 16: samples/s, allreduces and test accuracy.
 #
 # Env: ROUNDS (2) BURN_PARAMS (2000000) BURN_STEPS (60) PARAMS (50000000) STEPS (32)
-#      RUN_TIMEOUT (s per run, 900). Needs two CPUs and taskset (util-linux).
+#      RUN_TIMEOUT (s per run, 900) PARTS ("1 2": which parts to run). Needs two CPUs and
+#      taskset (util-linux).
 set -euo pipefail
 repo="$(git rev-parse --show-toplevel)"
 ROUNDS="${ROUNDS:-2}"; BURN_PARAMS="${BURN_PARAMS:-2000000}"; BURN_STEPS="${BURN_STEPS:-60}"
 PARAMS="${PARAMS:-50000000}"; STEPS="${STEPS:-32}"; RUN_TIMEOUT="${RUN_TIMEOUT:-900}"
+PARTS="${PARTS:-1 2}"
 (cd "$repo" && cargo build --release --locked -p diphoma-worker >&2)
 target="$(cd "$repo" && cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
 DW="$target/release/diphoma-worker"
@@ -62,8 +64,9 @@ echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), kernel $(uname -r)"
 echo "commit: $(git -C "$repo" rev-parse --short HEAD)$(git -C "$repo" diff --quiet -- worker || echo '+dirty')"
 echo "load at start: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "command: ROUNDS=$ROUNDS BURN_PARAMS=$BURN_PARAMS BURN_STEPS=$BURN_STEPS PARAMS=$PARAMS STEPS=$STEPS make bench-balance"
+echo "command: PARTS='$PARTS' ROUNDS=$ROUNDS BURN_PARAMS=$BURN_PARAMS BURN_STEPS=$BURN_STEPS PARAMS=$PARAMS STEPS=$STEPS make bench-balance"
 echo '```'
+if [[ " $PARTS " == *" 1 "* ]]; then
 echo
 echo "## 1. Four ranks, rank 3 sharing its CPU with a burner (synthetic model, $BURN_PARAMS parameters, batch 64, $BURN_STEPS steps)"
 echo
@@ -83,6 +86,8 @@ for r in $(seq 1 "$ROUNDS"); do
     echo "| $r | $name | ${sps:-?} | ${shares:-?} | ${rates:-not exchanged} | ${ideal:-?} | $pct |"
   done
 done
+fi
+if [[ " $PARTS " == *" 2 "* ]]; then
 echo
 echo "## 2. Periodic averaging: 4 ranks (threads), synthetic model of $PARAMS parameters, batch 64, $STEPS steps"
 echo
@@ -99,5 +104,6 @@ for h in 0 1 4 16; do
   name=$([[ $h == 0 ]] && echo "every step" || echo "periodic H=$h")
   echo "| $name | ${sps:-?} | ${ars:-?} | ${acc:-?} | ${loss:-?} |"
 done
+fi
 echo
 echo "load at end: $(cut -d' ' -f1-3 /proc/loadavg)"
