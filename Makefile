@@ -8,7 +8,7 @@ CARGO ?= cargo
 # How the local kubelet runs pods: process (fast) or podman (containers of the local images).
 RUNTIME ?= process
 
-.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair cluster-up cluster-down demo wheel test-python images image-pytorch bench-torch
+.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair cluster-up cluster-down demo wheel test-python images image-pytorch bench-torch bench-balance
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -51,6 +51,9 @@ bench: deps ## allreduce benchmark side by side with gloo and Open MPI (prints t
 
 bench-torch: deps ## DDP step time gloo vs diphoma with and without frame protection (ResNet-18/50, CPU, world 2 and 4, interleaved rounds) and all_reduce from Python vs the Rust bench; writes python/bench/RESULTS.md
 	bash python/bench/run.sh
+
+bench-balance: deps ## speed-weighted shares (4 ranks, one sharing its CPU with a burner) vs equal vs ideal, and periodic averaging H=1,4,16 vs every step; prints the report (worker/bench/BALANCE.md is a committed one)
+	bash worker/bench/balance.sh
 
 bench-repair: tools build ## ring repair on the local control plane: time-to-repair, node-loss detection, join time, repeated steps (median/min/max of 5 runs)
 	DIPHOMA_K8S_BIN="$$(bash e2e/cluster/build-bins.sh)" target/debug/diphoma-repair-bench --runs 5

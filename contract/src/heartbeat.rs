@@ -17,7 +17,7 @@ pub const REPORT_KEY_PREFIX: &str = "report.";
 
 /// Training progress, written by rank 0 every few seconds (one write per job, whatever the
 /// number of workers): the operator copies it into the job's status.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ProgressReport {
     /// Ring generation the step was committed in.
@@ -40,8 +40,23 @@ pub struct ProgressReport {
     /// report, written after the final step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_accuracy: Option<f64>,
+    /// Smallest share of the global batch a rank computes at `step` (samples; speed-weighted
+    /// shares differ between ranks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_share: Option<u64>,
+    /// Largest share of the global batch a rank computes at `step` (samples).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_share: Option<u64>,
     /// When it was written (RFC 3339).
     pub time: String,
+}
+
+/// `(min_share, max_share)` of a split of the global batch (samples per rank), `None` for none.
+pub fn share_range(shares: &[usize]) -> (Option<u64>, Option<u64>) {
+    (
+        shares.iter().min().map(|&x| x as u64),
+        shares.iter().max().map(|&x| x as u64),
+    )
 }
 
 /// A worker's report that a collective failed at `generation` because of `suspect` (the peer

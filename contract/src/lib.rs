@@ -33,6 +33,7 @@ pub mod membership;
 
 pub use heartbeat::{
     FailureReport, PROGRESS_KEY, ProgressReport, REPORT_KEY_PREFIX, heartbeat_configmap_name,
+    share_range,
 };
 pub use membership::{
     ContractError, MEMBERSHIP_KEY, Member, Membership, membership_configmap_name, parse_key,
@@ -71,6 +72,15 @@ pub const ENV_CHECKPOINT_EVERY: &str = "DIPHOMA_CHECKPOINT_EVERY";
 /// none of its own (`spec.checkpoint.resumeFrom.name`); unset: only its own. A job's own
 /// checkpoints are in `<DIPHOMA_CHECKPOINT_DIR>/<namespace>/<job>/<uid>/`.
 pub const ENV_CHECKPOINT_RESUME_FROM: &str = "DIPHOMA_CHECKPOINT_RESUME_FROM";
+
+/// Env: `true` (the default when unset) splits each step's global batch over the workers in
+/// proportion to their measured speeds, `false` equally (`spec.balance.speedWeighted`).
+pub const ENV_SPEED_WEIGHTED: &str = "DIPHOMA_SPEED_WEIGHTED";
+/// Env: committed steps between two re-splits of the batch (`spec.balance.everySteps`).
+pub const ENV_BALANCE_EVERY: &str = "DIPHOMA_BALANCE_EVERY";
+/// Env: `0` (the default when unset) synchronises every step (one gradient allreduce); `H ≥ 1`
+/// takes `H` local steps between two averages of the models (`spec.sync`, mode `Periodic`).
+pub const ENV_SYNC_EVERY: &str = "DIPHOMA_SYNC_EVERY";
 
 /// Default TCP port of the ring (`spec.ringPort`).
 pub const DEFAULT_RING_PORT: u16 = 29500;

@@ -25,9 +25,16 @@ use serde_json::{Value, json};
 /// GPUs per node (3 nodes); the unschedulable test asks for whole nodes.
 const GPUS_PER_NODE: u32 = 4;
 
+/// The GPU products of the nodes, in turn: mixed hardware (`manifests/examples/mixed-gpus.yaml`
+/// places a job across both).
+const GPU_PRODUCTS: [&str; 2] = ["NVIDIA-H100-80GB-HBM3", "NVIDIA-A100-SXM4-80GB"];
+
 fn main() -> Result<()> {
     let nodes = (0..3)
-        .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), GPUS_PER_NODE))
+        .map(|i| NodeConfig {
+            gpu_product: GPU_PRODUCTS[i % 2].to_owned(),
+            ..NodeConfig::gpu(&format!("gpu-{i}"), GPUS_PER_NODE)
+        })
         .collect();
     run_tests(
         nodes,
@@ -35,6 +42,7 @@ fn main() -> Result<()> {
         tests![
             four_workers_train_to_succeeded_and_are_cleaned_up,
             a_killed_worker_changes_nothing_in_the_final_parameters,
+            a_periodic_job_across_two_gpu_products_survives_a_kill_9,
             deleted_and_evicted_pods_are_counted_with_their_cause,
             a_hung_worker_is_detected_and_replaced,
             a_slow_rank_is_waited_for_and_never_counted_hung,
@@ -389,6 +397,95 @@ async fn a_killed_worker_changes_nothing_in_the_final_parameters(
         diff <= PARAM_TOLERANCE,
         "final parameters differ by up to {diff} from the undisturbed run (tolerance {PARAM_TOLERANCE})"
     );
+    Ok(())
+}
+
+/// `manifests/examples/mixed-gpus.yaml` as shipped (nodeAffinity `In` both products,
+/// speed-weighted shares), with periodic averaging every 8 steps, 600 steps and a short connect
+/// bound added: a worker killed with SIGKILL mid-run is repaired (the survivors roll back to
+/// their last average), the job succeeds at ≥ 95 % test accuracy, its workers ran on nodes of
+/// the two products only, and the status shows the split of the batch.
+async fn a_periodic_job_across_two_gpu_products_survives_a_kill_9(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let path = repo_root().join("manifests/examples/mixed-gpus.yaml");
+    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+    let (args, sync) = (
+        r#"args: [train, --steps, "400", --log-every, "50"]"#,
+        "  balance:\n",
+    );
+    ensure!(
+        text.contains(args) && text.contains(sync),
+        "{} changed: update this test",
+        path.display()
+    );
+    let yaml = text
+        .replace(
+            args,
+            r#"args: [train, --steps, "600", --log-every, "8", --op-timeout-s, "1"]"#,
+        )
+        .replace(
+            sync,
+            "  sync:\n    mode: Periodic\n    everySteps: 8\n  faultTolerance:\n    detectionSeconds: 4\n  balance:\n",
+        );
+    let out = kubectl_apply(&ctx, &ns, &yaml)?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let name = "mixed-gpus";
+    let g1 = running_ring(&ctx, &ns, name, 4, 0).await?;
+    progress_until(&ctx, &ns, name, "training", |p| p.step >= 8).await?;
+    let victim = pid_of(&pods(&ctx, &ns).get("mixed-gpus-worker-2").await?)?;
+    signal(victim, libc::SIGKILL);
+    running_ring(&ctx, &ns, name, 4, g1.generation).await?;
+    let st = succeeded(&ctx, &ns, name, 240).await?;
+    ensure!(st.repairs.total >= 1, "{:?}", st.repairs);
+    let p = st.progress.context("no progress")?;
+    ensure!(
+        p.test_accuracy.is_some_and(|a| a >= 0.95),
+        "test accuracy {:?}",
+        p.test_accuracy
+    );
+    let (lo, hi) = (p.min_batch_share, p.max_batch_share);
+    ensure!(
+        lo.is_some_and(|l| l >= 1) && hi.is_some_and(|h| h >= lo.unwrap_or(0)),
+        "batch shares {lo:?}..{hi:?}"
+    );
+    eprintln!("mixed-gpus progress: {p:?}");
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(ctx.client.clone());
+    let mut summaries = 0;
+    for pod in worker_pods(&ctx, &ns, name).await? {
+        // Every finished worker's summary: one average per 8 steps, not one allreduce a step.
+        let log = log_of(&ctx, &pod)?;
+        if let Some(line) = log.lines().find(|l| l.starts_with("allreduces ")) {
+            let n: Vec<u64> = line
+                .split_whitespace()
+                .filter_map(|w| w.trim_end_matches(',').parse().ok())
+                .collect();
+            ensure!(
+                n.len() >= 2 && n[0] * 8 <= n[1] + 8,
+                "{}: {line}",
+                pod.name_any()
+            );
+            summaries += 1;
+        }
+        let node = pod.spec.and_then(|s| s.node_name).context("unbound pod")?;
+        let product = nodes
+            .get(&node)
+            .await?
+            .labels()
+            .get("nvidia.com/gpu.product")
+            .cloned()
+            .unwrap_or_default();
+        ensure!(
+            GPU_PRODUCTS.contains(&product.as_str()),
+            "{node}: {product}"
+        );
+    }
+    ensure!(summaries >= 3, "{summaries} workers printed their summary");
     Ok(())
 }
 

@@ -125,6 +125,44 @@ async fn invalid_manifests_are_refused_with_the_field_named(
             .to_string(),
             "spec.checkpoint.resumeFrom.name",
         ),
+        (
+            "periodic-without-period",
+            with("periodic-without-period", 2, json!({"spec": {"sync": {"mode": "Periodic"}}}))
+                .to_string(),
+            "spec.sync.everySteps",
+        ),
+        (
+            "period-every-step",
+            with(
+                "period-every-step",
+                2,
+                json!({"spec": {"sync": {"mode": "EveryStep", "everySteps": 4}}}),
+            )
+            .to_string(),
+            "spec.sync.everySteps",
+        ),
+        (
+            "zero-period",
+            with(
+                "zero-period",
+                2,
+                json!({"spec": {"sync": {"mode": "Periodic", "everySteps": 0}}}),
+            )
+            .to_string(),
+            "spec.sync.everySteps",
+        ),
+        (
+            "bad-sync-mode",
+            with("bad-sync-mode", 2, json!({"spec": {"sync": {"mode": "Sometimes"}}}))
+                .to_string(),
+            "spec.sync.mode",
+        ),
+        (
+            "zero-balance-period",
+            with("zero-balance-period", 2, json!({"spec": {"balance": {"everySteps": 0}}}))
+                .to_string(),
+            "spec.balance.everySteps",
+        ),
         ("no-template", "apiVersion: diphoma.io/v1alpha1\nkind: DiphomaJob\nmetadata: {name: no-template}\nspec: {replicas: 2}\n".to_owned(), "spec.template"),
         ("no-containers", "apiVersion: diphoma.io/v1alpha1\nkind: DiphomaJob\nmetadata: {name: no-containers}\nspec: {replicas: 2, template: {spec: {containers: []}}}\n".to_owned(), "spec.template.spec.containers"),
     ];

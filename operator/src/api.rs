@@ -151,6 +151,88 @@ pub struct DiphomaJobSpec {
     /// The ring's data path.
     #[serde(default)]
     pub ring: RingSpec,
+    /// How each step's global batch is split over the workers.
+    #[serde(default)]
+    pub balance: Balance,
+    /// When the workers synchronise their models.
+    #[serde(default)]
+    pub sync: SyncSpec,
+}
+
+/// The split of each step's global batch over the workers (`spec.balance`).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Balance {
+    /// Split the global batch in proportion to the workers' measured speeds (each worker's
+    /// smoothed compute time per sample; every worker at least one sample), so that a slower
+    /// worker (an older GPU, a noisy neighbour) computes fewer samples instead of setting the
+    /// pace of every step. The samples of each step stay the same, so with every-step
+    /// synchronisation the model does not depend on the split. `false`: equal shares. Passed
+    /// to the workers as `DIPHOMA_SPEED_WEIGHTED`.
+    #[serde(default = "default_true")]
+    pub speed_weighted: bool,
+    /// Steps between two re-splits (`DIPHOMA_BALANCE_EVERY`).
+    #[serde(default = "default_balance_every")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub every_steps: i32,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_balance_every() -> i32 {
+    10
+}
+
+impl Default for Balance {
+    fn default() -> Self {
+        Balance {
+            speed_weighted: true,
+            every_steps: default_balance_every(),
+        }
+    }
+}
+
+/// When the workers synchronise their models (`spec.sync`).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[x_kube(validation = Rule::new("self.mode == 'Periodic' || !has(self.everySteps)").message("spec.sync.everySteps applies to mode Periodic only").field_path(".everySteps"))]
+#[x_kube(validation = Rule::new("self.mode != 'Periodic' || has(self.everySteps)").message("spec.sync.everySteps is required with mode Periodic").field_path(".everySteps"))]
+#[serde(rename_all = "camelCase")]
+pub struct SyncSpec {
+    /// `EveryStep` (default): one gradient allreduce per step; the result does not depend on
+    /// the number of workers. `Periodic` (local SGD): each worker takes `everySteps` steps on
+    /// its own share of each batch, then the workers average their parameters and optimizer
+    /// state (AdamW's moments), weighted by samples; `everySteps` times fewer collectives,
+    /// for slow links, at the price of a result that depends on the period and on the split.
+    /// A repair rolls back to the last average. Passed as `DIPHOMA_SYNC_EVERY`.
+    #[serde(default)]
+    pub mode: SyncMode,
+    /// Steps between two averages (mode `Periodic` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub every_steps: Option<i32>,
+}
+
+/// How often the workers synchronise.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SyncMode {
+    /// A gradient allreduce every step.
+    #[default]
+    EveryStep,
+    /// Local steps, then an average every `everySteps` steps.
+    Periodic,
+}
+
+impl SyncSpec {
+    /// Steps between two synchronisations: 1 for `EveryStep`, `everySteps` for `Periodic`
+    /// (the value of `DIPHOMA_SYNC_EVERY`: 0 means every step, as the worker reads it).
+    pub fn period(&self) -> i32 {
+        match self.mode {
+            SyncMode::EveryStep => 0,
+            SyncMode::Periodic => self.every_steps.unwrap_or(1),
+        }
+    }
 }
 
 /// The ring's data path between workers.
@@ -523,6 +605,13 @@ pub struct Progress {
     /// Accuracy of the trained model on the held-out test split, in [0, 1] (after the last step).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_accuracy: Option<f64>,
+    /// Smallest share of the global batch that a worker computes (samples per step): with
+    /// `spec.balance.speedWeighted` the slower workers compute fewer samples.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_batch_share: Option<i64>,
+    /// Largest share of the global batch that a worker computes (samples per step).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_batch_share: Option<i64>,
     /// `step / totalSteps` as a whole percentage, e.g. `"42%"` (the `Progress` column).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub percentage: Option<String>,

@@ -203,6 +203,15 @@ fn worker_container(job: &DiphomaJob, c: &mut Container) {
             contract::ENV_RING_PROTECTION,
             spec.ring.protection.as_str().into(),
         ),
+        value(
+            contract::ENV_SPEED_WEIGHTED,
+            spec.balance.speed_weighted.to_string(),
+        ),
+        value(
+            contract::ENV_BALANCE_EVERY,
+            spec.balance.every_steps.to_string(),
+        ),
+        value(contract::ENV_SYNC_EVERY, spec.sync.period().to_string()),
     ];
     let mut contract_env = contract_env.to_vec();
     if spec.gpus_per_worker == 0 {
@@ -673,6 +682,32 @@ pub(crate) mod tests {
         assert_eq!(protection(&j).as_deref(), Some("integrity"));
         j.spec.ring.protection = crate::api::RingProtection::Encryption;
         assert_eq!(protection(&j).as_deref(), Some("encryption"));
+    }
+
+    #[test]
+    fn balance_and_sync_reach_the_worker() {
+        let env = |j: &DiphomaJob| -> BTreeMap<String, String> {
+            worker_pod(j, 0, 0).unwrap().spec.unwrap().containers[0]
+                .env
+                .iter()
+                .flatten()
+                .filter_map(|e| Some((e.name.clone(), e.value.clone()?)))
+                .collect()
+        };
+        let mut j = basic();
+        let e = env(&j);
+        assert_eq!(e[contract::ENV_SPEED_WEIGHTED], "true");
+        assert_eq!(e[contract::ENV_BALANCE_EVERY], "10");
+        assert_eq!(e[contract::ENV_SYNC_EVERY], "0");
+        j = job(
+            json!({"replicas": 2, "template": {"spec": {"containers": [{"name": "w"}]}},
+            "balance": {"speedWeighted": false, "everySteps": 5},
+            "sync": {"mode": "Periodic", "everySteps": 8}}),
+        );
+        let e = env(&j);
+        assert_eq!(e[contract::ENV_SPEED_WEIGHTED], "false");
+        assert_eq!(e[contract::ENV_BALANCE_EVERY], "5");
+        assert_eq!(e[contract::ENV_SYNC_EVERY], "8");
     }
 
     #[test]

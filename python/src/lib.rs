@@ -395,6 +395,7 @@ fn progress(
         last_checkpoint,
         allreduce_seconds: 0.0,
         allreduce_bytes: 0,
+        shares: Vec::new(),
     }
 }
 

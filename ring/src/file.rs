@@ -201,6 +201,7 @@ impl FileRing {
             return;
         }
         self.last_progress = Some(Instant::now());
+        let (min_share, max_share) = contract::share_range(&p.shares);
         let report = ProgressReport {
             generation: p.generation,
             step: p.step,
@@ -209,6 +210,8 @@ impl FileRing {
             samples_per_second: Some(p.samples_per_second),
             last_checkpoint_step: p.last_checkpoint,
             test_accuracy: None,
+            min_share,
+            max_share,
             time: jiff::Timestamp::now().to_string(),
         };
         self.write(
@@ -360,6 +363,7 @@ mod tests {
                             last_checkpoint: None,
                             allreduce_seconds: 0.0,
                             allreduce_bytes: 0,
+                            shares: Vec::new(),
                         };
                         while !matches!(src.after_commit(&p), Control::Leave) {
                             std::thread::sleep(POLL);
@@ -384,6 +388,7 @@ mod tests {
                         last_checkpoint: None,
                         allreduce_seconds: 0.0,
                         allreduce_bytes: 0,
+                        shares: Vec::new(),
                     };
                     src.publish_progress(&p);
                     (src.removed(), v[0])

@@ -550,6 +550,7 @@ impl KubeRing {
                     .is_none_or(|t| t.elapsed() >= PROGRESS_EVERY))
         {
             self.last_progress = Some(Instant::now());
+            let (min_share, max_share) = contract::share_range(&p.shares);
             let report = ProgressReport {
                 generation: p.generation,
                 step: p.step,
@@ -558,6 +559,8 @@ impl KubeRing {
                 samples_per_second: Some(p.samples_per_second),
                 last_checkpoint_step: p.last_checkpoint,
                 test_accuracy: None,
+                min_share,
+                max_share,
                 time: now(),
             };
             self.write_progress(&report, last);

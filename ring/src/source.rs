@@ -120,7 +120,7 @@ pub trait RingSource {
 }
 
 /// What a rank knows after a committed step.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Progress {
     /// Steps committed.
     pub step: u64,
@@ -140,6 +140,9 @@ pub struct Progress {
     pub allreduce_seconds: f64,
     /// Size of the step's fused allreduce buffer, in bytes.
     pub allreduce_bytes: u64,
+    /// How the step's global batch was split: samples per rank, in rank order (empty when the
+    /// trainer does not say).
+    pub shares: Vec<usize>,
 }
 
 /// A ring that never changes: one generation, no replacement after a failure.

@@ -9,7 +9,8 @@
 //! | [`model`] | the candle MLPs (digits; the synthetic model sized by parameter count), summed-loss gradients as flat `f32`, gradient fusion | touch sockets |
 //! | [`optim`] | SGD (candle-nn) and AdamW (candle-nn's update) with their state as flat `f32` | know about ranks |
 //! | [`checkpoint`] | safetensors checkpoints (parameters, optimizer state) with a SHA-256 and the owning job in the metadata; atomic writes, newest-valid reads, a job's own directory (or the one it resumes by name) only | decide when to write |
-//! | [`train`] | one rank's step loop: fused allreduce, commit, roll-back, generation changes, state sync | parse the contract's env or talk to Kubernetes |
+//! | [`balance`] | speed-weighted shares: the smoothed compute time per sample, the split of the global batch by largest remainder (pure) | know about sockets or models |
+//! | [`train`] | one rank's step loop: fused allreduce (or periodic averaging), commit, roll-back, generation changes, state sync, the re-split of the batch | parse the contract's env or talk to Kubernetes |
 //! | [`metrics`] | the `diphoma_worker_*` Prometheus metrics, the `/metrics` endpoint, [`metrics::Metered`] (a ring source that records them) | decide what to record |
 //! | `main.rs` (binary) | the `diphoma-worker` CLI: parses it and dispatches to `train` or the benchmark | hold runtime logic |
 //! | `train_cli.rs` (binary) | the `train` subcommand: standalone or one rank of a Kubernetes job (`KubeRing` in [`metrics::Metered`], `/metrics` served), the printed summary | hold training logic |
@@ -25,7 +26,11 @@
 //!   a seeded permutation, sharded over the current ranks; each rank sends the gradient of its
 //!   *summed* loss (plus the loss) in one fused f32 buffer through `allreduce(Sum)` and divides
 //!   by `B`. The trajectory does not depend on the world size or its changes, up to f32
-//!   summation order (~1e-7 on the parameters after 40 steps; tests allow 1e-5).
+//!   summation order (~1e-7 on the parameters after 40 steps; tests allow 1e-5). The split of
+//!   the batch over the ranks follows their measured speeds ([`balance`]), so a slow rank
+//!   computes fewer of the same samples; the trajectory does not depend on the split either.
+//! - **Periodic averaging** (local SGD, `spec.sync.mode: Periodic`): `H` local steps, then one
+//!   weighted average of parameters and optimizer moments; only averages commit (see [`train`]).
 //! - **Commit and state sync:** a step commits only after its allreduce succeeded on this rank;
 //!   nothing changes before, so roll-back is "keep the committed copy". Because one rank's
 //!   allreduce can succeed while a peer's fails, every generation starts by adopting the state of
@@ -41,6 +46,7 @@
 //!   `diphoma_ring::k8s::KubeRing`, wrapped in [`metrics::Metered`]; the e2e fault catalogue
 //!   (`e2e/tests/faults.rs`) runs it against a real control plane.
 
+pub mod balance;
 pub mod checkpoint;
 pub mod data;
 pub mod metrics;

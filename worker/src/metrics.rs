@@ -29,6 +29,9 @@ pub struct WorkerMetrics {
     pub ring_generation: IntGauge,
     /// `diphoma_worker_repairs_total`: failed collectives after which the ring was re-formed.
     pub repairs: IntCounter,
+    /// `diphoma_worker_batch_share`: samples of each global batch this member computes (its
+    /// speed-weighted share; the shares of all members add up to the global batch).
+    pub batch_share: IntGauge,
 }
 
 impl Default for WorkerMetrics {
@@ -58,6 +61,11 @@ impl WorkerMetrics {
             IntGauge::new(n("ring_generation"), "Ring generation").expect("metric");
         let repairs = IntCounter::new(n("repairs_total"), "Ring re-formations after a failure")
             .expect("metric");
+        let batch_share = IntGauge::new(
+            n("batch_share"),
+            "Samples of each global batch this member computes",
+        )
+        .expect("metric");
         for c in [
             Box::new(allreduce_seconds.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(allreduce_bytes.clone()),
@@ -66,6 +74,7 @@ impl WorkerMetrics {
             Box::new(samples_per_second.clone()),
             Box::new(ring_generation.clone()),
             Box::new(repairs.clone()),
+            Box::new(batch_share.clone()),
         ] {
             registry.register(c).expect("unique metric names");
         }
@@ -78,6 +87,7 @@ impl WorkerMetrics {
             samples_per_second,
             ring_generation,
             repairs,
+            batch_share,
         }
     }
 
@@ -89,6 +99,9 @@ impl WorkerMetrics {
         self.loss.set(f64::from(p.loss));
         self.samples_per_second.set(p.samples_per_second);
         self.ring_generation.set(p.generation as i64);
+        if let Some(&share) = p.shares.get(p.rank) {
+            self.batch_share.set(share as i64);
+        }
     }
 
     /// The Prometheus text exposition of every metric.
@@ -185,6 +198,7 @@ mod tests {
             last_checkpoint: None,
             allreduce_seconds: 0.001,
             allreduce_bytes: 4096,
+            shares: vec![20, 44],
         });
         m.repairs.inc();
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -212,6 +226,7 @@ mod tests {
             "diphoma_worker_repairs_total 1",
             "diphoma_worker_samples_per_second 100",
             "diphoma_worker_allreduce_seconds_count 1",
+            "diphoma_worker_batch_share 20",
         ] {
             assert!(body.contains(line), "{line} missing from {body}");
         }

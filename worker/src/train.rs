@@ -2,10 +2,33 @@
 //! change of ring generation.
 //!
 //! Step `s` trains on samples `[s·B, (s+1)·B)` of the seeded per-epoch permutation
-//! ([`crate::data::step_indices`]), split over the ranks of the current generation
-//! ([`crate::data::shard`]). Each rank computes the gradient of its **summed** loss, all
-//! gradients and the loss travel in one fused `f32` buffer through one `allreduce(Sum)`, and every
-//! rank divides by `B`: the mean gradient of the global batch, whatever the world size.
+//! ([`crate::data::step_indices`]), split over the ranks of the current generation in
+//! contiguous shares ([`crate::balance::range`]). Each rank computes the gradient of its
+//! **summed** loss, all gradients and the loss travel in one fused `f32` buffer through one
+//! `allreduce(Sum)`, and every rank divides by `B`: the mean gradient of the global batch,
+//! whatever the world size and whatever the split.
+//!
+//! Speed-weighted shares ([`TrainConfig::speed_weighted`]): each rank times the compute of its
+//! share (gather, forward, backward; everything before the collective) and keeps a smoothed time
+//! per sample ([`crate::balance::Speed`]). Its rate rides in the step's fused buffer, one `f32`
+//! slot per rank (zero in the others', so the sum is exact), and every
+//! [`TrainConfig::balance_every`] committed steps every rank derives the same new split with
+//! [`crate::balance::split`] from the same summed vector. A new generation starts with the
+//! rates gathered by its state sync. No extra collective: the rates travel with the gradients
+//! (with the averages in periodic mode, and with the steps in the state sync). Switched off, the
+//! split is equal ([`crate::data::shard`]'s).
+//!
+//! Periodic averaging ([`SyncMode::Periodic`], local SGD): each rank takes `H` local steps on its
+//! own share of each step's batch (its gradient is the mean over its share, applied by its own
+//! optimizer) with no collective, then the ranks average their parameters and the optimizer's
+//! state (AdamW's first and second moments; its step count is the same everywhere; SGD has
+//! none) in one `allreduce(Sum)` of the values weighted by each rank's share of the period's
+//! samples, `nᵢ / (h·B)`. With that weighting and plain SGD, `H = 1` is exactly every-step
+//! training (up to f32 rounding): `Σ nᵢ/B·(θ − lr·gᵢ/nᵢ) = θ − lr·Σgᵢ/B`. Only the averages
+//! commit: the committed state is the last average, a failed average rolls back to it (the
+//! local steps since are redone), checkpoints and progress are written at averages only. The
+//! result depends on `H`, on the split and on the world size (local models drift apart between
+//! averages); what it buys is `H` times fewer collectives.
 //!
 //! Commit and roll-back: a step commits (its parameters become the in-memory committed state)
 //! only after its allreduce succeeded; on a [`CommError`] the rank restores the committed
@@ -28,9 +51,10 @@ use diphoma_ring::source::{
 };
 use diphoma_ring::{CommError, Communicator, ReduceOp};
 
+use crate::balance::{self, Speed};
 use crate::checkpoint;
 use crate::data::{self, Dataset};
-use crate::model::{Mlp, digits_widths, fuse, unfuse};
+use crate::model::{Mlp, digits_widths, fuse};
 use crate::optim::{OptState, Optim, OptimizerKind};
 
 /// Hyper-parameters and schedule of a training run (identical on every rank).
@@ -65,9 +89,39 @@ pub struct TrainConfig {
     pub log_every: u64,
     /// For tests of failure detection: `(rank, delay)`, the member at this rank of every
     /// generation sleeps `delay` before each step's allreduce, as a slow GPU or a data-loading
-    /// stall would. `None`: no delay.
+    /// stall would (the sleep counts as its compute time). `None`: no delay.
     pub slow_rank: Option<(usize, std::time::Duration)>,
+    /// Split each step's batch over the ranks in proportion to their measured speeds (see the
+    /// module docs); `false`: equal shares.
+    pub speed_weighted: bool,
+    /// Committed steps between two re-splits of the batch (at least 1).
+    pub balance_every: u64,
+    /// When the ranks synchronise.
+    pub sync: SyncMode,
 }
+
+/// When the ranks synchronise their models (`spec.sync`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SyncMode {
+    /// One gradient allreduce per step: the result does not depend on the world or the split.
+    #[default]
+    EveryStep,
+    /// Local SGD: `H` local steps, then one average of parameters and optimizer state.
+    Periodic(u64),
+}
+
+impl SyncMode {
+    /// Steps per synchronisation: 1 for every step, `H` for periodic.
+    pub fn period(self) -> u64 {
+        match self {
+            SyncMode::EveryStep => 1,
+            SyncMode::Periodic(h) => h,
+        }
+    }
+}
+
+/// Default of [`TrainConfig::balance_every`].
+pub const DEFAULT_BALANCE_EVERY: u64 = 10;
 
 impl Default for TrainConfig {
     fn default() -> Self {
@@ -84,6 +138,9 @@ impl Default for TrainConfig {
             resume_from: None,
             log_every: 0,
             slow_rank: None,
+            speed_weighted: true,
+            balance_every: DEFAULT_BALANCE_EVERY,
+            sync: SyncMode::EveryStep,
         }
     }
 }
@@ -143,6 +200,12 @@ pub struct Outcome {
     pub left: bool,
     /// Time spent in this rank's committed steps.
     pub stats: Stats,
+    /// The split of the global batch in use at the end (samples per rank, in rank order).
+    pub shares: Vec<usize>,
+    /// Every rank's smoothed compute rate (samples per second, in rank order) as last
+    /// exchanged; empty when not speed-weighted. Their sum is the throughput the ring would
+    /// reach if no rank waited for another and communication were free.
+    pub rates: Vec<f64>,
 }
 
 /// Time spent by one rank in its committed steps (not in connects, state syncs or failed
@@ -157,6 +220,9 @@ pub struct Stats {
     pub allreduce_seconds: f64,
     /// Size of one step's fused allreduce buffer (gradients and loss, f32), in bytes.
     pub allreduce_bytes: u64,
+    /// Collectives of the committed steps: one per step, or one per average in periodic mode
+    /// (the state syncs of new generations not counted).
+    pub allreduces: u64,
 }
 
 impl Stats {
@@ -265,27 +331,31 @@ pub fn sync_root(steps: &[u64]) -> usize {
 }
 
 /// Agrees on the state at the start of a generation (see the module docs): gathers every rank's
-/// committed step (as two exact 24-bit halves in f32, one-hot by rank, through one allreduce),
-/// then broadcasts the chosen rank's step, parameters and optimizer state into the live model
-/// and optimizer of every other rank. Returns the agreed step. Nothing changes on a failure.
+/// committed step (as two exact 24-bit halves in f32, one-hot by rank) and its rate (samples
+/// per second, one-hot) through one allreduce, then broadcasts the chosen rank's step,
+/// parameters and optimizer state into the live model and optimizer of every other rank.
+/// Returns the agreed step and every rank's rate. Nothing changes on a failure.
 fn sync_state(
     comm: &mut Communicator,
     step: u64,
+    rate: f64,
     model: &Mlp,
     opt: &mut Optim,
-) -> Result<u64, StepError> {
+) -> Result<(u64, Vec<f64>), StepError> {
     let (w, r) = (comm.world(), comm.rank());
     if w == 1 {
-        return Ok(step);
+        return Ok((step, vec![rate]));
     }
-    let mut v = vec![0f32; 2 * w];
+    let mut v = vec![0f32; 3 * w];
     v[2 * r] = (step >> 24) as f32;
     v[2 * r + 1] = (step & 0xFF_FFFF) as f32;
+    v[2 * w + r] = rate as f32;
     comm.allreduce(&mut v, ReduceOp::Sum)
         .map_err(StepError::Comm)?;
     let steps: Vec<u64> = (0..w)
         .map(|q| ((v[2 * q] as u64) << 24) | v[2 * q + 1] as u64)
         .collect();
+    let rates = v[2 * w..].iter().map(|&x| f64::from(x)).collect();
     let root = sync_root(&steps);
     let (n, kind) = (model.param_count(), opt.kind());
     let mut buf = vec![0u8; state_len(n, kind)];
@@ -295,16 +365,17 @@ fn sync_state(
     comm.broadcast_bytes(&mut buf, root)
         .map_err(StepError::Comm)?;
     if r == root {
-        return Ok(step);
+        return Ok((step, rates));
     }
-    Ok(restore(&decode_state(&buf, n, kind), model, opt)?)
+    Ok((restore(&decode_state(&buf, n, kind), model, opt)?, rates))
 }
 
-/// Writes the checkpoint of the live state after `step` when that step is due (or the last
-/// one); returns its step. A failed write is reported and training goes on (the previous
-/// checkpoint stays valid).
+/// Writes the checkpoint of the live state after `step`, committed after `prev`, when a due
+/// step (a multiple of `checkpoint_every`, or the last one) lies in `prev+1..=step`; returns its
+/// step. A failed write is reported and training goes on (the previous checkpoint stays valid).
 fn maybe_checkpoint(
     cfg: &TrainConfig,
+    prev: u64,
     step: u64,
     model: &Mlp,
     opt: &Optim,
@@ -313,7 +384,7 @@ fn maybe_checkpoint(
         return Ok(None);
     };
     let every = cfg.checkpoint_every;
-    if every == 0 || !(step.is_multiple_of(every) || step == cfg.steps) {
+    if every == 0 || !(step / every > prev / every || step == cfg.steps) {
         return Ok(None);
     }
     let s = snapshot(step, model, opt)?;
@@ -337,38 +408,147 @@ fn maybe_checkpoint(
     })
 }
 
-/// One step on this rank: local gradient of its shard, the fused allreduce, the optimizer's
-/// update. Returns the global mean loss, the allreduce's duration (s) and its size (bytes). On
-/// a [`CommError`] the model and the optimizer are untouched: they still hold the committed
-/// state, so roll-back needs no copy.
-fn step_once(
+/// What a committed step or average leaves behind.
+struct Committed {
+    /// Global mean training loss (periodic: over the period's steps).
+    loss: f32,
+    /// Duration of the collective, in seconds.
+    secs: f64,
+    /// Size of its buffer, in bytes.
+    bytes: u64,
+    /// Every rank's rate as carried in the buffer (empty when not speed-weighted).
+    rates: Vec<f64>,
+}
+
+/// This rank's share of step `step`: the samples and the seconds it took to compute their
+/// summed-loss gradient (gather, forward, backward, and [`TrainConfig::slow_rank`]'s delay).
+fn local_gradient(
     cfg: &TrainConfig,
     train: &Dataset,
     model: &Mlp,
-    opt: &mut Optim,
-    comm: &mut Communicator,
+    (rank, shares): (usize, &[usize]),
     step: u64,
-) -> Result<(f32, f64, u64), StepError> {
+) -> candle_core::Result<(Vec<Vec<f32>>, f32, usize, f64)> {
+    let t0 = std::time::Instant::now();
     let idx = data::step_indices(train.len(), cfg.batch, cfg.seed, step);
-    let mine = data::shard(idx.len(), comm.world(), comm.rank());
+    let mine = balance::range(shares, rank);
+    let n = mine.len();
     let (grads, loss) = model.grad_sum(&train.gather(&idx[mine]))?;
-    let mut buf = fuse(&grads, &[loss]);
-    drop(grads);
     if let Some((r, delay)) = cfg.slow_rank
-        && r == comm.rank()
+        && r == rank
     {
         std::thread::sleep(delay);
     }
+    Ok((grads, loss, n, t0.elapsed().as_secs_f64()))
+}
+
+/// The rates' slots of a fused buffer: `world` zeros but this rank's rate (speed-weighted
+/// runs only; none otherwise).
+fn rate_slots(cfg: &TrainConfig, world: usize, rank: usize, speed: &Speed) -> Vec<f32> {
+    if !cfg.speed_weighted {
+        return Vec::new();
+    }
+    let mut v = vec![0f32; world];
+    v[rank] = speed.rate() as f32;
+    v
+}
+
+/// One step on this rank: local gradient of its share, the fused allreduce (gradients, loss,
+/// rates), the optimizer's update. On a [`CommError`] the model and the optimizer are
+/// untouched: they still hold the committed state, so roll-back needs no copy.
+fn step_once(
+    cfg: &TrainConfig,
+    train: &Dataset,
+    (model, opt): (&Mlp, &mut Optim),
+    comm: &mut Communicator,
+    (shares, speed): (&[usize], &mut Speed),
+    step: u64,
+) -> Result<Committed, StepError> {
+    let (w, r) = (comm.world(), comm.rank());
+    let (grads, loss, n, secs) = local_gradient(cfg, train, model, (r, shares), step)?;
+    speed.record(secs, n);
+    let mut buf = fuse(&grads, &[loss]);
+    drop(grads);
+    let np = buf.len() - 1;
+    buf.extend(rate_slots(cfg, w, r, speed));
     let t0 = std::time::Instant::now();
     comm.allreduce(&mut buf, ReduceOp::Sum)
         .map_err(StepError::Comm)?;
     let (secs, bytes) = (t0.elapsed().as_secs_f64(), 4 * buf.len() as u64);
+    let rates = buf[np + 1..].iter().map(|&x| f64::from(x)).collect();
+    buf.truncate(np + 1);
     let inv = 1.0 / cfg.batch as f32;
     buf.iter_mut().for_each(|x| *x *= inv);
-    let parts = unfuse(&buf, &model.lens());
-    let mean_loss = parts.last().expect("extra")[0];
-    model.apply(opt, &buf[..buf.len() - 1])?;
-    Ok((mean_loss, secs, bytes))
+    let mean_loss = buf[np];
+    model.apply(opt, &buf[..np])?;
+    Ok(Committed {
+        loss: mean_loss,
+        secs,
+        bytes,
+        rates,
+    })
+}
+
+/// One period of local SGD on this rank: the local steps `from..to` on its shares (each the
+/// mean gradient of its share, applied by its own optimizer), then the weighted average of
+/// parameters and optimizer moments with the loss and the rates in one `allreduce(Sum)` (see
+/// the module docs). On a [`CommError`] the live model and optimizer hold local, uncommitted
+/// values: the caller restores the last average.
+fn period_once(
+    cfg: &TrainConfig,
+    train: &Dataset,
+    (model, opt): (&Mlp, &mut Optim),
+    comm: &mut Communicator,
+    (shares, speed): (&[usize], &mut Speed),
+    (from, to): (u64, u64),
+) -> Result<Committed, StepError> {
+    let (w, r) = (comm.world(), comm.rank());
+    let (mut samples, mut loss_sum) = (0usize, 0f64);
+    for s in from..to {
+        let (grads, loss, n, secs) = local_gradient(cfg, train, model, (r, shares), s)?;
+        speed.record(secs, n);
+        let mut g = fuse(&grads, &[]);
+        drop(grads);
+        let inv = 1.0 / n.max(1) as f32;
+        g.iter_mut().for_each(|x| *x *= inv);
+        if n > 0 {
+            model.apply(opt, &g)?;
+        }
+        samples += n;
+        loss_sum += f64::from(loss);
+    }
+    let total = ((to - from) * cfg.batch as u64) as f64;
+    let weight = (samples as f64 / total) as f32;
+    let np = model.param_count();
+    let mut buf = model.flat_params()?;
+    let opt_state = opt.state()?;
+    if let OptState::AdamW { m, v, .. } = &opt_state {
+        buf.extend_from_slice(m);
+        buf.extend_from_slice(v);
+    }
+    buf.iter_mut().for_each(|x| *x *= weight);
+    buf.push((loss_sum / total) as f32);
+    let nv = buf.len();
+    buf.extend(rate_slots(cfg, w, r, speed));
+    let t0 = std::time::Instant::now();
+    comm.allreduce(&mut buf, ReduceOp::Sum)
+        .map_err(StepError::Comm)?;
+    let (secs, bytes) = (t0.elapsed().as_secs_f64(), 4 * buf.len() as u64);
+    let rates = buf[nv..].iter().map(|&x| f64::from(x)).collect();
+    model.set_flat_params(&buf[..np])?;
+    if let OptState::AdamW { step, .. } = opt_state {
+        opt.set_state(&OptState::AdamW {
+            step,
+            m: buf[np..2 * np].to_vec(),
+            v: buf[2 * np..3 * np].to_vec(),
+        })?;
+    }
+    Ok(Committed {
+        loss: buf[nv - 1],
+        secs,
+        bytes,
+        rates,
+    })
 }
 
 enum StepError {
@@ -455,17 +635,23 @@ pub fn train_rank(
     let mut losses: Vec<f32> = Vec::new();
     let mut generations = Vec::new();
     let mut stats = Stats::default();
+    let mut speed = Speed::default();
+    let mut shares = Vec::new();
+    let mut rates = Vec::new();
     let mut next = Some(first);
     let mut left = false;
+    let period = cfg.sync.period().max(1);
     'generations: while let Some(g) = next.take() {
         let gen_no = g.config.generation;
         let synced = match Communicator::connect(g.config, g.listener) {
-            Ok(mut c) => sync_state(&mut c, step, &model, &mut opt).map(|s| (c, s)),
+            Ok(mut c) => sync_state(&mut c, step, speed.rate(), &model, &mut opt).map(|s| (c, s)),
             Err(e) => Err(StepError::Comm(e)),
         };
         let mut comm = match synced {
-            Ok((c, s)) => {
+            Ok((c, (s, r))) => {
                 step = s;
+                shares = split_for(cfg, &r);
+                rates = r;
                 c
             }
             Err(StepError::Model(e)) => return Err(e.into()),
@@ -478,48 +664,87 @@ pub fn train_rank(
         generations.push(gen_no);
         source.connected(gen_no, comm.rank(), comm.abort_handle());
         let (gen_start, gen_first_step) = (std::time::Instant::now(), step);
+        // Periodic mode: the last average, restored when the next one fails.
+        let mut committed = match cfg.sync {
+            SyncMode::EveryStep => None,
+            SyncMode::Periodic(_) => Some(snapshot(step, &model, &opt)?),
+        };
         while step < cfg.steps {
             let s = step;
+            let to = (s + period).min(cfg.steps);
             let t0 = std::time::Instant::now();
-            let (ar_secs, ar_bytes) = match step_once(cfg, train, &model, &mut opt, &mut comm, s) {
-                Ok((loss, secs, bytes)) => {
-                    step = s + 1;
-                    losses.push(loss);
-                    if comm.rank() == 0 {
-                        last_checkpoint =
-                            maybe_checkpoint(cfg, step, &model, &opt)?.or(last_checkpoint);
-                    }
-                    stats.steps += 1;
-                    stats.seconds += t0.elapsed().as_secs_f64();
-                    stats.allreduce_seconds += secs;
-                    stats.allreduce_bytes = bytes;
-                    if comm.rank() == 0 && cfg.log_every > 0 && step.is_multiple_of(cfg.log_every) {
-                        // Progress output of the CLI on stdout (e2e reads it), not a log line.
-                        println!(
-                            "step {step} generation {gen_no} loss {loss:.5} samples/s {:.1} allreduce {:.2} ms",
-                            stats.samples_per_second(cfg.batch),
-                            secs * 1e3
-                        );
-                    }
-                    (secs, bytes)
-                }
+            let done = match cfg.sync {
+                SyncMode::EveryStep => step_once(
+                    cfg,
+                    train,
+                    (&model, &mut opt),
+                    &mut comm,
+                    (&shares, &mut speed),
+                    s,
+                ),
+                SyncMode::Periodic(_) => period_once(
+                    cfg,
+                    train,
+                    (&model, &mut opt),
+                    &mut comm,
+                    (&shares, &mut speed),
+                    (s, to),
+                ),
+            };
+            let c = match done {
+                Ok(c) => c,
                 Err(StepError::Model(e)) => return Err(e.into()),
                 Err(StepError::Comm(e)) => {
+                    if let Some(last) = &committed {
+                        restore(last, &model, &mut opt)?;
+                    }
                     next = Some(source.after_failure(&e).ok_or(TrainError::Ring(e))?);
                     continue 'generations;
                 }
             };
+            step = to;
+            losses.resize(step as usize, c.loss);
+            if let Some(last) = &mut committed {
+                *last = snapshot(step, &model, &opt)?;
+            }
+            if comm.rank() == 0 {
+                last_checkpoint = maybe_checkpoint(cfg, s, step, &model, &opt)?.or(last_checkpoint);
+            }
+            stats.steps += step - s;
+            stats.seconds += t0.elapsed().as_secs_f64();
+            stats.allreduce_seconds += c.secs;
+            stats.allreduce_bytes = c.bytes;
+            stats.allreduces += 1;
+            if cfg.speed_weighted && step / cfg.balance_every.max(1) > s / cfg.balance_every.max(1)
+            {
+                shares = split_for(cfg, &c.rates);
+            }
+            if cfg.speed_weighted {
+                rates = c.rates;
+            }
+            if comm.rank() == 0 && cfg.log_every > 0 && step / cfg.log_every > s / cfg.log_every {
+                // Progress output of the CLI on stdout (e2e reads it), not a log line.
+                println!(
+                    "step {step} generation {gen_no} loss {:.5} samples/s {:.1} allreduce {:.2} ms rates {} shares {}",
+                    c.loss,
+                    stats.samples_per_second(cfg.batch),
+                    c.secs * 1e3,
+                    join(&rates, |r| format!("{r:.0}")),
+                    join(&shares, ToString::to_string),
+                );
+            }
             let progress = Progress {
                 step,
                 total_steps: cfg.steps,
                 generation: gen_no,
                 rank: comm.rank(),
-                loss: losses.last().copied().unwrap_or(f32::NAN),
+                loss: c.loss,
                 samples_per_second: ((step - gen_first_step) * cfg.batch as u64) as f64
                     / gen_start.elapsed().as_secs_f64().max(1e-9),
                 last_checkpoint,
-                allreduce_seconds: ar_secs,
-                allreduce_bytes: ar_bytes,
+                allreduce_seconds: c.secs,
+                allreduce_bytes: c.bytes,
+                shares: shares.clone(),
             };
             match source.after_commit(&progress) {
                 Control::Continue => {}
@@ -543,7 +768,28 @@ pub fn train_rank(
         last_checkpoint,
         left,
         stats,
+        shares,
+        rates: if cfg.speed_weighted {
+            rates
+        } else {
+            Vec::new()
+        },
     })
+}
+
+/// `xs` shown with `f`, separated by `/` (the rates and shares of the progress line).
+fn join<T>(xs: &[T], f: impl Fn(&T) -> String) -> String {
+    xs.iter().map(f).collect::<Vec<_>>().join("/")
+}
+
+/// The split of the batch for `rates` (one per rank): [`balance::split`] when speed-weighted,
+/// equal otherwise (the ranks' count is the length of `rates`).
+fn split_for(cfg: &TrainConfig, rates: &[f64]) -> Vec<usize> {
+    if cfg.speed_weighted {
+        balance::split(cfg.batch, rates)
+    } else {
+        balance::split(cfg.batch, &vec![1.0; rates.len()])
+    }
 }
 
 /// Runs `world` ranks as threads on 127.0.0.1 with a [`FixedRing`]; outcomes by rank.

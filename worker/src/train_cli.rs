@@ -99,6 +99,22 @@ pub(crate) struct TrainArgs {
     /// The rank that --step-delay-ms slows down.
     #[arg(long, default_value_t = 0)]
     step_delay_rank: usize,
+    /// Split each step's global batch over the ranks in proportion to their measured speeds
+    /// (`spec.balance.speedWeighted`); `false`: equal shares.
+    #[arg(long, env = diphoma_contract::ENV_SPEED_WEIGHTED, default_value_t = true, action = clap::ArgAction::Set)]
+    speed_weighted: bool,
+    /// Committed steps between two re-splits of the batch (`spec.balance.everySteps`).
+    #[arg(long, env = diphoma_contract::ENV_BALANCE_EVERY, default_value_t = train::DEFAULT_BALANCE_EVERY)]
+    balance_every: u64,
+    /// 0: synchronise every step (one gradient allreduce); H ≥ 1: periodic averaging (local
+    /// SGD), H local steps between two averages of the models (`spec.sync`).
+    #[arg(long, env = diphoma_contract::ENV_SYNC_EVERY, default_value_t = 0)]
+    sync_every: u64,
+    /// One rank of a standalone ring started by a launcher: rank, world and addresses from
+    /// DIPHOMA_RANK, DIPHOMA_WORLD_SIZE, DIPHOMA_RING_ADDRESSES, the key from DIPHOMA_KEY_FILE,
+    /// DIPHOMA_JOB_UID (one process per rank, e.g. each pinned to its own CPU).
+    #[arg(long, conflicts_with = "standalone")]
+    launched: bool,
     /// Kubernetes mode: port of `/metrics` on the pod IP (0: none).
     #[arg(long, default_value_t = diphoma_contract::DEFAULT_METRICS_PORT)]
     metrics_port: u16,
@@ -110,7 +126,10 @@ const SYNTHETIC_SAMPLES: usize = 5120;
 /// Runs `train`; the exit code is 0 also when the rank left the ring (scale-down, SIGTERM).
 pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
     // Kubernetes mode checks its environment before anything else.
-    let kube_env = if a.standalone {
+    if a.balance_every == 0 {
+        return Err("--balance-every (DIPHOMA_BALANCE_EVERY) must be at least 1".into());
+    }
+    let kube_env = if a.standalone || a.launched {
         None
     } else {
         let env = k8s::WorkerEnv::from_env()?;
@@ -178,8 +197,27 @@ pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         log_every: a.log_every,
         slow_rank: (a.step_delay_ms > 0)
             .then(|| (a.step_delay_rank, Duration::from_millis(a.step_delay_ms))),
+        speed_weighted: a.speed_weighted,
+        balance_every: a.balance_every,
+        sync: match a.sync_every {
+            0 => train::SyncMode::EveryStep,
+            h => train::SyncMode::Periodic(h),
+        },
     };
     let (out, world, mut ring) = match kube_env {
+        None if a.launched => {
+            let config = diphoma_ring::source::standalone_config(|n| std::env::var(n).ok())?;
+            let world = config.world;
+            let listener = std::net::TcpListener::bind(config.addresses[config.rank])?;
+            let first = diphoma_ring::source::Generation { config, listener };
+            let out = train::train_rank(
+                &cfg,
+                &train_set,
+                first,
+                &mut diphoma_ring::source::FixedRing,
+            )?;
+            (out, world, None)
+        }
         None => {
             let mut outs = train::train_standalone(&cfg, &train_set, a.world)?;
             (outs.swap_remove(0), a.world, None)
@@ -231,6 +269,15 @@ pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         per_step * 1e3,
         st.allreduce_bytes as f64 / 1e6,
         st.steps,
+    );
+    let join = |xs: Vec<String>| xs.join("/");
+    println!(
+        "allreduces {} for {} steps, shares {}, rates {} samples/s (sum {:.1})",
+        st.allreduces,
+        st.steps,
+        join(out.shares.iter().map(ToString::to_string).collect()),
+        join(out.rates.iter().map(|r| format!("{r:.1}")).collect()),
+        out.rates.iter().sum::<f64>(),
     );
     let acc = out.model.accuracy(&test_set)?;
     println!(

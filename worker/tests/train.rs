@@ -188,8 +188,9 @@ fn synthetic_model_trains_the_same_on_any_world() {
         assert!(max_diff(&one[0].losses, &two[0].losses) <= TOL);
         let l = &one[0].losses;
         assert!(l[9] < l[0] * 0.95, "loss {} -> {}", l[0], l[9]);
-        // Every step moved the whole fused gradient: 4 bytes per parameter plus the loss.
-        assert_eq!(two[0].stats.allreduce_bytes, 4 * (n as u64 + 1));
+        // Every step moved the whole fused gradient: 4 bytes per parameter plus the loss, plus
+        // one rate per rank (the speed-weighted split's).
+        assert_eq!(two[0].stats.allreduce_bytes, 4 * (n as u64 + 1 + 2));
         assert_eq!(two[0].stats.steps, 10);
         let acc = one[0].model.accuracy(&test).unwrap();
         eprintln!("  loss {} -> {}, test accuracy {acc}", l[0], l[9]);

@@ -27,6 +27,10 @@ struct Cli {
     cmd: Cmd,
 }
 
+/// The products `make cluster-up` labels its nodes with, in turn: two GPU generations, so that
+/// `manifests/examples/mixed-gpus.yaml` places one job across both.
+const DEFAULT_GPU_PRODUCTS: &str = "NVIDIA-H100-80GB-HBM3,NVIDIA-A100-SXM4-80GB";
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Register nodes and run their pods until terminated.
@@ -46,6 +50,10 @@ enum Cmd {
         /// `nvidia.com/gpu` per node.
         #[arg(long, default_value_t = 8)]
         gpus: u32,
+        /// `nvidia.com/gpu.product` labels, comma-separated, given to the nodes in turn (node
+        /// `i` gets product `i mod n`): mixed hardware on one cluster.
+        #[arg(long, value_delimiter = ',', default_value = DEFAULT_GPU_PRODUCTS)]
+        gpu_products: Vec<String>,
         /// Directory of the workspace binaries the images map to (default: this program's own).
         #[arg(long)]
         bin_dir: Option<PathBuf>,
@@ -89,13 +97,15 @@ async fn main() {
             socket,
             nodes,
             gpus,
+            gpu_products,
             bin_dir,
             images,
             runtime,
             clock_offset_seconds,
         } => {
-            let node = |i| NodeConfig {
+            let node = |i: u32| NodeConfig {
                 clock_offset_seconds,
+                gpu_product: gpu_products[i as usize % gpu_products.len().max(1)].clone(),
                 ..NodeConfig::gpu(&format!("gpu-node-{i}"), gpus)
             };
             let nodes = (0..nodes).map(node).collect();

@@ -82,6 +82,8 @@ pub fn next_progress(prev: Option<Progress>, p: &ProgressReport) -> Progress {
         samples_per_second: p.samples_per_second,
         last_checkpoint_step: p.last_checkpoint_step.map(|s| s as i64),
         test_accuracy: p.test_accuracy,
+        min_batch_share: p.min_share.map(|s| s as i64),
+        max_batch_share: p.max_share.map(|s| s as i64),
         percentage: total
             .filter(|t| *t > 0)
             .map(|t| format!("{}%", (step.min(t) * 100) / t)),
@@ -420,6 +422,8 @@ mod tests {
             samples_per_second: None,
             last_checkpoint_step: None,
             test_accuracy: None,
+            min_share: None,
+            max_share: None,
             time: t(secs).to_string(),
         }
     }

@@ -747,6 +747,8 @@ fn reports_of_an_older_generation_are_ignored_and_progress_is_copied() {
         samples_per_second: Some(900.0),
         last_checkpoint_step: Some(100),
         test_accuracy: Some(0.97),
+        min_share: Some(10),
+        max_share: Some(18),
         time: t(99).to_string(),
     };
     let o = Observed {
@@ -762,6 +764,11 @@ fn reports_of_an_older_generation_are_ignored_and_progress_is_copied() {
         (120, Some(500), Some(100))
     );
     assert_eq!((got.loss, got.test_accuracy), (Some(0.25), Some(0.97)));
+    // The spread of the speed-weighted split.
+    assert_eq!(
+        (got.min_batch_share, got.max_batch_share),
+        (Some(10), Some(18))
+    );
 }
 
 #[test]
