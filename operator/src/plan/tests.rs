@@ -1293,11 +1293,8 @@ fn reports_falling_silent_are_a_timer() {
         generation: 3,
         step: 120,
         total_steps: Some(500),
-        loss: None,
-        samples_per_second: None,
-        last_checkpoint_step: None,
-        test_accuracy: None,
         time: t(90).to_string(),
+        ..ProgressReport::default()
     };
     let at = |now: i64| Observed {
         progress: Some(progress.clone()),
