@@ -361,7 +361,7 @@ pub async fn run(
         role_bindings,
         services,
     };
-    let controller = Controller::new(jobs, watcher::Config::default().any_semantic())
+    let mut controller = Controller::new(jobs, watcher::Config::default().any_semantic())
         .owns(pods, owned.clone())
         .owns(
             Api::<PartialObjectMeta<ConfigMap>>::all(client.clone()),
@@ -371,6 +371,16 @@ pub async fn run(
         .owns_stream(role_events)
         .owns_stream(binding_events)
         .owns_stream(service_events);
+    // --- queue hook (issue 15): Kueue Workloads, when the API server serves them ---
+    if crate::queue::served(&client).await {
+        let ar = crate::queue::workloads();
+        controller = controller.owns_with(
+            Api::<DynamicObject>::all_with(client.clone(), &ar),
+            ar,
+            crate::queue::owned_workloads(),
+        );
+    }
+    // --- end queue hook ---
     if let Some(listener) = metrics_listener {
         tokio::spawn(crate::metrics::serve(
             listener,
@@ -533,9 +543,16 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
             .remove(&job_key(job));
         return Ok(Action::await_change()); // owner references clean up the children
     }
+    // --- queue hook (issue 15): a job managed by another controller (spec.managedBy) is left
+    // alone: nothing created, no status written ---
+    if !job.spec.managed_here() {
+        return Ok(Action::await_change());
+    }
+    // --- end queue hook ---
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
     let (mut obs, heartbeat_version) = observe(&ctx.client, &ctx.leases, job).await?; // reads
+    obs.queue = crate::queue::observe(&ctx.client, job).await?; // queue hook (issue 15)
     if let Some(children) = &ctx.children {
         obs.missing.extend(children.missing(job)); // from the watches' caches
     }
@@ -557,6 +574,7 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
     obs.refused = refusals.pods.clone();
     let plan = plan::plan(job, &obs); // pure
     apply(ctx, job, &plan, refusals).await?; // writes (and the metrics of what they did)
+    crate::queue::apply(&ctx.client, job, &plan.queue).await?; // queue hook (issue 15)
     Ok(plan
         .look_again
         .map_or_else(Action::await_change, Action::requeue))
@@ -679,6 +697,7 @@ async fn observe(
         reports,
         now,
         refused: BTreeMap::new(),
+        queue: Default::default(),
     };
     Ok((observed, version))
 }

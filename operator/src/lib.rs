@@ -12,6 +12,8 @@
 //! - [`controller`]: observe → plan → apply against the API server, leader election, and the
 //!   watches of owned kinds whose caches tell which children are missing (children are a job's
 //!   by owner UID). Decides nothing; the metrics listener is injected.
+//! - [`queue`]: Kueue I/O (a queued job's Workload and the admitted ResourceFlavors), carrying
+//!   out what `plan::queue` decides. Decides nothing.
 //! - [`error`]: the reconcile errors, one variant per step, each with a bounded metric label.
 //!   Imported by `controller` and `metrics`, importing neither.
 //! - [`docs`]: the DiphomaJob reference (Markdown) generated from the CRD. Pure.
@@ -29,6 +31,7 @@ pub mod docs;
 pub mod error;
 pub mod metrics;
 pub mod plan;
+pub mod queue;
 
 use kube::CustomResourceExt;
 
