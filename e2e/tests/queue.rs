@@ -38,7 +38,12 @@ fn main() -> Result<()> {
         .collect();
     let rt = runtime()?;
     // Kueue first (its Workload API must be served when the operator starts), then the operator.
-    let ctx = Ctx::start(&rt, nodes, OperatorMode::None, diphoma_e2e::kubelet::Runtime::Process)?;
+    let ctx = Ctx::start(
+        &rt,
+        nodes,
+        OperatorMode::None,
+        diphoma_e2e::kubelet::Runtime::Process,
+    )?;
     ctx.cp.install_crd()?;
     ctx.cp.start_kueue()?;
     rt.block_on(async { ctx.start_operator() });
@@ -155,6 +160,40 @@ fn condition(st: &DiphomaJobStatus, type_: &str) -> Option<(String, String, Stri
         .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
 }
 
+/// The job's status and its Workload, for a failure message.
+fn last_words(ctx: &Ctx, ns: &str, job: &str) -> String {
+    let (ctx, ns, job) = (ctx.cp.kubectl(), ns.to_owned(), job.to_owned());
+    let mut ctx = ctx;
+    let out = ctx
+        .args(["-n", &ns, "get", "diphomajob", &job, "-o", "json"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let v: Value = serde_json::from_str(&out).unwrap_or_default();
+    let w = std::process::Command::new(ctx.get_program())
+        .envs(ctx.get_envs().filter_map(|(k, v)| Some((k, v?))))
+        .args(["-n", &ns, "get", "workloads.kueue.x-k8s.io", "-o", "json"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let w: Value = serde_json::from_str(&w).unwrap_or_default();
+    format!(
+        "status {} workloads {}",
+        v["status"],
+        w["items"]
+            .as_array()
+            .map(|a| a
+                .iter()
+                .map(|i| json!({"name": i["metadata"]["name"], "status": i["status"]}))
+                .collect::<Vec<_>>())
+            .unwrap_or_default()
+            .iter()
+            .map(|x| x.to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    )
+}
+
 /// Worker pods of `ns` that hold GPUs now (not finished), by job.
 async fn gpu_holders(ctx: &Ctx, ns: &str) -> Result<Vec<String>> {
     let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns)
@@ -173,8 +212,13 @@ async fn a_suspended_job_whose_deadline_is_shorter_than_its_suspension_still_run
     ns: String,
 ) -> Result<()> {
     const DEADLINE: i64 = 4;
-    let extra = json!({"spec": {"runPolicy": {"suspend": true, "activeDeadlineSeconds": DEADLINE}}});
-    apply(&ctx, &ns, &training_job("digits", 2, 100_000, extra).build())?;
+    let extra =
+        json!({"spec": {"runPolicy": {"suspend": true, "activeDeadlineSeconds": DEADLINE}}});
+    apply(
+        &ctx,
+        &ns,
+        &training_job("digits", 2, 100_000, extra).build(),
+    )?;
     // Suspended for longer than its deadline: never DeadlineExceeded, no start time, no worker.
     let mut st = DiphomaJobStatus::default();
     eventually(30, "digits Suspended", async || {
@@ -188,7 +232,10 @@ async fn a_suspended_job_whose_deadline_is_shorter_than_its_suspension_still_run
         st.phase == Some(Phase::Suspended) && st.start_time.is_none(),
         "while suspended: {st:?}"
     );
-    ensure!(gpu_holders(&ctx, &ns).await?.is_empty(), "workers while suspended");
+    ensure!(
+        gpu_holders(&ctx, &ns).await?.is_empty(),
+        "workers while suspended"
+    );
     let resumed = jiff::Timestamp::now();
     jobs(&ctx, &ns)
         .patch(
@@ -223,26 +270,44 @@ async fn a_job_managed_by_another_controller_is_left_alone_and_managed_by_is_imm
     // A job of this operator's, created after it: once it runs, the operator has seen both.
     start_job(&ctx, &ns, &training_job("local", 2, 100_000, json!({})), 2).await?;
     let remote = jobs(&ctx, &ns).get("remote").await?;
-    ensure!(remote.status.is_none(), "status written: {:?}", remote.status);
+    ensure!(
+        remote.status.is_none(),
+        "status written: {:?}",
+        remote.status
+    );
     let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
         .list(&ListParams::default().labels("diphoma.io/job-name=remote"))
         .await?;
-    ensure!(pods.items.is_empty(), "workers created for a job managed elsewhere");
+    ensure!(
+        pods.items.is_empty(),
+        "workers created for a job managed elsewhere"
+    );
     let svc = Api::<Service>::namespaced(ctx.client.clone(), &ns)
         .get_opt("remote")
         .await?;
-    ensure!(svc.is_none(), "a Service created for a job managed elsewhere");
+    ensure!(
+        svc.is_none(),
+        "a Service created for a job managed elsewhere"
+    );
     // Immutable: changing, removing or adding managedBy is refused by the API server.
     let attempts = [
-        ("remote", json!({"spec": {"managedBy": "diphoma.io/operator"}})),
+        (
+            "remote",
+            json!({"spec": {"managedBy": "diphoma.io/operator"}}),
+        ),
         ("remote", json!({"spec": {"managedBy": null}})),
-        ("local", json!({"spec": {"managedBy": "kueue.x-k8s.io/multikueue"}})),
+        (
+            "local",
+            json!({"spec": {"managedBy": "kueue.x-k8s.io/multikueue"}}),
+        ),
     ];
     for (job, patch) in attempts {
         let r = jobs(&ctx, &ns)
             .patch(job, &PatchParams::default(), &Patch::Merge(&patch))
             .await;
-        let err = r.err().with_context(|| format!("{job}: {patch} was accepted"))?;
+        let err = r
+            .err()
+            .with_context(|| format!("{job}: {patch} was accepted"))?;
         ensure!(err.to_string().contains("managedBy is immutable"), "{err}");
     }
     Ok(())
@@ -272,7 +337,8 @@ async fn two_jobs_behind_a_quota_for_one_run_one_after_the_other_never_over_quot
         }
         Ok(formed.is_some())
     })
-    .await?;
+    .await
+    .with_context(|| format!("first: {:?}", last_words(&ctx, &ns, "first")))?;
     apply(&ctx, &ns, &second.build())?;
     // The second waits, suspended, with Kueue's reason; the quota is never exceeded.
     let mut max_holders = 0;
@@ -307,7 +373,10 @@ async fn two_jobs_behind_a_quota_for_one_run_one_after_the_other_never_over_quot
         "second waited with {reason}: {message}"
     );
     let w = workload(&ctx, &ns, "first").await?.context("no Workload")?;
-    ensure!(workload_condition(&w, "Finished").is_some(), "first's Workload not Finished");
+    ensure!(
+        workload_condition(&w, "Finished").is_some(),
+        "first's Workload not Finished"
+    );
     let latency = formed.unwrap() - admitted.unwrap();
     println!(
         "\nKueue admission latency (Workload admitted → ring formed, 2 workers): {:.2} s; \
@@ -359,10 +428,24 @@ async fn a_preempted_job_is_suspended_and_resumes_from_its_checkpoint_with_its_c
     let t_suspended = Instant::now();
     let (_, reason, message) = suspended.unwrap();
     ensure!(reason == "Preempted", "suspended with {reason}: {message}");
-    let newest = status(&ctx, &ns, "low")
-        .await?
-        .progress
-        .and_then(|p| p.last_checkpoint_step)
+    // The newest checkpoint once low's workers are gone (rank 0 may write one more as it stops).
+    eventually(30, "low's workers gone", async || {
+        Ok(!gpu_holders(&ctx, &ns)
+            .await?
+            .iter()
+            .any(|p| p.starts_with("low-")))
+    })
+    .await?;
+    let uid = jobs(&ctx, &ns).get("low").await?.uid().context("no uid")?;
+    let newest = std::fs::read_dir(dir.join(&ns).join("low").join(uid))?
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            name.strip_prefix("ckpt-")?
+                .strip_suffix(".safetensors")?
+                .parse::<u64>()
+                .ok()
+        })
+        .max()
         .context("no checkpoint")?;
     let mut high_done = None;
     eventually(150, "high Succeeded", async || {

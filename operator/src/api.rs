@@ -673,7 +673,9 @@ pub fn preserved_array(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
 impl DiphomaJobSpec {
     /// Whether this operator runs the job (`spec.managedBy` absent or [`CONTROLLER_NAME`]).
     pub fn managed_here(&self) -> bool {
-        self.managed_by.as_deref().is_none_or(|m| m == CONTROLLER_NAME)
+        self.managed_by
+            .as_deref()
+            .is_none_or(|m| m == CONTROLLER_NAME)
     }
 
     /// `(min, max)` ring size: the elastic bounds, or `(replicas, replicas)`.

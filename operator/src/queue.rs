@@ -46,7 +46,6 @@ pub fn owned_workloads() -> watcher::Config {
     ))
 }
 
-
 /// The job's place in Kueue: [`Queue::NotQueued`] without [`queue::QUEUE_LABEL`]; else its
 /// Workload (if any), with the flavors of its admission resolved.
 ///
@@ -64,15 +63,34 @@ pub async fn observe(client: &Client, job: &DiphomaJob) -> Result<Queue, Error> 
         Err(kube::Error::Api(e)) if e.code == 404 => None, // the CRD is not installed
         Err(e) => return Err(read("Kueue Workload")(e)),
     };
+    let priority = match job.labels().get(queue::PRIORITY_CLASS_LABEL) {
+        Some(class) => {
+            let classes: Api<DynamicObject> = Api::all_with(
+                client.clone(),
+                &resource("WorkloadPriorityClass", "workloadpriorityclasses"),
+            );
+            match classes.get_opt(class).await {
+                Ok(c) => c
+                    .and_then(|c| c.data.get("value")?.as_i64())
+                    .map(|v| v as i32),
+                Err(kube::Error::Api(e)) if e.code == 404 => None,
+                Err(e) => return Err(read("Kueue WorkloadPriorityClass")(e)),
+            }
+        }
+        None => None,
+    };
     let Some(object) = object else {
         return Ok(Queue::Queued {
             queue: queue_name,
             workload: None,
+            priority,
         });
     };
     let value = serde_json::to_value(&object).unwrap_or_default();
-    let flavors_api: Api<DynamicObject> =
-        Api::all_with(client.clone(), &resource("ResourceFlavor", "resourceflavors"));
+    let flavors_api: Api<DynamicObject> = Api::all_with(
+        client.clone(),
+        &resource("ResourceFlavor", "resourceflavors"),
+    );
     let mut flavors = BTreeMap::new();
     for name in queue::assigned_flavors(&value) {
         if let Some(f) = flavors_api
@@ -87,6 +105,7 @@ pub async fn observe(client: &Client, job: &DiphomaJob) -> Result<Queue, Error> 
     Ok(Queue::Queued {
         queue: queue_name,
         workload: Some(view),
+        priority,
     })
 }
 
@@ -130,12 +149,12 @@ pub async fn apply(client: &Client, job: &DiphomaJob, plan: &QueuePlan) -> Resul
             ..Default::default()
         };
         api.patch_status(name, &params, &Patch::Merge(&body))
-        .await
-        .map_err(|source| Error::Workload {
-            action: "patch status of",
-            name: name.clone(),
-            source,
-        })?;
+            .await
+            .map_err(|source| Error::Workload {
+                action: "patch status of",
+                name: name.clone(),
+                source,
+            })?;
     }
     Ok(())
 }

@@ -92,6 +92,9 @@ pub enum Queue {
         queue: String,
         /// The Workload named after the job ([`workload_name`]), if any.
         workload: Option<WorkloadView>,
+        /// The `value` of the WorkloadPriorityClass named by [`PRIORITY_CLASS_LABEL`] (none:
+        /// no label, or no such class).
+        priority: Option<i32>,
     },
 }
 
@@ -132,13 +135,29 @@ fn is_true(conds: &[Condition], t: &str) -> bool {
 /// reason and message, e.g. `Pending: couldn't assign flavors …`), evicted (`Evicted`'s:
 /// `Preempted`, `InactiveWorkload`, …), or a Workload that is being replaced.
 pub fn hold(job: &DiphomaJob, q: &Queue) -> Option<Hold> {
-    let Queue::Queued { queue, workload } = q else {
+    let Queue::Queued {
+        queue,
+        workload,
+        priority,
+    } = q
+    else {
         return None;
     };
-    let h = |reason: &str, message: String| Some(Hold {
-        reason: reason_of(reason),
-        message,
-    });
+    let h = |reason: &str, message: String| {
+        Some(Hold {
+            reason: reason_of(reason),
+            message,
+        })
+    };
+    if let Some(class) = job.labels().get(PRIORITY_CLASS_LABEL)
+        && priority.is_none()
+        && workload.is_none()
+    {
+        return h(
+            "PriorityClassNotFound",
+            format!("WorkloadPriorityClass {class} (label {PRIORITY_CLASS_LABEL}) not found"),
+        );
+    }
     if mismatched(job, q) {
         return h(
             "WorkloadReplaced",
@@ -161,7 +180,10 @@ pub fn hold(job: &DiphomaJob, q: &Queue) -> Option<Hold> {
         Some(c) if c.status == "False" => h(&c.reason, format!("queued in Kueue: {}", c.message)),
         Some(c) if c.status == "True" => h(
             "QuotaReserved",
-            format!("quota reserved, waiting for admission checks: {}", c.message),
+            format!(
+                "quota reserved, waiting for admission checks: {}",
+                c.message
+            ),
         ),
         _ => h(
             "Pending",
@@ -174,7 +196,8 @@ pub fn hold(job: &DiphomaJob, q: &Queue) -> Option<Hold> {
 /// is one; `Queued` when empty.
 fn reason_of(r: &str) -> String {
     let ok = r.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
-        && r.chars().all(|c| c.is_ascii_alphanumeric() || "_,:".contains(c));
+        && r.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_,:".contains(c));
     if ok { r.to_owned() } else { "Queued".into() }
 }
 
@@ -212,6 +235,7 @@ pub fn queue_plan(
     let Queue::Queued {
         queue,
         workload: current,
+        priority,
     } = queue
     else {
         return plan;
@@ -223,8 +247,9 @@ pub fn queue_plan(
         .any(|p| !matches!(super::pod_phase(p), "Succeeded" | "Failed"));
     let w = match current {
         None => {
-            if !phase.is_some_and(Phase::is_terminal) {
-                plan.create = Some(workload(job, queue));
+            let classless = job.labels().contains_key(PRIORITY_CLASS_LABEL) && priority.is_none();
+            if !phase.is_some_and(Phase::is_terminal) && !classless {
+                plan.create = Some(workload(job, queue, *priority));
             }
             return plan;
         }
@@ -270,7 +295,14 @@ pub fn queue_plan(
         );
         conds = set_condition(&conds, "QuotaReserved", "False", "Pending", &e.message, now);
         if find(&conds, "Admitted").is_some() {
-            conds = set_condition(&conds, "Admitted", "False", "NoReservation", "The workload has no reservation", now);
+            conds = set_condition(
+                &conds,
+                "Admitted",
+                "False",
+                "NoReservation",
+                "The workload has no reservation",
+                now,
+            );
         }
         plan.patch_status = Some((
             w.name.clone(),
@@ -286,6 +318,7 @@ pub fn mismatched(job: &DiphomaJob, queue: &Queue) -> bool {
     let Queue::Queued {
         queue,
         workload: Some(w),
+        ..
     } = queue
     else {
         return false;
@@ -324,8 +357,9 @@ fn set_condition(
 /// below `replicas`), the worker pod template (containers' names, images and resources, GPU
 /// requests included, node selector, tolerations, affinity: what Kueue's flavor assignment
 /// reads), the job's LocalQueue and, from [`PRIORITY_CLASS_LABEL`], its
-/// WorkloadPriorityClass. Owned by the job (controller), so it goes with it.
-pub fn workload(job: &DiphomaJob, queue: &str) -> Value {
+/// WorkloadPriorityClass with its `priority` value (Kueue's validation requires both, as its
+/// jobframework sets them). Owned by the job (controller), so it goes with it.
+pub fn workload(job: &DiphomaJob, queue: &str, priority: Option<i32>) -> Value {
     let name = job.name_any();
     let (min, _) = job.spec.bounds();
     let replicas = job.spec.replicas;
@@ -335,10 +369,11 @@ pub fn workload(job: &DiphomaJob, queue: &str) -> Value {
         podset["minCount"] = json!(min);
     }
     let mut spec = json!({"queueName": queue, "podSets": [podset]});
-    if let Some(pc) = job.labels().get(PRIORITY_CLASS_LABEL) {
+    if let (Some(pc), Some(value)) = (job.labels().get(PRIORITY_CLASS_LABEL), priority) {
         spec["priorityClassRef"] = json!({
             "group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass", "name": pc
         });
+        spec["priority"] = json!(value);
     }
     let mut labels = BTreeMap::new();
     labels.insert(
@@ -401,7 +436,12 @@ fn podset_template(job: &DiphomaJob) -> PodTemplateSpec {
 /// decides ownership and `flavors` gives each ResourceFlavor's `spec` (node labels,
 /// tolerations) by name. Fields missing from the object read as empty.
 pub fn view(object: &Value, job_uid: &str, flavors: &BTreeMap<String, Value>) -> WorkloadView {
-    let s = |p: &str| object.pointer(p).and_then(Value::as_str).unwrap_or_default();
+    let s = |p: &str| {
+        object
+            .pointer(p)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+    };
     let owned = object
         .pointer("/metadata/ownerReferences")
         .and_then(Value::as_array)
@@ -430,10 +470,9 @@ pub fn view(object: &Value, job_uid: &str, flavors: &BTreeMap<String, Value>) ->
                 let Some(spec) = flavors.get(flavor) else {
                     continue;
                 };
-                if let Some(labels) = spec
-                    .get("nodeLabels")
-                    .and_then(|l| serde_json::from_value::<BTreeMap<String, String>>(l.clone()).ok())
-                {
+                if let Some(labels) = spec.get("nodeLabels").and_then(|l| {
+                    serde_json::from_value::<BTreeMap<String, String>>(l.clone()).ok()
+                }) {
                     node_selector.extend(labels);
                 }
                 for t in spec
@@ -461,7 +500,9 @@ pub fn view(object: &Value, job_uid: &str, flavors: &BTreeMap<String, Value>) ->
     WorkloadView {
         name: s("/metadata/name").to_owned(),
         owned,
-        deleting: object.pointer("/metadata/deletionTimestamp").is_some_and(|d| !d.is_null()),
+        deleting: object
+            .pointer("/metadata/deletionTimestamp")
+            .is_some_and(|d| !d.is_null()),
         count,
         min_count: int(podset.and_then(|p| p.get("minCount"))),
         queue: s("/spec/queueName").to_owned(),
@@ -479,7 +520,10 @@ pub fn assigned_flavors(object: &Value) -> Vec<String> {
         .into_iter()
         .flatten()
         .filter_map(|p| p.get("flavors")?.as_object().cloned())
-        .flat_map(|m| m.into_iter().filter_map(|(_, v)| v.as_str().map(str::to_owned)))
+        .flat_map(|m| {
+            m.into_iter()
+                .filter_map(|(_, v)| v.as_str().map(str::to_owned))
+        })
         .collect();
     names.sort();
     names.dedup();
@@ -505,13 +549,15 @@ mod tests {
     }
 
     fn elastic() -> DiphomaJob {
-        queued(job(json!({"replicas": 4, "elastic": {"minReplicas": 2, "maxReplicas": 4},
+        queued(job(
+            json!({"replicas": 4, "elastic": {"minReplicas": 2, "maxReplicas": 4},
             "gpusPerWorker": 1,
-            "template": {"spec": {"containers": [{"name": "w", "image": "x"}]}}})))
+            "template": {"spec": {"containers": [{"name": "w", "image": "x"}]}}}),
+        ))
     }
 
     fn wl(j: &DiphomaJob, status: Value) -> Value {
-        let mut w = workload(j, "team");
+        let mut w = workload(j, "team", None);
         w["metadata"]["ownerReferences"] = json!([{"uid": "uid-1", "apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "name": "train"}]);
         w["status"] = status;
         w
@@ -520,10 +566,13 @@ mod tests {
     #[test]
     fn the_workload_has_one_podset_with_min_count_and_gpu_requests() {
         let j = elastic();
-        let w = workload(&j, "team");
+        let w = workload(&j, "team", None);
         assert_eq!(w["spec"]["queueName"], "team");
         let ps = &w["spec"]["podSets"][0];
-        assert_eq!((ps["count"].as_i64(), ps["minCount"].as_i64()), (Some(4), Some(2)));
+        assert_eq!(
+            (ps["count"].as_i64(), ps["minCount"].as_i64()),
+            (Some(4), Some(2))
+        );
         let c = &ps["template"]["spec"]["containers"][0];
         assert_eq!(c["resources"]["requests"]["nvidia.com/gpu"], "1");
         assert_eq!(w["metadata"]["name"], "diphomajob-train");
@@ -532,28 +581,53 @@ mod tests {
     #[test]
     fn a_queued_job_is_held_until_admitted_then_runs_with_the_admitted_flavor() {
         let j = elastic();
-        let none = Queue::Queued { queue: "team".into(), workload: None };
+        let none = Queue::Queued {
+            queue: "team".into(),
+            workload: None,
+            priority: None,
+        };
         assert!(hold(&j, &none).is_some());
         assert!(queue_plan(&j, &none, &[], None, t(0)).create.is_some());
 
-        let pending = wl(&j, json!({"conditions": [{"type": "QuotaReserved", "status": "False",
+        let pending = wl(
+            &j,
+            json!({"conditions": [{"type": "QuotaReserved", "status": "False",
             "reason": "Pending", "message": "couldn't assign flavors to pod set workers: insufficient unused quota for nvidia.com/gpu in flavor gpu, 4 more needed",
-            "lastTransitionTime": "2027-01-01T00:00:00Z"}]}));
-        let q = Queue::Queued { queue: "team".into(), workload: Some(view(&pending, "uid-1", &BTreeMap::new())) };
+            "lastTransitionTime": "2027-01-01T00:00:00Z"}]}),
+        );
+        let q = Queue::Queued {
+            queue: "team".into(),
+            workload: Some(view(&pending, "uid-1", &BTreeMap::new())),
+            priority: None,
+        };
         let h = hold(&j, &q).unwrap();
         assert_eq!(h.reason, "Pending");
-        assert!(h.message.contains("insufficient unused quota"), "{}", h.message);
+        assert!(
+            h.message.contains("insufficient unused quota"),
+            "{}",
+            h.message
+        );
         assert!(admitted_view(&j, &q).is_none());
 
-        let admitted = wl(&j, json!({
+        let admitted = wl(
+            &j,
+            json!({
             "admission": {"clusterQueue": "cq", "podSetAssignments": [{"name": "workers", "count": 3, "flavors": {"nvidia.com/gpu": "gpu"}}]},
             "conditions": [
                 {"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"},
-                {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"}]}));
-        let flavors = BTreeMap::from([("gpu".to_owned(), json!({"nodeLabels": {"pool": "gpu"},
-            "tolerations": [{"key": "pool", "operator": "Exists", "effect": "NoSchedule"}]}))]);
+                {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"}]}),
+        );
+        let flavors = BTreeMap::from([(
+            "gpu".to_owned(),
+            json!({"nodeLabels": {"pool": "gpu"},
+            "tolerations": [{"key": "pool", "operator": "Exists", "effect": "NoSchedule"}]}),
+        )]);
         assert_eq!(assigned_flavors(&admitted), ["gpu"]);
-        let q = Queue::Queued { queue: "team".into(), workload: Some(view(&admitted, "uid-1", &flavors)) };
+        let q = Queue::Queued {
+            queue: "team".into(),
+            workload: Some(view(&admitted, "uid-1", &flavors)),
+            priority: None,
+        };
         assert!(hold(&j, &q).is_none());
         let run = admitted_view(&j, &q).unwrap();
         assert_eq!(run.spec.replicas, 3, "partial admission");
@@ -566,16 +640,31 @@ mod tests {
     #[test]
     fn an_evicted_workload_holds_the_job_and_is_requeued_once_no_worker_runs() {
         let j = elastic();
-        let evicted = wl(&j, json!({
+        let evicted = wl(
+            &j,
+            json!({
             "admission": {"clusterQueue": "cq", "podSetAssignments": [{"name": "workers", "count": 4, "flavors": {}}]},
             "conditions": [
                 {"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"},
                 {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"},
-                {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "Preempted to accommodate a workload (UID: x) due to prioritization in the ClusterQueue", "lastTransitionTime": "2027-01-01T00:00:00Z"}]}));
-        let q = Queue::Queued { queue: "team".into(), workload: Some(view(&evicted, "uid-1", &BTreeMap::new())) };
+                {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "Preempted to accommodate a workload (UID: x) due to prioritization in the ClusterQueue", "lastTransitionTime": "2027-01-01T00:00:00Z"}]}),
+        );
+        let q = Queue::Queued {
+            queue: "team".into(),
+            workload: Some(view(&evicted, "uid-1", &BTreeMap::new())),
+            priority: None,
+        };
         assert_eq!(hold(&j, &q).unwrap().reason, "Preempted");
-        let pod: Pod = serde_json::from_value(json!({"metadata": {"name": "train-worker-0"}, "status": {"phase": "Running"}})).unwrap();
-        assert!(queue_plan(&j, &q, &[pod], None, t(0)).patch_status.is_none(), "workers still run");
+        let pod: Pod = serde_json::from_value(
+            json!({"metadata": {"name": "train-worker-0"}, "status": {"phase": "Running"}}),
+        )
+        .unwrap();
+        assert!(
+            queue_plan(&j, &q, &[pod], None, t(0))
+                .patch_status
+                .is_none(),
+            "workers still run"
+        );
         let (name, patch) = queue_plan(&j, &q, &[], None, t(0)).patch_status.unwrap();
         assert_eq!(name, "diphomajob-train");
         assert!(patch["admission"].is_null());
@@ -591,12 +680,20 @@ mod tests {
         let mut j = elastic();
         let w = wl(&j, json!({}));
         j.spec.replicas = 3;
-        let q = Queue::Queued { queue: "team".into(), workload: Some(view(&w, "uid-1", &BTreeMap::new())) };
+        let q = Queue::Queued {
+            queue: "team".into(),
+            workload: Some(view(&w, "uid-1", &BTreeMap::new())),
+            priority: None,
+        };
         assert!(mismatched(&j, &q));
-        assert_eq!(queue_plan(&j, &q, &[], None, t(0)).delete.as_deref(), Some("diphomajob-train"));
+        assert_eq!(
+            queue_plan(&j, &q, &[], None, t(0)).delete.as_deref(),
+            Some("diphomajob-train")
+        );
         j.spec.replicas = 4;
         let done = queue_plan(&j, &q, &[], Some(Phase::Succeeded), t(0));
-        let conds: Vec<Condition> = serde_json::from_value(done.patch_status.unwrap().1["conditions"].clone()).unwrap();
+        let conds: Vec<Condition> =
+            serde_json::from_value(done.patch_status.unwrap().1["conditions"].clone()).unwrap();
         assert!(is_true(&conds, "Finished"));
     }
 }

@@ -470,7 +470,10 @@ fn a_job_created_suspended_never_misses_its_deadline_and_starts_its_clock_when_i
     j.spec.run_policy.suspend = true;
     let held = plan(&j, &obs(vec![], None));
     assert_eq!(held.status.phase, Some(Phase::Suspended));
-    assert_eq!(held.status.start_time, None, "no start time while suspended");
+    assert_eq!(
+        held.status.start_time, None,
+        "no start time while suspended"
+    );
     assert!(held.create.is_empty());
     // Resumed long after: it runs, and its deadline counts from now.
     j.status = Some(held.status);
@@ -496,7 +499,12 @@ fn suspending_clears_the_start_time_and_stops_the_deadline() {
     let mut o = obs(vec![], Some(ring(&j, 1, &[0, 1, 2, 3])));
     o.now = t(1000);
     let still = plan(&later, &o);
-    assert_eq!(still.status.phase, Some(Phase::Suspended), "{:?}", still.status.conditions);
+    assert_eq!(
+        still.status.phase,
+        Some(Phase::Suspended),
+        "{:?}",
+        still.status.conditions
+    );
 }
 
 #[test]
