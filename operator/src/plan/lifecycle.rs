@@ -111,27 +111,24 @@ fn failed(
             ),
         )
     });
+    let mut due = None;
     // The deadline does not run while the job is held (suspended, queued).
-    let deadline = spec
-        .run_policy
-        .active_deadline_seconds
-        .filter(|_| !held)
-        .and_then(|d| {
-            let start = parse_ts(status.start_time.as_deref()?)?;
-            let end = start + jiff::SignedDuration::from_secs(d);
-            if now >= end {
-                Some((
-                    "DeadlineExceeded",
-                    format!("job ran longer than activeDeadlineSeconds {d}"),
-                ))
-            } else {
-                plan.requeue_after = Some(
-                    Duration::from_secs_f64(end.duration_since(now).as_secs_f64().max(0.0))
-                        + Duration::from_millis(100),
-                );
-                None
-            }
-        });
+    let deadline = spec.run_policy.active_deadline_seconds.filter(|_| !held).and_then(|d| {
+        let start = parse_ts(status.start_time.as_deref()?)?;
+        let end = start + jiff::SignedDuration::from_secs(d);
+        if now >= end {
+            Some((
+                "DeadlineExceeded",
+                format!("job ran longer than activeDeadlineSeconds {d}"),
+            ))
+        } else {
+            due = Some(
+                Duration::from_secs_f64(end.duration_since(now).as_secs_f64().max(0.0))
+                    + Duration::from_millis(100),
+            );
+            None
+        }
+    });
     let disruptions = spec
         .fault_tolerance
         .disruption_limit
@@ -145,6 +142,9 @@ fn failed(
                 ),
             )
         });
+    if let Some(d) = due {
+        plan.due_in(d);
+    }
     fatal.or(budget).or(disruptions).or(deadline)
 }
 
@@ -199,7 +199,7 @@ fn completion(
         });
         if waited < grace {
             let again = grace - waited + Duration::from_millis(100);
-            plan.requeue_after = Some(plan.requeue_after.map_or(again, |r| r.min(again)));
+            plan.due_in(again);
             return Some(Completion::Holding);
         }
     }
@@ -329,7 +329,7 @@ fn ttl(job: &DiphomaJob, status: &DiphomaJobStatus, now: Timestamp, plan: &mut P
     if now >= due {
         plan.delete_job = true;
     } else {
-        plan.requeue_after = Some(
+        plan.due_in(
             Duration::from_secs_f64(due.duration_since(now).as_secs_f64())
                 + Duration::from_millis(100),
         );
