@@ -104,7 +104,7 @@ pub async fn observe(client: &Client, job: &DiphomaJob) -> Result<Queue, Error> 
     let view: WorkloadView = queue::view(&value, &job.uid().unwrap_or_default(), &flavors);
     Ok(Queue::Queued {
         queue: queue_name,
-        workload: Some(view),
+        workload: Some(Box::new(view)),
         priority,
     })
 }

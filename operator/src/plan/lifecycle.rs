@@ -113,22 +113,26 @@ fn failed(
     });
     let mut due = None;
     // The deadline does not run while the job is held (suspended, queued).
-    let deadline = spec.run_policy.active_deadline_seconds.filter(|_| !held).and_then(|d| {
-        let start = parse_ts(status.start_time.as_deref()?)?;
-        let end = start + jiff::SignedDuration::from_secs(d);
-        if now >= end {
-            Some((
-                "DeadlineExceeded",
-                format!("job ran longer than activeDeadlineSeconds {d}"),
-            ))
-        } else {
-            due = Some(
-                Duration::from_secs_f64(end.duration_since(now).as_secs_f64().max(0.0))
-                    + Duration::from_millis(100),
-            );
-            None
-        }
-    });
+    let deadline = spec
+        .run_policy
+        .active_deadline_seconds
+        .filter(|_| !held)
+        .and_then(|d| {
+            let start = parse_ts(status.start_time.as_deref()?)?;
+            let end = start + jiff::SignedDuration::from_secs(d);
+            if now >= end {
+                Some((
+                    "DeadlineExceeded",
+                    format!("job ran longer than activeDeadlineSeconds {d}"),
+                ))
+            } else {
+                due = Some(
+                    Duration::from_secs_f64(end.duration_since(now).as_secs_f64().max(0.0))
+                        + Duration::from_millis(100),
+                );
+                None
+            }
+        });
     let disruptions = spec
         .fault_tolerance
         .disruption_limit

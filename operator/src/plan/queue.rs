@@ -90,8 +90,9 @@ pub enum Queue {
     Queued {
         /// The LocalQueue's name.
         queue: String,
-        /// The Workload named after the job ([`workload_name`]), if any.
-        workload: Option<WorkloadView>,
+        /// The Workload named after the job ([`workload_name`]), if any (boxed: it is large,
+        /// and most jobs are not queued).
+        workload: Option<Box<WorkloadView>>,
         /// The `value` of the WorkloadPriorityClass named by [`PRIORITY_CLASS_LABEL`] (none:
         /// no label, or no such class).
         priority: Option<i32>,
@@ -597,7 +598,7 @@ mod tests {
         );
         let q = Queue::Queued {
             queue: "team".into(),
-            workload: Some(view(&pending, "uid-1", &BTreeMap::new())),
+            workload: Some(Box::new(view(&pending, "uid-1", &BTreeMap::new()))),
             priority: None,
         };
         let h = hold(&j, &q).unwrap();
@@ -625,7 +626,7 @@ mod tests {
         assert_eq!(assigned_flavors(&admitted), ["gpu"]);
         let q = Queue::Queued {
             queue: "team".into(),
-            workload: Some(view(&admitted, "uid-1", &flavors)),
+            workload: Some(Box::new(view(&admitted, "uid-1", &flavors))),
             priority: None,
         };
         assert!(hold(&j, &q).is_none());
@@ -651,7 +652,7 @@ mod tests {
         );
         let q = Queue::Queued {
             queue: "team".into(),
-            workload: Some(view(&evicted, "uid-1", &BTreeMap::new())),
+            workload: Some(Box::new(view(&evicted, "uid-1", &BTreeMap::new()))),
             priority: None,
         };
         assert_eq!(hold(&j, &q).unwrap().reason, "Preempted");
@@ -682,7 +683,7 @@ mod tests {
         j.spec.replicas = 3;
         let q = Queue::Queued {
             queue: "team".into(),
-            workload: Some(view(&w, "uid-1", &BTreeMap::new())),
+            workload: Some(Box::new(view(&w, "uid-1", &BTreeMap::new()))),
             priority: None,
         };
         assert!(mismatched(&j, &q));
