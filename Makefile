@@ -18,6 +18,7 @@ deps: ## install Debian packages the scripts need (idempotent)
 
 tools: deps ## build the pinned control plane, etcd and helm from Go modules; fetch Prometheus (cached outside the repo)
 	@bash e2e/cluster/build-bins.sh >/dev/null
+	@bash e2e/cluster/build-kueue.sh >/dev/null
 	@bash e2e/cluster/fetch-prometheus.sh >/dev/null
 
 build: deps ## build every binary of the workspace

@@ -243,6 +243,22 @@ impl ControlPlane {
     }
 }
 
+impl ControlPlane {
+    /// Starts Kueue (built by `e2e/cluster/build-kueue.sh`) against this control plane with
+    /// `e2e/cluster/start-kueue.sh`: its CRDs, its webhooks on a loopback `url:`, DiphomaJob as
+    /// an external framework. Stopped with the control plane (its pid file is in [`Self::dir`]).
+    ///
+    /// Errors: [`Error::Script`] carrying the script's stderr.
+    pub fn start_kueue(&self) -> Result<(), Error> {
+        run_script(
+            &scripts_dir().join("start-kueue.sh"),
+            &[&self.dir.to_string_lossy()],
+            &[],
+        )
+        .map(|_| ())
+    }
+}
+
 /// `GET http://addr/path` on loopback (a pod's or the operator's metrics and health endpoints);
 /// returns the status line and the body (bytes that are not UTF-8 replaced).
 ///

@@ -35,6 +35,16 @@ fn gpu_rule(kind: &str) -> String {
 }
 
 const PROTECTION_MESSAGE: &str = "spec.ring.protection is immutable: workers of different modes refuse each other (delete and re-create the job to change it)";
+const MANAGED_BY_MESSAGE: &str = "spec.managedBy is immutable: it names the controller that runs the job, set at creation (delete and re-create the job to change it)";
+
+/// The value of `spec.managedBy` that means this operator (as batch Job's
+/// `kubernetes.io/job-controller`); an absent `managedBy` means it too.
+pub const CONTROLLER_NAME: &str = "diphoma.io/operator";
+
+/// CEL transition rule on the spec: `managedBy` is neither added, removed nor changed after
+/// creation (batch Job's `spec.managedBy` is immutable the same way).
+pub(crate) const MANAGED_BY_RULE: &str = "has(self.managedBy) == has(oldSelf.managedBy) && (!has(self.managedBy) || self.managedBy == oldSelf.managedBy)";
+
 const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers listen on it (delete and re-create the job to change it)";
 
 /// A distributed data-parallel training job: a ring of worker pods that the operator keeps alive,
@@ -108,6 +118,7 @@ const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers
 #[x_kube(validation = Rule::new(gpu_rule("requests")).message(GPU_MESSAGE).field_path(".gpusPerWorker"))]
 #[x_kube(validation = Rule::new("!has(self.elastic) || (self.elastic.minReplicas <= self.replicas && self.replicas <= self.elastic.maxReplicas)")
     .message("spec.replicas must lie within [spec.elastic.minReplicas, spec.elastic.maxReplicas]").field_path(".replicas"))]
+#[x_kube(validation = Rule::new(MANAGED_BY_RULE).message(MANAGED_BY_MESSAGE).field_path(".managedBy"))]
 #[serde(rename_all = "camelCase")]
 pub struct DiphomaJobSpec {
     /// Desired number of workers in the ring (the `/scale` subresource points here).
@@ -157,6 +168,13 @@ pub struct DiphomaJobSpec {
     /// When the workers synchronise their models.
     #[serde(default)]
     pub sync: SyncSpec,
+    /// The controller that runs this job. Absent or `diphoma.io/operator`: this operator; any
+    /// other value (e.g. `kueue.x-k8s.io/multikueue`, whose MultiKueue runs the job on another
+    /// cluster and mirrors its status here): this operator creates nothing for the job and
+    /// never writes its status. Immutable, as batch Job's `spec.managedBy`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    pub managed_by: Option<String>,
 }
 
 /// The split of each step's global batch over the workers (`spec.balance`).
@@ -316,7 +334,9 @@ pub struct RunPolicy {
     #[serde(default = "default_backoff_limit")]
     #[schemars(range(min = 0, max = 10000))]
     pub backoff_limit: i32,
-    /// Seconds after the start after which a job that has not finished fails (DeadlineExceeded).
+    /// Seconds after `status.startTime` (when its workers last started running: the creation or
+    /// the latest resumption) after which a job that has not finished fails
+    /// (`DeadlineExceeded`). Time suspended or queued does not count.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub active_deadline_seconds: Option<i64>,
@@ -329,7 +349,10 @@ pub struct RunPolicy {
     /// recent of each worker otherwise.
     #[serde(default)]
     pub clean_pod_policy: CleanPodPolicy,
-    /// Delete the workers but keep the job and its status; resuming re-creates them.
+    /// Delete the workers but keep the job and its status; resuming re-creates them. As batch
+    /// Job's `suspend`: `activeDeadlineSeconds` does not run while the job is suspended (or
+    /// waits in a Kueue queue), and `status.startTime` is cleared on suspension and set again
+    /// when the workers run after the resumption.
     #[serde(default)]
     pub suspend: bool,
 }
@@ -497,7 +520,9 @@ pub struct DiphomaJobStatus {
     /// names each such worker when this changes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<String>,
-    /// When the job first had workers (RFC 3339).
+    /// When the job's workers were started: first set when the job runs (not while it is
+    /// suspended or queued), cleared on suspension and set again on resumption, as batch Job's
+    /// (RFC 3339). `activeDeadlineSeconds` counts from it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_time: Option<String>,
     /// When the job finished (RFC 3339).
@@ -735,6 +760,13 @@ pub fn preserved_array(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
 }
 
 impl DiphomaJobSpec {
+    /// Whether this operator runs the job (`spec.managedBy` absent or [`CONTROLLER_NAME`]).
+    pub fn managed_here(&self) -> bool {
+        self.managed_by
+            .as_deref()
+            .is_none_or(|m| m == CONTROLLER_NAME)
+    }
+
     /// `(min, max)` ring size: the elastic bounds, or `(replicas, replicas)`.
     pub fn bounds(&self) -> (i32, i32) {
         match &self.elastic {

@@ -319,6 +319,16 @@ pub async fn run(
     if let Some(np) = streams.network_policies {
         controller = controller.owns_stream(np);
     }
+    // --- queue hook (issue 15): Kueue Workloads, when the API server serves them ---
+    if crate::queue::served(&client).await {
+        let ar = crate::queue::workloads();
+        controller = controller.owns_with(
+            Api::<DynamicObject>::all_with(client.clone(), &ar),
+            ar,
+            crate::queue::owned_workloads(),
+        );
+    }
+    // --- end queue hook ---
     if let Some(listener) = metrics_listener {
         tokio::spawn(crate::metrics::serve(
             listener,
@@ -484,6 +494,12 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
             .remove(&job_key(job));
         return Ok(Action::await_change()); // owner references clean up the children
     }
+    // --- queue hook (issue 15): a job managed by another controller (spec.managedBy) is left
+    // alone: nothing created, no status written ---
+    if !job.spec.managed_here() {
+        return Ok(Action::await_change());
+    }
+    // --- end queue hook ---
     tracing::debug!(job = %job_key(job), "reconcile");
     // The first lists: before them, a missing object may only be unlisted yet.
     if !ctx.caches.ready().await {
@@ -492,6 +508,8 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
     let (mut obs, heartbeat_version) = observe(&ctx.caches, job)?; // from the caches
+    // Queue hook (issue 15): a queued job's Workload (API reads, only for a queued job).
+    obs.queue = crate::queue::observe(&ctx.client, job).await?;
     obs.heartbeat_changed = heartbeat_version.map(|v| {
         let mut seen = ctx.heartbeats.lock().expect("heartbeats lock");
         let entry = seen.entry(job_key(job)).or_insert((v.clone(), obs.now));
@@ -518,6 +536,7 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
         tracing::warn!(job = %job.name_any(), ?late, "the watches did not deliver this reconcile's writes within {CATCH_UP:?}");
     }
     applied?;
+    crate::queue::apply(&ctx.client, job, &plan.queue).await?; // queue hook (issue 15)
     // The refused workers' back-off is a timer too.
     let held = ctx
         .refused
@@ -597,6 +616,7 @@ fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String
         reports,
         now: jiff::Timestamp::now(),
         refused: BTreeMap::new(),
+        queue: Default::default(),
     };
     Ok((observed, version))
 }

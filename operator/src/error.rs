@@ -83,6 +83,17 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    /// Creating, deleting or updating the job's Kueue Workload failed.
+    #[error("{action} Kueue Workload {name}: {source}")]
+    Workload {
+        /// `create`, `delete`, `patch status of`.
+        action: &'static str,
+        /// The Workload.
+        name: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
     /// Deleting the job after `ttlSecondsAfterFinished` failed.
     #[error("delete the finished job: {source}")]
     DeleteJob {
@@ -94,7 +105,7 @@ pub enum Error {
 
 impl Error {
     /// Every value of [`Error::metric_label`] (metric label values are initialized from it).
-    pub const LABELS: [&'static str; 9] = [
+    pub const LABELS: [&'static str; 10] = [
         "observe",
         "ring",
         "apply_child",
@@ -104,6 +115,7 @@ impl Error {
         "create_pod",
         "publish_ring",
         "delete_job",
+        "workload",
     ];
 
     /// Bounded label for metrics and logs: the step that failed.
@@ -118,6 +130,7 @@ impl Error {
             Error::CreatePod { .. } => "create_pod",
             Error::PublishRing { .. } => "publish_ring",
             Error::DeleteJob { .. } => "delete_job",
+            Error::Workload { .. } => "workload",
         }
     }
 }
@@ -161,6 +174,11 @@ mod tests {
                 source: api(),
             },
             Error::DeleteJob { source: api() },
+            Error::Workload {
+                action: "create",
+                name: "w".into(),
+                source: api(),
+            },
         ];
         let labels: Vec<&str> = all.iter().map(Error::metric_label).collect();
         assert_eq!(labels, Error::LABELS);

@@ -14,6 +14,8 @@
 //!   readiness, the `resourceVersion`s delivered): `observe` reads only from it, so a steady job
 //!   costs no API request (children are a job's by owner UID). Decides nothing; the metrics
 //!   listener is injected.
+//! - [`queue`]: Kueue I/O (a queued job's Workload, its WorkloadPriorityClass, the admitted
+//!   ResourceFlavors), carrying out what `plan::queue` decides. Decides nothing.
 //! - [`error`]: the reconcile errors, one variant per step, each with a bounded metric label.
 //!   Imported by `controller` and `metrics`, importing neither.
 //! - [`docs`]: the DiphomaJob reference (Markdown) generated from the CRD. Pure.
@@ -31,6 +33,7 @@ pub mod docs;
 pub mod error;
 pub mod metrics;
 pub mod plan;
+pub mod queue;
 
 use kube::CustomResourceExt;
 

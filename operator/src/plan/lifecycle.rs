@@ -40,7 +40,8 @@ pub enum Next {
 /// ring completed; holds while the members of a completing ring finish; suspends. Sets
 /// `plan.requeue_after` for the deadline and the completion grace.
 pub fn lifecycle(job: &DiphomaJob, obs: &Observed, found: &Found, plan: &mut Plan) -> Next {
-    if let Some((reason, msg)) = failed(job, obs.now, plan) {
+    let hold = held(job, obs);
+    if let Some((reason, msg)) = failed(job, obs.now, hold.is_some(), plan) {
         finish(job, obs, plan, Phase::Failed, reason, msg);
         return Next::Done;
     }
@@ -52,16 +53,43 @@ pub fn lifecycle(job: &DiphomaJob, obs: &Observed, found: &Found, plan: &mut Pla
         }
         None => {}
     }
-    if job.spec.run_policy.suspend {
-        suspend(job, obs, plan);
+    if let Some(hold) = hold {
+        suspend(job, obs, &hold, plan);
         return Next::Done;
     }
     Next::Run
 }
 
+/// Why the job's workers must not run now, for the `Suspended` condition: the user's
+/// `runPolicy.suspend`, or the job's queue (Kueue has not admitted it, or evicted it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hold {
+    /// The `Suspended` condition's reason (`Suspended`, or Kueue's, e.g. `Pending`,
+    /// `Preempted`).
+    pub reason: String,
+    /// Its message.
+    pub message: String,
+}
+
+/// The hold on the job, if any: `runPolicy.suspend` first, then the queue's.
+pub fn held(job: &DiphomaJob, obs: &Observed) -> Option<Hold> {
+    if job.spec.run_policy.suspend {
+        return Some(Hold {
+            reason: "Suspended".into(),
+            message: "the job is suspended".into(),
+        });
+    }
+    super::queue::hold(job, &obs.queue)
+}
+
 /// The terminal failure, if any: (reason, message). A deadline not yet reached sets
 /// `plan.requeue_after` for it.
-fn failed(job: &DiphomaJob, now: Timestamp, plan: &mut Plan) -> Option<(&'static str, String)> {
+fn failed(
+    job: &DiphomaJob,
+    now: Timestamp,
+    held: bool,
+    plan: &mut Plan,
+) -> Option<(&'static str, String)> {
     let spec = &job.spec;
     let status = &plan.status;
     let fatal = plan.failures.iter().find(|f| !f.retryable).map(|f| {
@@ -84,22 +112,27 @@ fn failed(job: &DiphomaJob, now: Timestamp, plan: &mut Plan) -> Option<(&'static
         )
     });
     let mut due = None;
-    let deadline = spec.run_policy.active_deadline_seconds.and_then(|d| {
-        let start = parse_ts(status.start_time.as_deref()?)?;
-        let end = start + jiff::SignedDuration::from_secs(d);
-        if now >= end {
-            Some((
-                "DeadlineExceeded",
-                format!("job ran longer than activeDeadlineSeconds {d}"),
-            ))
-        } else {
-            due = Some(
-                Duration::from_secs_f64(end.duration_since(now).as_secs_f64().max(0.0))
-                    + Duration::from_millis(100),
-            );
-            None
-        }
-    });
+    // The deadline does not run while the job is held (suspended, queued).
+    let deadline = spec
+        .run_policy
+        .active_deadline_seconds
+        .filter(|_| !held)
+        .and_then(|d| {
+            let start = parse_ts(status.start_time.as_deref()?)?;
+            let end = start + jiff::SignedDuration::from_secs(d);
+            if now >= end {
+                Some((
+                    "DeadlineExceeded",
+                    format!("job ran longer than activeDeadlineSeconds {d}"),
+                ))
+            } else {
+                due = Some(
+                    Duration::from_secs_f64(end.duration_since(now).as_secs_f64().max(0.0))
+                        + Duration::from_millis(100),
+                );
+                None
+            }
+        });
     let disruptions = spec
         .fault_tolerance
         .disruption_limit
@@ -181,8 +214,9 @@ fn completion(
     )))
 }
 
-/// Suspension: delete every worker, keep the status.
-fn suspend(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
+/// Suspension (or a queue's hold): delete every worker, keep the status but the start time
+/// (set again when the workers run after the resumption, as batch Job's).
+fn suspend(job: &DiphomaJob, obs: &Observed, hold: &Hold, plan: &mut Plan) {
     let spec = &job.spec;
     let prev = job.status.clone().unwrap_or_default();
     for p in obs.pods.iter().filter(|p| !by_operator(p)) {
@@ -196,7 +230,7 @@ fn suspend(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
         plan.events.push(EventNote::normal(
             "JobSuspended",
             "Suspend",
-            "workers deleted; status kept".into(),
+            format!("{}: workers deleted; status kept", hold.message),
         ));
     }
     let status = &mut plan.status;
@@ -210,13 +244,15 @@ fn suspend(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
         ));
     }
     status.phase = Some(Phase::Suspended);
+    status.start_time = None;
     status.ready_replicas = 0;
     status.ready = Some(format!("0/{}", spec.replicas));
+    status.waiting = Some(format!("{}: {}", hold.reason, hold.message));
     status.conditions = conditions(
         &prev.conditions,
         Phase::Suspended,
-        "Suspended",
-        "the job is suspended",
+        &hold.reason,
+        &hold.message,
         obs.now,
         job.metadata.generation,
     );

@@ -29,6 +29,7 @@ use crate::build::{ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED};
 pub mod failures;
 pub mod lifecycle;
 pub mod nodes;
+pub mod queue;
 pub mod ring;
 pub mod status;
 pub mod workers;
@@ -67,6 +68,8 @@ pub struct Observed {
     /// message (a quota exceeded, a pod it finds invalid): they are retried and reported, and
     /// never count as starting.
     pub refused: BTreeMap<String, String>,
+    /// The job's place in Kueue (its Workload), for a job labelled with a LocalQueue.
+    pub queue: queue::Queue,
 }
 
 /// What the controller read about one node: its Lease in `kube-node-lease`, as this operator saw
@@ -253,6 +256,8 @@ pub struct Plan {
     pub events: Vec<EventNote>,
     /// Worker pods whose rank labels are to be set (or removed) to match the ring.
     pub relabel: Vec<Relabel>,
+    /// What to do with the job's Kueue Workload.
+    pub queue: queue::QueuePlan,
 }
 
 impl Plan {
@@ -280,7 +285,10 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
         status: status::carried(job),
         ..Plan::default()
     };
-    decide(job, obs, &mut plan);
+    // Admitted by Kueue: the workers run with the admitted count and flavors.
+    let admitted = queue::admitted_view(job, &obs.queue);
+    decide(admitted.as_ref().unwrap_or(job), obs, &mut plan);
+    plan.queue = queue::queue_plan(job, &obs.queue, &obs.pods, plan.status.phase, obs.now);
     plan.events.extend(nodes::skew_events(&obs.nodes));
     plan.status.replicas = status::observed_replicas(obs, &plan);
     plan.look_again = look_again(job, obs, &plan);
@@ -326,6 +334,14 @@ fn decide(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
         return;
     }
     failures::count_repairs(plan); // the job runs on: its lost members will be replaced
+    if plan.status.start_time.is_none() {
+        // Started (first run, or resumed): the deadline counts from now, as batch Job's.
+        plan.status.start_time = Some(ts(obs.now));
+        if let Some(d) = job.spec.run_policy.active_deadline_seconds {
+            let due = Duration::from_secs(d.max(0) as u64) + Duration::from_millis(100);
+            plan.due_in(due);
+        }
+    }
     // 3. Workers: create the missing ones, scale away the surplus.
     let workers = workers::workers(job, obs, &found, plan);
     // 4. Ring: the next generation, when the membership changed.

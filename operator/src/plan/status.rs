@@ -10,7 +10,7 @@ use kube::ResourceExt;
 
 use super::ring::RingView;
 use super::workers::Workers;
-use super::{EventNote, Observed, Plan, parse_ts, ts};
+use super::{EventNote, Observed, Plan, parse_ts};
 use crate::api::{DiphomaJob, DiphomaJobStatus, Phase, Progress};
 use crate::build;
 
@@ -36,11 +36,8 @@ pub fn observed_replicas(obs: &Observed, plan: &Plan) -> i32 {
         .count() as i32
 }
 
-/// The start time (now, the first time) and rank 0's latest progress.
+/// Rank 0's latest progress.
 pub fn progress(status: &mut DiphomaJobStatus, obs: &Observed) {
-    if status.start_time.is_none() {
-        status.start_time = Some(ts(obs.now));
-    }
     if let Some(p) = &obs.progress {
         status.progress = Some(next_progress(status.progress.take(), p));
     }

@@ -28,6 +28,7 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         reports: vec![],
         now: t(100),
         refused: BTreeMap::new(),
+        queue: Default::default(),
     }
 }
 
@@ -458,6 +459,51 @@ fn suspend_deletes_workers_keeps_status_and_resume_recreates() {
     assert!(
         r.failures.is_empty(),
         "members gone while suspended are not failures"
+    );
+}
+
+#[test]
+fn a_job_created_suspended_never_misses_its_deadline_and_starts_its_clock_when_it_runs() {
+    // Created suspended, with a deadline far shorter than its time suspended (now = t(100)).
+    let mut j = basic();
+    j.spec.run_policy.active_deadline_seconds = Some(5);
+    j.spec.run_policy.suspend = true;
+    let held = plan(&j, &obs(vec![], None));
+    assert_eq!(held.status.phase, Some(Phase::Suspended));
+    assert_eq!(
+        held.status.start_time, None,
+        "no start time while suspended"
+    );
+    assert!(held.create.is_empty());
+    // Resumed long after: it runs, and its deadline counts from now.
+    j.status = Some(held.status);
+    j.spec.run_policy.suspend = false;
+    let resumed = plan(&j, &obs(vec![], None));
+    assert_eq!(resumed.create.len(), 4, "{:?}", resumed.status);
+    assert_eq!(resumed.status.start_time, Some(t(100).to_string()));
+    assert_eq!(resumed.requeue_after, Some(Duration::from_millis(5_100)));
+}
+
+#[test]
+fn suspending_clears_the_start_time_and_stops_the_deadline() {
+    let mut j = with_status(basic(), Phase::Running); // started at t(0)
+    j.spec.run_policy.active_deadline_seconds = Some(300);
+    j.spec.run_policy.suspend = true;
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    assert_eq!(p.status.phase, Some(Phase::Suspended));
+    assert_eq!(p.status.start_time, None);
+    // Suspended past the old deadline (t(300)): still not failed.
+    let mut later = j.clone();
+    later.status = Some(p.status);
+    let mut o = obs(vec![], Some(ring(&j, 1, &[0, 1, 2, 3])));
+    o.now = t(1000);
+    let still = plan(&later, &o);
+    assert_eq!(
+        still.status.phase,
+        Some(Phase::Suspended),
+        "{:?}",
+        still.status.conditions
     );
 }
 

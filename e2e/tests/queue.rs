@@ -1,0 +1,503 @@
+//! Queues and suspension on the local control plane, with real Kueue (v0.17, started by
+//! `e2e/cluster/start-kueue.sh` with DiphomaJob as an external framework) and real
+//! `diphoma-worker train` workers under the in-process operator: suspension semantics
+//! (`activeDeadlineSeconds` does not run while suspended), `spec.managedBy`, admission behind a
+//! LocalQueue whose quota fits one job, and preemption by a higher-priority job. Prints the
+//! admission latency (Workload admitted → ring formed) and the time a preempted job takes to
+//! resume.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result, ensure};
+use common::*;
+use diphoma_e2e::kit::JobManifest;
+use diphoma_e2e::kubelet::node::NodeConfig;
+use diphoma_operator::api::{DiphomaJob, DiphomaJobStatus, Phase};
+use k8s_openapi::api::core::v1::{Pod, Service};
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams};
+use kube::{Api, ResourceExt};
+use serde_json::{Value, json};
+
+/// GPUs per node (2 nodes: 4 GPUs); every ClusterQueue here has a quota of [`QUOTA`].
+const GPUS_PER_NODE: u32 = 2;
+/// `nvidia.com/gpu` quota of each test's ClusterQueue: one 2-worker job.
+const QUOTA: usize = 2;
+
+fn main() -> Result<()> {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let nodes = (0..2)
+        .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), GPUS_PER_NODE))
+        .collect();
+    let rt = runtime()?;
+    // Kueue first (its Workload API must be served when the operator starts), then the operator.
+    let ctx = Ctx::start(
+        &rt,
+        nodes,
+        OperatorMode::None,
+        diphoma_e2e::kubelet::Runtime::Process,
+    )?;
+    ctx.cp.install_crd()?;
+    ctx.cp.start_kueue()?;
+    rt.block_on(async { ctx.start_operator() });
+    let list = tests![
+        a_suspended_job_whose_deadline_is_shorter_than_its_suspension_still_runs,
+        a_job_managed_by_another_controller_is_left_alone_and_managed_by_is_immutable,
+        two_jobs_behind_a_quota_for_one_run_one_after_the_other_never_over_quota,
+        a_preempted_job_is_suspended_and_resumes_from_its_checkpoint_with_its_counters,
+    ];
+    let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
+    let conclusion = libtest_mimic::run(&sequential_args(), trials);
+    ctx.shutdown(&rt)?;
+    conclusion.exit()
+}
+
+/// A digits training job of `replicas` workers (1 GPU each) for `steps` steps.
+fn training_job(name: &str, replicas: i32, steps: u64, extra: Value) -> JobManifest {
+    let mut job = JobManifest {
+        detection_seconds: Some(4),
+        extra,
+        ..JobManifest::training(name, replicas, steps, 10)
+    };
+    job.args.extend(["--op-timeout-s".into(), "1".into()]);
+    job
+}
+
+fn jobs(ctx: &Ctx, ns: &str) -> Api<DiphomaJob> {
+    Api::namespaced(ctx.client.clone(), ns)
+}
+
+fn apply(ctx: &Ctx, ns: &str, doc: &Value) -> Result<()> {
+    let out = kubectl_apply(ctx, ns, &doc.to_string())?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+fn kueue(kind: &str, plural: &str) -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("kueue.x-k8s.io", "v1beta2", kind),
+        plural,
+    )
+}
+
+/// A ResourceFlavor `gpu` (the GPU nodes' product label), a ClusterQueue named after the test's
+/// namespace with a quota of [`QUOTA`] GPUs (preemption of lower priorities within it), a
+/// LocalQueue `team` in the namespace, and WorkloadPriorityClasses `low` and `high`.
+fn queues(ctx: &Ctx, ns: &str) -> Result<()> {
+    let docs = json!({"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "gpu"},
+         "spec": {"nodeLabels": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}}},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": ns},
+         "spec": {"namespaceSelector": {}, "preemption": {"withinClusterQueue": "LowerPriority"},
+           "resourceGroups": [{"coveredResources": ["nvidia.com/gpu"], "flavors": [
+             {"name": "gpu", "resources": [{"name": "nvidia.com/gpu", "nominalQuota": QUOTA}]}]}]}},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+         "metadata": {"name": "team", "namespace": ns}, "spec": {"clusterQueue": ns}},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
+         "metadata": {"name": "low"}, "value": 10},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
+         "metadata": {"name": "high"}, "value": 1000},
+    ]});
+    apply(ctx, ns, &docs)
+}
+
+/// The manifest fragment that queues a job in LocalQueue `team`, with a priority class.
+fn queued(priority: &str) -> Value {
+    json!({"metadata": {"labels": {
+        "kueue.x-k8s.io/queue-name": "team",
+        "kueue.x-k8s.io/priority-class": priority,
+    }}})
+}
+
+fn merge(mut a: Value, b: Value) -> Value {
+    diphoma_e2e::kit::merge(&mut a, b);
+    a
+}
+
+/// The job's Workload, if any.
+async fn workload(ctx: &Ctx, ns: &str, job: &str) -> Result<Option<DynamicObject>> {
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(ctx.client.clone(), ns, &kueue("Workload", "workloads"));
+    Ok(api.get_opt(&format!("diphomajob-{job}")).await?)
+}
+
+fn workload_condition(w: &DynamicObject, type_: &str) -> Option<(String, String)> {
+    w.data
+        .pointer("/status/conditions")?
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_ && c["status"] == "True")
+        .map(|c| {
+            (
+                c["reason"].as_str().unwrap_or_default().to_owned(),
+                c["message"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+}
+
+async fn status(ctx: &Ctx, ns: &str, job: &str) -> Result<DiphomaJobStatus> {
+    Ok(job_status(&ctx.client, ns, job)
+        .await?
+        .status
+        .unwrap_or_default())
+}
+
+fn condition(st: &DiphomaJobStatus, type_: &str) -> Option<(String, String, String)> {
+    st.conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+}
+
+/// The job's status and its Workload, for a failure message.
+fn last_words(ctx: &Ctx, ns: &str, job: &str) -> String {
+    let (ctx, ns, job) = (ctx.cp.kubectl(), ns.to_owned(), job.to_owned());
+    let mut ctx = ctx;
+    let out = ctx
+        .args(["-n", &ns, "get", "diphomajob", &job, "-o", "json"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let v: Value = serde_json::from_str(&out).unwrap_or_default();
+    let w = std::process::Command::new(ctx.get_program())
+        .envs(ctx.get_envs().filter_map(|(k, v)| Some((k, v?))))
+        .args(["-n", &ns, "get", "workloads.kueue.x-k8s.io", "-o", "json"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let w: Value = serde_json::from_str(&w).unwrap_or_default();
+    format!(
+        "status {} workloads {}",
+        v["status"],
+        w["items"]
+            .as_array()
+            .map(|a| a
+                .iter()
+                .map(|i| json!({"name": i["metadata"]["name"], "status": i["status"]}))
+                .collect::<Vec<_>>())
+            .unwrap_or_default()
+            .iter()
+            .map(|x| x.to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    )
+}
+
+/// Worker pods of `ns` that hold GPUs now (not finished), by job.
+async fn gpu_holders(ctx: &Ctx, ns: &str) -> Result<Vec<String>> {
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns)
+        .list(&ListParams::default().labels("diphoma.io/job-name"))
+        .await?
+        .items;
+    Ok(pods
+        .into_iter()
+        .filter(|p| !matches!(phase(p), "Succeeded" | "Failed"))
+        .map(|p| p.name_any())
+        .collect())
+}
+
+async fn a_suspended_job_whose_deadline_is_shorter_than_its_suspension_still_runs(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    const DEADLINE: i64 = 4;
+    let extra =
+        json!({"spec": {"runPolicy": {"suspend": true, "activeDeadlineSeconds": DEADLINE}}});
+    apply(
+        &ctx,
+        &ns,
+        &training_job("digits", 2, 100_000, extra).build(),
+    )?;
+    // Suspended for longer than its deadline: never DeadlineExceeded, no start time, no worker.
+    let mut st = DiphomaJobStatus::default();
+    eventually(30, "digits Suspended", async || {
+        st = status(&ctx, &ns, "digits").await?;
+        Ok(st.phase == Some(Phase::Suspended))
+    })
+    .await?;
+    tokio::time::sleep(std::time::Duration::from_secs(DEADLINE as u64 * 2)).await;
+    let st = status(&ctx, &ns, "digits").await?;
+    ensure!(
+        st.phase == Some(Phase::Suspended) && st.start_time.is_none(),
+        "while suspended: {st:?}"
+    );
+    ensure!(
+        gpu_holders(&ctx, &ns).await?.is_empty(),
+        "workers while suspended"
+    );
+    let resumed = jiff::Timestamp::now();
+    jobs(&ctx, &ns)
+        .patch(
+            "digits",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"runPolicy": {"suspend": false}}})),
+        )
+        .await?;
+    running_ring(&ctx, &ns, "digits", 2, 0).await?;
+    let st = status(&ctx, &ns, "digits").await?;
+    let start: jiff::Timestamp = st.start_time.as_deref().context("no startTime")?.parse()?;
+    ensure!(
+        start >= resumed - jiff::SignedDuration::from_secs(1),
+        "startTime {start} is not the resumption ({resumed})"
+    );
+    // And the deadline then runs from the resumption: it fails DeadlineExceeded, after it.
+    let st = finished(&ctx, &ns, "digits", 60).await?;
+    ensure!(
+        st.phase == Some(Phase::Failed)
+            && condition(&st, "Failed").is_some_and(|c| c.1 == "DeadlineExceeded"),
+        "{st:?}"
+    );
+    Ok(())
+}
+
+async fn a_job_managed_by_another_controller_is_left_alone_and_managed_by_is_immutable(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let other = json!({"spec": {"managedBy": "kueue.x-k8s.io/multikueue"}});
+    apply(&ctx, &ns, &training_job("remote", 2, 100, other).build())?;
+    // A job of this operator's, created after it: once it runs, the operator has seen both.
+    start_job(&ctx, &ns, &training_job("local", 2, 100_000, json!({})), 2).await?;
+    let remote = jobs(&ctx, &ns).get("remote").await?;
+    ensure!(
+        remote.status.is_none(),
+        "status written: {:?}",
+        remote.status
+    );
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default().labels("diphoma.io/job-name=remote"))
+        .await?;
+    ensure!(
+        pods.items.is_empty(),
+        "workers created for a job managed elsewhere"
+    );
+    let svc = Api::<Service>::namespaced(ctx.client.clone(), &ns)
+        .get_opt("remote")
+        .await?;
+    ensure!(
+        svc.is_none(),
+        "a Service created for a job managed elsewhere"
+    );
+    // Immutable: changing, removing or adding managedBy is refused by the API server.
+    let attempts = [
+        (
+            "remote",
+            json!({"spec": {"managedBy": "diphoma.io/operator"}}),
+        ),
+        ("remote", json!({"spec": {"managedBy": null}})),
+        (
+            "local",
+            json!({"spec": {"managedBy": "kueue.x-k8s.io/multikueue"}}),
+        ),
+    ];
+    for (job, patch) in attempts {
+        let r = jobs(&ctx, &ns)
+            .patch(job, &PatchParams::default(), &Patch::Merge(&patch))
+            .await;
+        let err = r
+            .err()
+            .with_context(|| format!("{job}: {patch} was accepted"))?;
+        ensure!(err.to_string().contains("managedBy is immutable"), "{err}");
+    }
+    Ok(())
+}
+
+async fn two_jobs_behind_a_quota_for_one_run_one_after_the_other_never_over_quota(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    queues(&ctx, &ns)?;
+    let first = training_job("first", 2, 300, queued("low"));
+    let second = training_job("second", 2, 300, queued("low"));
+    let t0 = Instant::now();
+    apply(&ctx, &ns, &first.build())?;
+    // Admission latency: the Workload admitted → the ring formed (this test's polls, 200 ms).
+    let (mut admitted, mut formed) = (None, None);
+    eventually(90, "first admitted and running", async || {
+        if admitted.is_none()
+            && let Some(w) = workload(&ctx, &ns, "first").await?
+            && workload_condition(&w, "Admitted").is_some()
+        {
+            admitted = Some(Instant::now());
+        }
+        let j = job_status(&ctx.client, &ns, "first").await?;
+        if admitted.is_some() && phase_of(&j) == Some(Phase::Running) {
+            formed = Some(Instant::now());
+        }
+        Ok(formed.is_some())
+    })
+    .await
+    .with_context(|| format!("first: {:?}", last_words(&ctx, &ns, "first")))?;
+    apply(&ctx, &ns, &second.build())?;
+    // The second waits, suspended, with Kueue's reason; the quota is never exceeded.
+    let mut max_holders = 0;
+    let mut waited_with = None;
+    let mut first_done = None;
+    eventually(200, "second Succeeded after first", async || {
+        let holders = gpu_holders(&ctx, &ns).await?;
+        max_holders = max_holders.max(holders.len());
+        ensure!(holders.len() <= QUOTA, "over quota: {holders:?}");
+        let f = status(&ctx, &ns, "first").await?;
+        let s = status(&ctx, &ns, "second").await?;
+        if first_done.is_none() && f.phase.is_some_and(Phase::is_terminal) {
+            first_done = Some(f.clone());
+        }
+        if first_done.is_none() {
+            ensure!(
+                !holders.iter().any(|p| p.starts_with("second-")),
+                "second runs while first does: {holders:?}"
+            );
+            if s.phase == Some(Phase::Suspended) {
+                waited_with = condition(&s, "Suspended");
+            }
+        }
+        Ok(s.phase == Some(Phase::Succeeded))
+    })
+    .await?;
+    let f = first_done.context("first never finished")?;
+    ensure!(f.phase == Some(Phase::Succeeded), "first: {f:?}");
+    let (st, reason, message) = waited_with.context("second was never seen suspended")?;
+    ensure!(
+        st == "True" && reason == "Pending" && message.contains("insufficient unused quota"),
+        "second waited with {reason}: {message}"
+    );
+    let w = workload(&ctx, &ns, "first").await?.context("no Workload")?;
+    ensure!(
+        workload_condition(&w, "Finished").is_some(),
+        "first's Workload not Finished"
+    );
+    let latency = formed.unwrap() - admitted.unwrap();
+    println!(
+        "\nKueue admission latency (Workload admitted → ring formed, 2 workers): {:.2} s; \
+         created → running {:.2} s; most GPU workers at once {max_holders} (quota {QUOTA})",
+        latency.as_secs_f64(),
+        (formed.unwrap() - t0).as_secs_f64()
+    );
+    Ok(())
+}
+
+async fn a_preempted_job_is_suspended_and_resumes_from_its_checkpoint_with_its_counters(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    queues(&ctx, &ns)?;
+    let dir = ctx.cp.dir.join("checkpoints").join(&ns);
+    std::fs::create_dir_all(&dir)?;
+    let ckpt = json!({"spec": {
+        "checkpoint": {"volume": "ckpt", "everySteps": 50},
+        "template": {"spec": {"volumes": [{"name": "ckpt", "hostPath": {"path": dir}}]}},
+    }});
+    let low = training_job("low", 2, 100_000, merge(queued("low"), ckpt));
+    apply(&ctx, &ns, &low.build())?;
+    let g1 = running_ring(&ctx, &ns, "low", 2, 0).await?.generation;
+    eventually(90, "a checkpoint of low", async || {
+        let st = status(&ctx, &ns, "low").await?;
+        Ok(st
+            .progress
+            .and_then(|p| p.last_checkpoint_step)
+            .is_some_and(|s| s >= 50))
+    })
+    .await?;
+    let before = status(&ctx, &ns, "low").await?;
+    let high = training_job("high", 2, 200, queued("high"));
+    let t_high = Instant::now();
+    apply(&ctx, &ns, &high.build())?;
+    // Preempted: low is suspended with Kueue's reason, its workers go; high runs.
+    let mut suspended = None;
+    eventually(90, "low suspended by a preemption", async || {
+        let st = status(&ctx, &ns, "low").await?;
+        let holders = gpu_holders(&ctx, &ns).await?;
+        ensure!(holders.len() <= QUOTA, "over quota: {holders:?}");
+        if st.phase == Some(Phase::Suspended) {
+            suspended = condition(&st, "Suspended");
+        }
+        Ok(suspended.is_some())
+    })
+    .await?;
+    let t_suspended = Instant::now();
+    let (_, reason, message) = suspended.unwrap();
+    ensure!(reason == "Preempted", "suspended with {reason}: {message}");
+    // The newest checkpoint once low's workers are gone (rank 0 may write one more as it stops).
+    eventually(30, "low's workers gone", async || {
+        Ok(!gpu_holders(&ctx, &ns)
+            .await?
+            .iter()
+            .any(|p| p.starts_with("low-")))
+    })
+    .await?;
+    let uid = jobs(&ctx, &ns).get("low").await?.uid().context("no uid")?;
+    let newest = std::fs::read_dir(dir.join(&ns).join("low").join(uid))?
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            name.strip_prefix("ckpt-")?
+                .strip_suffix(".safetensors")?
+                .parse::<u64>()
+                .ok()
+        })
+        .max()
+        .context("no checkpoint")?;
+    let mut high_done = None;
+    eventually(150, "high Succeeded", async || {
+        let holders = gpu_holders(&ctx, &ns).await?;
+        ensure!(holders.len() <= QUOTA, "over quota: {holders:?}");
+        let st = status(&ctx, &ns, "high").await?;
+        if st.phase.is_some_and(Phase::is_terminal) {
+            high_done = Some(st);
+        }
+        Ok(high_done.is_some())
+    })
+    .await?;
+    ensure!(
+        high_done.as_ref().and_then(|s| s.phase) == Some(Phase::Succeeded),
+        "{high_done:?}"
+    );
+    let t_high_done = Instant::now();
+    // Low is admitted again and resumes from its checkpoint, its counters unchanged.
+    let g2 = running_ring(&ctx, &ns, "low", 2, g1).await?;
+    let t_resumed = Instant::now();
+    let after = status(&ctx, &ns, "low").await?;
+    ensure!(
+        after.failures == before.failures
+            && after.repairs == before.repairs
+            && after.disruptions == before.disruptions,
+        "counters changed by the preemption: {:?} {:?} {:?} → {:?} {:?} {:?}",
+        before.failures,
+        before.repairs,
+        before.disruptions,
+        after.failures,
+        after.repairs,
+        after.disruptions
+    );
+    let rank0 = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+        .get(&g2.members[0].pod)
+        .await?;
+    let mut log = String::new();
+    eventually(30, "the resumed rank 0's first log lines", async || {
+        log = ctx.kubelet.log_text(&rank0, "worker")?;
+        Ok(log.contains(" at step "))
+    })
+    .await?;
+    ensure!(
+        log.contains(&format!("at step {newest}")),
+        "the resumed rank 0 did not start from step {newest}:\n{}",
+        log.lines().take(5).collect::<Vec<_>>().join("\n")
+    );
+    println!(
+        "\nKueue preemption: high submitted → low suspended {:.2} s; high finished → low's \
+         ring formed again {:.2} s (resumed from step {newest})",
+        (t_suspended - t_high).as_secs_f64(),
+        (t_resumed - t_high_done).as_secs_f64()
+    );
+    Ok(())
+}

@@ -1,0 +1,700 @@
+//! Kueue admission, decided: what the job's Kueue `Workload` (`kueue.x-k8s.io/v1beta2`, the
+//! version Kueue v0.17 stores) says about the job, and what the operator does about it. Pure;
+//! the controller reads the Workload and the admitted ResourceFlavors and writes what this
+//! module decides (`crate::queue`).
+//!
+//! DiphomaJob is a Kueue *external framework* (Kueue's `integrations.externalFrameworks`, the
+//! route Kueue documents for AppWrapper and other custom jobs): Kueue queues, admits and
+//! preempts the Workload, and this operator plays the part Kueue's own job reconciler plays for
+//! a batch Job (`pkg/controller/jobframework/reconciler.go` in Kueue v0.17.0):
+//! - a job labelled [`QUEUE_LABEL`] gets one Workload, owned by it, with one podSet of
+//!   `replicas` workers (`minCount` = `elastic.minReplicas`: Kueue may admit fewer, partial
+//!   admission) and the worker pod template; its workers run only while the Workload is
+//!   admitted (the job is held, status `Suspended` with Kueue's reason, before);
+//! - when admitted, the workers run with the admitted count and the admitted flavors' node
+//!   labels and tolerations (as Kueue's `podSetInfo` merges them into a batch Job's template);
+//! - when evicted (preempted, deactivated), the workers are deleted (the checkpoint and the
+//!   counters stay), and once none runs the Workload's quota reservation is cleared (`admission`
+//!   removed, `QuotaReserved` False `Pending`, `Requeued`), as the jobframework does, so Kueue
+//!   queues it again;
+//! - a Workload that no longer matches the job (`replicas` or `minReplicas` changed: scaling
+//!   goes through Kueue) is deleted while the workers stop, and a new one is created;
+//! - a finished job marks its Workload `Finished`, which releases the quota.
+
+use std::collections::BTreeMap;
+
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::{Pod, PodSpec, PodTemplateSpec, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
+use kube::{Resource, ResourceExt};
+use serde_json::{Value, json};
+
+use super::lifecycle::Hold;
+use crate::api::{DiphomaJob, Phase};
+use crate::build;
+
+/// The label that puts a job in a Kueue LocalQueue (its value: the LocalQueue's name).
+pub const QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
+/// The label naming a Kueue `WorkloadPriorityClass` for the job's Workload.
+pub const PRIORITY_CLASS_LABEL: &str = "kueue.x-k8s.io/priority-class";
+/// Kueue's API group and the version the operator reads and writes Workloads in.
+pub const KUEUE_API_VERSION: &str = "kueue.x-k8s.io/v1beta2";
+/// Name of the Workload's only podSet.
+pub const PODSET: &str = "workers";
+
+/// The job's Workload as the controller read it, with the flavors of its admission resolved.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WorkloadView {
+    /// `metadata.name`.
+    pub name: String,
+    /// Owned by this job (owner UID): a Workload of a deleted job of the same name is not.
+    pub owned: bool,
+    /// Being deleted.
+    pub deleting: bool,
+    /// `spec.podSets[0].count` and `minCount`.
+    pub count: i32,
+    /// `spec.podSets[0].minCount`.
+    pub min_count: Option<i32>,
+    /// `spec.queueName`.
+    pub queue: String,
+    /// `status.conditions`.
+    pub conditions: Vec<Condition>,
+    /// The admission, when `status.admission` is set and the `Admitted` condition is True.
+    pub admitted: Option<Admission>,
+    /// `status.admission` is set (quota reserved, maybe not admitted yet, or evicted).
+    pub quota_reserved: bool,
+}
+
+/// What Kueue admitted the job's workers with.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Admission {
+    /// The ClusterQueue.
+    pub cluster_queue: String,
+    /// Workers admitted (`podSetAssignments[0].count`, at least `minCount`).
+    pub count: i32,
+    /// Node labels of the assigned ResourceFlavors (their `spec.nodeLabels`).
+    pub node_selector: BTreeMap<String, String>,
+    /// Tolerations of the assigned ResourceFlavors (their `spec.tolerations`).
+    pub tolerations: Vec<Toleration>,
+    /// The assigned flavors by resource, for the status message.
+    pub flavors: BTreeMap<String, String>,
+}
+
+/// The job's place in Kueue, as observed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum Queue {
+    /// Not queued (no [`QUEUE_LABEL`]): the job runs unless suspended.
+    #[default]
+    NotQueued,
+    /// Labelled with a LocalQueue; its Workload, if one exists.
+    Queued {
+        /// The LocalQueue's name.
+        queue: String,
+        /// The Workload named after the job ([`workload_name`]), if any (boxed: it is large,
+        /// and most jobs are not queued).
+        workload: Option<Box<WorkloadView>>,
+        /// The `value` of the WorkloadPriorityClass named by [`PRIORITY_CLASS_LABEL`] (none:
+        /// no label, or no such class).
+        priority: Option<i32>,
+    },
+}
+
+/// What the controller does with the job's Workload this reconcile.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct QueuePlan {
+    /// Create this Workload (a JSON object, `kueue.x-k8s.io/v1beta2`).
+    pub create: Option<Value>,
+    /// Delete the Workload of this name (it no longer matches the job).
+    pub delete: Option<String>,
+    /// Patch the Workload's status (a JSON merge patch of `status`), e.g. clear the admission
+    /// of an evicted Workload or mark it Finished.
+    pub patch_status: Option<(String, Value)>,
+}
+
+/// The Workload's name: `diphomajob-<job>` (at most 51 + 11 characters, a DNS subdomain).
+pub fn workload_name(job: &str) -> String {
+    format!("diphomajob-{job}")
+}
+
+/// The LocalQueue the job is labelled with, if any.
+pub fn queue_of(job: &DiphomaJob) -> Option<String> {
+    job.labels()
+        .get(QUEUE_LABEL)
+        .filter(|q| !q.is_empty())
+        .cloned()
+}
+
+fn find<'a>(conds: &'a [Condition], t: &str) -> Option<&'a Condition> {
+    conds.iter().find(|c| c.type_ == t)
+}
+
+fn is_true(conds: &[Condition], t: &str) -> bool {
+    find(conds, t).is_some_and(|c| c.status == "True")
+}
+
+/// The hold the queue puts on the job, if any: not admitted yet (Kueue's `QuotaReserved`
+/// reason and message, e.g. `Pending: couldn't assign flavors …`), evicted (`Evicted`'s:
+/// `Preempted`, `InactiveWorkload`, …), or a Workload that is being replaced.
+pub fn hold(job: &DiphomaJob, q: &Queue) -> Option<Hold> {
+    let Queue::Queued {
+        queue,
+        workload,
+        priority,
+    } = q
+    else {
+        return None;
+    };
+    let h = |reason: &str, message: String| {
+        Some(Hold {
+            reason: reason_of(reason),
+            message,
+        })
+    };
+    if let Some(class) = job.labels().get(PRIORITY_CLASS_LABEL)
+        && priority.is_none()
+        && workload.is_none()
+    {
+        return h(
+            "PriorityClassNotFound",
+            format!("WorkloadPriorityClass {class} (label {PRIORITY_CLASS_LABEL}) not found"),
+        );
+    }
+    if mismatched(job, q) {
+        return h(
+            "WorkloadReplaced",
+            "the job's size changed: its Kueue Workload is replaced and admitted again".into(),
+        );
+    }
+    let Some(w) = workload.as_ref().filter(|w| w.owned && !w.deleting) else {
+        return h(
+            "WorkloadCreated",
+            format!("waiting for Kueue to admit the job's Workload in LocalQueue {queue}"),
+        );
+    };
+    if let Some(e) = find(&w.conditions, "Evicted").filter(|c| c.status == "True") {
+        return h(&e.reason, format!("evicted by Kueue: {}", e.message));
+    }
+    if w.admitted.is_some() {
+        return None;
+    }
+    match find(&w.conditions, "QuotaReserved") {
+        Some(c) if c.status == "False" => h(&c.reason, format!("queued in Kueue: {}", c.message)),
+        Some(c) if c.status == "True" => h(
+            "QuotaReserved",
+            format!(
+                "quota reserved, waiting for admission checks: {}",
+                c.message
+            ),
+        ),
+        _ => h(
+            "Pending",
+            format!("queued in Kueue (LocalQueue {queue}): not admitted yet"),
+        ),
+    }
+}
+
+/// A condition reason (`^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$`) from Kueue's, which always
+/// is one; `Queued` when empty.
+fn reason_of(r: &str) -> String {
+    let ok = r.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+        && r.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_,:".contains(c));
+    if ok { r.to_owned() } else { "Queued".into() }
+}
+
+/// The job as its workers run it: with the admitted count (partial admission: between
+/// `minReplicas` and `replicas`) and the admitted flavors' node labels and tolerations merged
+/// into its placement. The job itself when not queued or not admitted.
+pub fn admitted_view(job: &DiphomaJob, queue: &Queue) -> Option<DiphomaJob> {
+    let Queue::Queued {
+        workload: Some(w), ..
+    } = queue
+    else {
+        return None;
+    };
+    let a = w.admitted.as_ref()?;
+    let mut job = job.clone();
+    let (min, _) = job.spec.bounds();
+    job.spec.replicas = a.count.clamp(min.min(job.spec.replicas), job.spec.replicas);
+    let placement = job.spec.placement.get_or_insert_default();
+    placement.node_selector.extend(a.node_selector.clone());
+    placement.tolerations.extend(a.tolerations.clone());
+    Some(job)
+}
+
+/// What to do with the Workload: create it when missing, replace it when it no longer matches
+/// the job (`workers`: the job's pods; a replacement waits until none runs), clear the quota
+/// reservation of an evicted one once no worker runs, mark it Finished when the job finished.
+pub fn queue_plan(
+    job: &DiphomaJob,
+    queue: &Queue,
+    workers: &[Pod],
+    phase: Option<Phase>,
+    now: Timestamp,
+) -> QueuePlan {
+    let mut plan = QueuePlan::default();
+    let Queue::Queued {
+        queue,
+        workload: current,
+        priority,
+    } = queue
+    else {
+        return plan;
+    };
+    // Kueue's `IsActive`: a worker that has not finished (terminating ones included) still
+    // holds what the admission gave it.
+    let running = workers
+        .iter()
+        .any(|p| !matches!(super::pod_phase(p), "Succeeded" | "Failed"));
+    let w = match current {
+        None => {
+            let classless = job.labels().contains_key(PRIORITY_CLASS_LABEL) && priority.is_none();
+            if !phase.is_some_and(Phase::is_terminal) && !classless {
+                plan.create = Some(workload(job, queue, *priority));
+            }
+            return plan;
+        }
+        Some(w) if !w.owned || w.deleting => return plan, // wait for it to go
+        Some(w) => w,
+    };
+    if phase.is_some_and(Phase::is_terminal) {
+        if !is_true(&w.conditions, "Finished") {
+            let (reason, message) = match phase {
+                Some(Phase::Succeeded) => ("Succeeded", "the DiphomaJob succeeded"),
+                _ => ("Failed", "the DiphomaJob failed"),
+            };
+            let conds = set_condition(&w.conditions, "Finished", "True", reason, message, now);
+            plan.patch_status = Some((w.name.clone(), json!({"conditions": conds})));
+        }
+        return plan;
+    }
+    let (min, _) = job.spec.bounds();
+    let matches = w.count == job.spec.replicas
+        && w.min_count.unwrap_or(w.count) == min.min(job.spec.replicas)
+        && w.queue == *queue;
+    if !matches {
+        // Scaling (or a move to another queue) goes through Kueue: a new Workload, once the
+        // workers admitted under the old one are gone.
+        if !running {
+            plan.delete = Some(w.name.clone());
+        }
+        return plan;
+    }
+    let evicted = find(&w.conditions, "Evicted").filter(|c| c.status == "True");
+    if let Some(e) = evicted
+        && w.quota_reserved
+        && !running
+    {
+        let requeued = matches!(e.reason.as_str(), "Preempted" | "NodeFailures");
+        let mut conds = set_condition(
+            &w.conditions,
+            "Requeued",
+            if requeued { "True" } else { "False" },
+            &e.reason,
+            &e.message,
+            now,
+        );
+        conds = set_condition(&conds, "QuotaReserved", "False", "Pending", &e.message, now);
+        if find(&conds, "Admitted").is_some() {
+            conds = set_condition(
+                &conds,
+                "Admitted",
+                "False",
+                "NoReservation",
+                "The workload has no reservation",
+                now,
+            );
+        }
+        plan.patch_status = Some((
+            w.name.clone(),
+            json!({"admission": null, "conditions": conds}),
+        ));
+    }
+    plan
+}
+
+/// Whether the plan keeps the workload's spec out of step with the job: the job is held until
+/// the replacement is admitted.
+pub fn mismatched(job: &DiphomaJob, queue: &Queue) -> bool {
+    let Queue::Queued {
+        queue,
+        workload: Some(w),
+        ..
+    } = queue
+    else {
+        return false;
+    };
+    let (min, _) = job.spec.bounds();
+    w.count != job.spec.replicas
+        || w.min_count.unwrap_or(w.count) != min.min(job.spec.replicas)
+        || w.queue != *queue
+}
+
+/// `conds` with condition `t` set (its `lastTransitionTime` moves only when its status does).
+fn set_condition(
+    conds: &[Condition],
+    t: &str,
+    status: &str,
+    reason: &str,
+    message: &str,
+    now: Timestamp,
+) -> Vec<Condition> {
+    let mut out: Vec<Condition> = conds.iter().filter(|c| c.type_ != t).cloned().collect();
+    let since = find(conds, t)
+        .filter(|c| c.status == status)
+        .map(|c| c.last_transition_time.clone());
+    out.push(Condition {
+        type_: t.into(),
+        status: status.into(),
+        reason: reason_of(reason),
+        message: message.chars().take(32 * 1024).collect(),
+        last_transition_time: since.unwrap_or(Time(now)),
+        observed_generation: None,
+    });
+    out
+}
+
+/// The job's Workload: one podSet of `replicas` workers, `minCount` = `minReplicas` (when
+/// below `replicas`), the worker pod template (containers' names, images and resources, GPU
+/// requests included, node selector, tolerations, affinity: what Kueue's flavor assignment
+/// reads), the job's LocalQueue and, from [`PRIORITY_CLASS_LABEL`], its
+/// WorkloadPriorityClass with its `priority` value (Kueue's validation requires both, as its
+/// jobframework sets them). Owned by the job (controller), so it goes with it.
+pub fn workload(job: &DiphomaJob, queue: &str, priority: Option<i32>) -> Value {
+    let name = job.name_any();
+    let (min, _) = job.spec.bounds();
+    let replicas = job.spec.replicas;
+    let template = podset_template(job);
+    let mut podset = json!({"name": PODSET, "count": replicas, "template": template});
+    if min < replicas {
+        podset["minCount"] = json!(min);
+    }
+    let mut spec = json!({"queueName": queue, "podSets": [podset]});
+    if let (Some(pc), Some(value)) = (job.labels().get(PRIORITY_CLASS_LABEL), priority) {
+        spec["priorityClassRef"] = json!({
+            "group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass", "name": pc
+        });
+        spec["priority"] = json!(value);
+    }
+    let mut labels = BTreeMap::new();
+    labels.insert(
+        "app.kubernetes.io/managed-by".to_owned(),
+        build::MANAGED_BY.to_owned(),
+    );
+    labels.insert(diphoma_contract::LABEL_JOB_NAME.to_owned(), name.clone());
+    let meta = ObjectMeta {
+        name: Some(workload_name(&name)),
+        namespace: job.namespace(),
+        labels: Some(labels),
+        owner_references: job.controller_owner_ref(&()).map(|o| vec![o]),
+        ..Default::default()
+    };
+    json!({
+        "apiVersion": KUEUE_API_VERSION,
+        "kind": "Workload",
+        "metadata": meta,
+        "spec": spec,
+    })
+}
+
+/// The worker pod template as Kueue needs it: the first worker's spec, reduced to what
+/// admission reads, with every limit also a request (Kueue counts requests).
+fn podset_template(job: &DiphomaJob) -> PodTemplateSpec {
+    let pod = build::worker_pod(job, 0, 0).ok();
+    let full = pod.and_then(|p| p.spec).unwrap_or_default();
+    let containers = full
+        .containers
+        .into_iter()
+        .map(|c| {
+            let mut resources = c.resources.unwrap_or_default();
+            let mut requests = resources.requests.take().unwrap_or_default();
+            for (k, v) in resources.limits.iter().flatten() {
+                requests.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+            resources.requests = (!requests.is_empty()).then_some(requests);
+            k8s_openapi::api::core::v1::Container {
+                name: c.name,
+                image: c.image,
+                resources: Some(resources),
+                ..Default::default()
+            }
+        })
+        .collect();
+    PodTemplateSpec {
+        metadata: None,
+        spec: Some(PodSpec {
+            containers,
+            node_selector: full.node_selector,
+            tolerations: full.tolerations,
+            affinity: full.affinity,
+            restart_policy: Some("Never".into()),
+            ..Default::default()
+        }),
+    }
+}
+
+/// Reads a Workload object (`kueue.x-k8s.io/v1beta2`) into a [`WorkloadView`]; `job_uid`
+/// decides ownership and `flavors` gives each ResourceFlavor's `spec` (node labels,
+/// tolerations) by name. Fields missing from the object read as empty.
+pub fn view(object: &Value, job_uid: &str, flavors: &BTreeMap<String, Value>) -> WorkloadView {
+    let s = |p: &str| {
+        object
+            .pointer(p)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+    };
+    let owned = object
+        .pointer("/metadata/ownerReferences")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .any(|o| o.get("uid").and_then(Value::as_str) == Some(job_uid));
+    let podset = object.pointer("/spec/podSets/0");
+    let int = |v: Option<&Value>| v.and_then(Value::as_i64).map(|n| n as i32);
+    let conditions: Vec<Condition> = object
+        .pointer("/status/conditions")
+        .and_then(|c| serde_json::from_value(c.clone()).ok())
+        .unwrap_or_default();
+    let admission = object.pointer("/status/admission").filter(|a| !a.is_null());
+    let count = int(podset.and_then(|p| p.get("count"))).unwrap_or_default();
+    let admitted = admission
+        .filter(|_| is_true(&conditions, "Admitted"))
+        .map(|a| {
+            let assignment = a.pointer("/podSetAssignments/0");
+            let assigned: BTreeMap<String, String> = assignment
+                .and_then(|p| p.get("flavors"))
+                .and_then(|f| serde_json::from_value(f.clone()).ok())
+                .unwrap_or_default();
+            let mut node_selector = BTreeMap::new();
+            let mut tolerations: Vec<Toleration> = vec![];
+            for flavor in assigned.values().collect::<std::collections::BTreeSet<_>>() {
+                let Some(spec) = flavors.get(flavor) else {
+                    continue;
+                };
+                if let Some(labels) = spec.get("nodeLabels").and_then(|l| {
+                    serde_json::from_value::<BTreeMap<String, String>>(l.clone()).ok()
+                }) {
+                    node_selector.extend(labels);
+                }
+                for t in spec
+                    .get("tolerations")
+                    .and_then(|t| serde_json::from_value::<Vec<Toleration>>(t.clone()).ok())
+                    .unwrap_or_default()
+                {
+                    if !tolerations.contains(&t) {
+                        tolerations.push(t);
+                    }
+                }
+            }
+            Admission {
+                cluster_queue: a
+                    .get("clusterQueue")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_owned(),
+                count: int(assignment.and_then(|p| p.get("count"))).unwrap_or(count),
+                node_selector,
+                tolerations,
+                flavors: assigned,
+            }
+        });
+    WorkloadView {
+        name: s("/metadata/name").to_owned(),
+        owned,
+        deleting: object
+            .pointer("/metadata/deletionTimestamp")
+            .is_some_and(|d| !d.is_null()),
+        count,
+        min_count: int(podset.and_then(|p| p.get("minCount"))),
+        queue: s("/spec/queueName").to_owned(),
+        conditions,
+        admitted,
+        quota_reserved: admission.is_some(),
+    }
+}
+
+/// The names of the ResourceFlavors a Workload object's admission assigns (to be read).
+pub fn assigned_flavors(object: &Value) -> Vec<String> {
+    let mut names: Vec<String> = object
+        .pointer("/status/admission/podSetAssignments")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p.get("flavors")?.as_object().cloned())
+        .flat_map(|m| {
+            m.into_iter()
+                .filter_map(|(_, v)| v.as_str().map(str::to_owned))
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::build::tests::job;
+
+    fn t(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).unwrap()
+    }
+
+    fn queued(mut j: DiphomaJob) -> DiphomaJob {
+        j.metadata
+            .labels
+            .get_or_insert_default()
+            .insert(QUEUE_LABEL.into(), "team".into());
+        j.metadata.uid = Some("uid-1".into());
+        j
+    }
+
+    fn elastic() -> DiphomaJob {
+        queued(job(
+            json!({"replicas": 4, "elastic": {"minReplicas": 2, "maxReplicas": 4},
+            "gpusPerWorker": 1,
+            "template": {"spec": {"containers": [{"name": "w", "image": "x"}]}}}),
+        ))
+    }
+
+    fn wl(j: &DiphomaJob, status: Value) -> Value {
+        let mut w = workload(j, "team", None);
+        w["metadata"]["ownerReferences"] = json!([{"uid": "uid-1", "apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "name": "train"}]);
+        w["status"] = status;
+        w
+    }
+
+    #[test]
+    fn the_workload_has_one_podset_with_min_count_and_gpu_requests() {
+        let j = elastic();
+        let w = workload(&j, "team", None);
+        assert_eq!(w["spec"]["queueName"], "team");
+        let ps = &w["spec"]["podSets"][0];
+        assert_eq!(
+            (ps["count"].as_i64(), ps["minCount"].as_i64()),
+            (Some(4), Some(2))
+        );
+        let c = &ps["template"]["spec"]["containers"][0];
+        assert_eq!(c["resources"]["requests"]["nvidia.com/gpu"], "1");
+        assert_eq!(w["metadata"]["name"], "diphomajob-train");
+    }
+
+    #[test]
+    fn a_queued_job_is_held_until_admitted_then_runs_with_the_admitted_flavor() {
+        let j = elastic();
+        let none = Queue::Queued {
+            queue: "team".into(),
+            workload: None,
+            priority: None,
+        };
+        assert!(hold(&j, &none).is_some());
+        assert!(queue_plan(&j, &none, &[], None, t(0)).create.is_some());
+
+        let pending = wl(
+            &j,
+            json!({"conditions": [{"type": "QuotaReserved", "status": "False",
+            "reason": "Pending", "message": "couldn't assign flavors to pod set workers: insufficient unused quota for nvidia.com/gpu in flavor gpu, 4 more needed",
+            "lastTransitionTime": "2027-01-01T00:00:00Z"}]}),
+        );
+        let q = Queue::Queued {
+            queue: "team".into(),
+            workload: Some(Box::new(view(&pending, "uid-1", &BTreeMap::new()))),
+            priority: None,
+        };
+        let h = hold(&j, &q).unwrap();
+        assert_eq!(h.reason, "Pending");
+        assert!(
+            h.message.contains("insufficient unused quota"),
+            "{}",
+            h.message
+        );
+        assert!(admitted_view(&j, &q).is_none());
+
+        let admitted = wl(
+            &j,
+            json!({
+            "admission": {"clusterQueue": "cq", "podSetAssignments": [{"name": "workers", "count": 3, "flavors": {"nvidia.com/gpu": "gpu"}}]},
+            "conditions": [
+                {"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"},
+                {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"}]}),
+        );
+        let flavors = BTreeMap::from([(
+            "gpu".to_owned(),
+            json!({"nodeLabels": {"pool": "gpu"},
+            "tolerations": [{"key": "pool", "operator": "Exists", "effect": "NoSchedule"}]}),
+        )]);
+        assert_eq!(assigned_flavors(&admitted), ["gpu"]);
+        let q = Queue::Queued {
+            queue: "team".into(),
+            workload: Some(Box::new(view(&admitted, "uid-1", &flavors))),
+            priority: None,
+        };
+        assert!(hold(&j, &q).is_none());
+        let run = admitted_view(&j, &q).unwrap();
+        assert_eq!(run.spec.replicas, 3, "partial admission");
+        let p = run.spec.placement.unwrap();
+        assert_eq!(p.node_selector.get("pool").map(String::as_str), Some("gpu"));
+        assert_eq!(p.tolerations.len(), 1);
+        assert_eq!(queue_plan(&j, &q, &[], None, t(0)), QueuePlan::default());
+    }
+
+    #[test]
+    fn an_evicted_workload_holds_the_job_and_is_requeued_once_no_worker_runs() {
+        let j = elastic();
+        let evicted = wl(
+            &j,
+            json!({
+            "admission": {"clusterQueue": "cq", "podSetAssignments": [{"name": "workers", "count": 4, "flavors": {}}]},
+            "conditions": [
+                {"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"},
+                {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"},
+                {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "Preempted to accommodate a workload (UID: x) due to prioritization in the ClusterQueue", "lastTransitionTime": "2027-01-01T00:00:00Z"}]}),
+        );
+        let q = Queue::Queued {
+            queue: "team".into(),
+            workload: Some(Box::new(view(&evicted, "uid-1", &BTreeMap::new()))),
+            priority: None,
+        };
+        assert_eq!(hold(&j, &q).unwrap().reason, "Preempted");
+        let pod: Pod = serde_json::from_value(
+            json!({"metadata": {"name": "train-worker-0"}, "status": {"phase": "Running"}}),
+        )
+        .unwrap();
+        assert!(
+            queue_plan(&j, &q, &[pod], None, t(0))
+                .patch_status
+                .is_none(),
+            "workers still run"
+        );
+        let (name, patch) = queue_plan(&j, &q, &[], None, t(0)).patch_status.unwrap();
+        assert_eq!(name, "diphomajob-train");
+        assert!(patch["admission"].is_null());
+        let conds: Vec<Condition> = serde_json::from_value(patch["conditions"].clone()).unwrap();
+        let st = |t: &str| find(&conds, t).map(|c| (c.status.as_str(), c.reason.as_str()));
+        assert_eq!(st("QuotaReserved"), Some(("False", "Pending")));
+        assert_eq!(st("Admitted"), Some(("False", "NoReservation")));
+        assert_eq!(st("Requeued"), Some(("True", "Preempted")));
+    }
+
+    #[test]
+    fn scaling_replaces_the_workload_and_a_finished_job_finishes_it() {
+        let mut j = elastic();
+        let w = wl(&j, json!({}));
+        j.spec.replicas = 3;
+        let q = Queue::Queued {
+            queue: "team".into(),
+            workload: Some(Box::new(view(&w, "uid-1", &BTreeMap::new()))),
+            priority: None,
+        };
+        assert!(mismatched(&j, &q));
+        assert_eq!(
+            queue_plan(&j, &q, &[], None, t(0)).delete.as_deref(),
+            Some("diphomajob-train")
+        );
+        j.spec.replicas = 4;
+        let done = queue_plan(&j, &q, &[], Some(Phase::Succeeded), t(0));
+        let conds: Vec<Condition> =
+            serde_json::from_value(done.patch_status.unwrap().1["conditions"].clone()).unwrap();
+        assert!(is_true(&conds, "Finished"));
+    }
+}

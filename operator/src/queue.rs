@@ -1,0 +1,160 @@
+//! Kueue I/O: reads a queued job's Workload (`kueue.x-k8s.io/v1beta2`) and the ResourceFlavors
+//! its admission assigns, and carries out what [`crate::plan::queue`] decided (create, delete,
+//! patch the Workload's status). Decides nothing. Workloads and ResourceFlavors are read as
+//! dynamic objects: Kueue's types are not a Rust crate, and the plan reads only a few fields.
+
+use std::collections::BTreeMap;
+
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
+};
+use kube::runtime::watcher;
+use kube::{Api, Client, ResourceExt};
+
+use crate::api::{DiphomaJob, FIELD_MANAGER};
+use crate::error::Error;
+use crate::plan::queue::{self, Queue, QueuePlan, WorkloadView};
+
+fn resource(kind: &str, plural: &str) -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("kueue.x-k8s.io", "v1beta2", kind),
+        plural,
+    )
+}
+
+/// The Workload resource (`kueue.x-k8s.io/v1beta2`, `workloads`).
+pub fn workloads() -> ApiResource {
+    resource("Workload", "workloads")
+}
+
+/// Whether the API server serves Kueue's Workloads (`kueue.x-k8s.io/v1beta2`): then the
+/// controller watches them. A job labelled with a queue is held without it.
+pub async fn served(client: &Client) -> bool {
+    client
+        .list_api_group_resources("kueue.x-k8s.io/v1beta2")
+        .await
+        .is_ok_and(|l| l.resources.iter().any(|r| r.name == "workloads"))
+}
+
+/// The watch configuration of the Workloads this operator created (label
+/// `app.kubernetes.io/managed-by=diphoma-operator`): the controller reconciles their owner
+/// job on every change (`Controller::owns_with`).
+pub fn owned_workloads() -> watcher::Config {
+    watcher::Config::default().labels(&format!(
+        "app.kubernetes.io/managed-by={}",
+        crate::build::MANAGED_BY
+    ))
+}
+
+/// The job's place in Kueue: [`Queue::NotQueued`] without [`queue::QUEUE_LABEL`]; else its
+/// Workload (if any), with the flavors of its admission resolved.
+///
+/// Errors: [`Error::Observe`] when the Workload or a ResourceFlavor cannot be read (Kueue not
+/// installed reads as no Workload: the job stays held and its status says so).
+pub async fn observe(client: &Client, job: &DiphomaJob) -> Result<Queue, Error> {
+    let Some(queue_name) = queue::queue_of(job) else {
+        return Ok(Queue::NotQueued);
+    };
+    let ns = job.namespace().unwrap_or_default();
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &workloads());
+    let read = |what| move |source| Error::Observe { what, source };
+    let object = match api.get_opt(&queue::workload_name(&job.name_any())).await {
+        Ok(o) => o,
+        Err(kube::Error::Api(e)) if e.code == 404 => None, // the CRD is not installed
+        Err(e) => return Err(read("Kueue Workload")(e)),
+    };
+    let priority = match job.labels().get(queue::PRIORITY_CLASS_LABEL) {
+        Some(class) => {
+            let classes: Api<DynamicObject> = Api::all_with(
+                client.clone(),
+                &resource("WorkloadPriorityClass", "workloadpriorityclasses"),
+            );
+            match classes.get_opt(class).await {
+                Ok(c) => c
+                    .and_then(|c| c.data.get("value")?.as_i64())
+                    .map(|v| v as i32),
+                Err(kube::Error::Api(e)) if e.code == 404 => None,
+                Err(e) => return Err(read("Kueue WorkloadPriorityClass")(e)),
+            }
+        }
+        None => None,
+    };
+    let Some(object) = object else {
+        return Ok(Queue::Queued {
+            queue: queue_name,
+            workload: None,
+            priority,
+        });
+    };
+    let value = serde_json::to_value(&object).unwrap_or_default();
+    let flavors_api: Api<DynamicObject> = Api::all_with(
+        client.clone(),
+        &resource("ResourceFlavor", "resourceflavors"),
+    );
+    let mut flavors = BTreeMap::new();
+    for name in queue::assigned_flavors(&value) {
+        if let Some(f) = flavors_api
+            .get_opt(&name)
+            .await
+            .map_err(read("Kueue ResourceFlavor"))?
+        {
+            flavors.insert(name, f.data.get("spec").cloned().unwrap_or_default());
+        }
+    }
+    let view: WorkloadView = queue::view(&value, &job.uid().unwrap_or_default(), &flavors);
+    Ok(Queue::Queued {
+        queue: queue_name,
+        workload: Some(Box::new(view)),
+        priority,
+    })
+}
+
+/// Carries out `plan` for `job`'s Workload: delete, create, patch its status.
+///
+/// Errors: [`Error::Workload`] naming the action and the Workload.
+pub async fn apply(client: &Client, job: &DiphomaJob, plan: &QueuePlan) -> Result<(), Error> {
+    let ns = job.namespace().unwrap_or_default();
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &workloads());
+    if let Some(name) = &plan.delete {
+        match api.delete(name, &DeleteParams::background()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(source) => {
+                return Err(Error::Workload {
+                    action: "delete",
+                    name: name.clone(),
+                    source,
+                });
+            }
+        }
+    }
+    if let Some(object) = &plan.create {
+        let w: DynamicObject = serde_json::from_value(object.clone()).expect("a Workload object");
+        match api.create(&PostParams::default(), &w).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {} // created meanwhile
+            Err(source) => {
+                return Err(Error::Workload {
+                    action: "create",
+                    name: w.name_any(),
+                    source,
+                });
+            }
+        }
+    }
+    if let Some((name, status)) = &plan.patch_status {
+        let body = serde_json::json!({"status": status});
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..Default::default()
+        };
+        api.patch_status(name, &params, &Patch::Merge(&body))
+            .await
+            .map_err(|source| Error::Workload {
+                action: "patch status of",
+                name: name.clone(),
+                source,
+            })?;
+    }
+    Ok(())
+}
