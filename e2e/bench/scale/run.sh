@@ -25,7 +25,7 @@
 # Prints tables and writes them, with the raw per-window counts, to $OUT (default
 # e2e/bench/scale/out). A benchmark: nothing is asserted.
 #
-# Environment: IDLE_S (300), GPUS_PER_NODE (32), STORM_PCT (10), FAILOVER (1), POLL_S (1),
+# Environment: IDLE_S (300), GPUS_PER_NODE (64), LEASE_S (120), STORM_PCT (10), FAILOVER (1), POLL_S (1),
 # DIPHOMA_OPERATOR (target/release/diphoma-operator), KEEP=1 keeps the work directory.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -33,7 +33,10 @@ REPO=$(cd "$HERE/../../.." && pwd)
 SIZES=("$@")
 [[ ${#SIZES[@]} -gt 0 ]] || SIZES=(100 300 1000)
 IDLE_S=${IDLE_S:-300}
-GPUS_PER_NODE=${GPUS_PER_NODE:-32}
+GPUS_PER_NODE=${GPUS_PER_NODE:-64}
+# kwok renews each node Lease every LEASE_S/4; on a busy 2-core machine a 40 s Lease (the
+# kubelet's) went stale for more than the operator's node-loss window at 250 nodes
+LEASE_S=${LEASE_S:-120}
 STORM_PCT=${STORM_PCT:-10}
 FAILOVER=${FAILOVER:-1}
 POLL_S=${POLL_S:-1}
@@ -84,7 +87,7 @@ EOF
 AUDIT="$W/audit.log"
 log "starting the control plane in $W"
 APISERVER_EXTRA_ARGS="--audit-policy-file=$W/bench-audit-policy.yaml --audit-log-path=$AUDIT --audit-log-format=json --audit-log-maxsize=1000000 --audit-log-maxbackup=0 --audit-log-mode=batch --audit-log-batch-max-wait=1s --max-requests-inflight=800 --max-mutating-requests-inflight=400" \
-  SCHED_QPS=500 SCHED_BURST=1000 NODE_MONITOR_GRACE_PERIOD=50s \
+  SCHED_QPS=500 SCHED_BURST=1000 NODE_MONITOR_GRACE_PERIOD=$((LEASE_S * 3 / 2))s KCM_EXTRA_ARGS="--kube-api-qps=500 --kube-api-burst=1000" \
   KCM_CONTROLLERS='*,-endpoints-controller,-endpointslice-controller,-endpointslice-mirroring-controller' bash "$REPO/e2e/cluster/start.sh" "$BIN" "$W" >/dev/null
 # shellcheck disable=SC1091
 source "$W/env"
@@ -115,7 +118,8 @@ done >"$W/kwok-stages.yaml"
   --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
   --cidr=127.0.0.0/8 \
   --node-ip=127.0.0.1 \
-  --node-lease-duration-seconds=40 \
+  --node-lease-duration-seconds="$LEASE_S" \
+  --v=WARN \
   --server-address= \
   >"$W/logs/kwok.log" 2>&1 &
 KWOK=$!
@@ -132,8 +136,8 @@ metadata:
 spec:
   podCIDR: 127.$((1 + i / 256)).$((i % 256)).0/24
 status:
-  allocatable: {cpu: "256", memory: 1Ti, pods: "110", nvidia.com/gpu: "$GPUS_PER_NODE"}
-  capacity: {cpu: "256", memory: 1Ti, pods: "110", nvidia.com/gpu: "$GPUS_PER_NODE"}
+  allocatable: {cpu: "256", memory: 1Ti, pods: "$((GPUS_PER_NODE + 16))", nvidia.com/gpu: "$GPUS_PER_NODE"}
+  capacity: {cpu: "256", memory: 1Ti, pods: "$((GPUS_PER_NODE + 16))", nvidia.com/gpu: "$GPUS_PER_NODE"}
 ---
 EOF
 done >"$W/nodes.yaml"
@@ -258,7 +262,7 @@ RAW="$OUT/requests.txt"
 {
   echo "# bench-scale $(date -u +%Y-%m-%dT%H:%MZ), commit $(git -C "$REPO" rev-parse --short HEAD)$(git -C "$REPO" diff --quiet || echo '+dirty')"
   echo
-  echo "$NODES kwok nodes x $GPUS_PER_NODE nvidia.com/gpu; idle window ${IDLE_S} s; storm ${STORM_PCT}% of the worker pods; poll every ${POLL_S} s."
+  echo "$NODES kwok nodes x $GPUS_PER_NODE nvidia.com/gpu, node Leases of $LEASE_S s; idle window ${IDLE_S} s; storm ${STORM_PCT}% of the worker pods; poll every ${POLL_S} s."
   echo
   echo "| N | operator | converge s | CPU s converge | requests converge | idle req/s | CPU s idle | apiserver CPU s idle | storm pods | storm repair s | requests storm | CPU s storm | CPU s total | peak RSS MiB |"
   echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
