@@ -22,7 +22,7 @@ if [[ -n ${OWNER_PID:-} ]]; then
     </dev/null >/dev/null 2>&1 &
   echo $! >"$W/watchdog.pid"
 fi
-[[ -f "$P/apiserver-kubelet-client.crt" ]] || "$HERE/gen-pki.sh" "$P"
+[[ -f "$P/operator.crt" ]] || "$HERE/gen-pki.sh" "$P"
 
 freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 ETCD_PORT=${ETCD_PORT:-$(freeport)}
@@ -53,6 +53,21 @@ current-context: local
 KC
 }
 kubeconfig "$W/admin.kubeconfig" admin "$P/admin.crt" "$P/admin.key"
+# An in-process operator's identity (user diphoma-operator), and the audit log of the operator's
+# requests only (that user, or a chart-installed operator's ServiceAccount), one JSON line per
+# request at its completion: the tests and benchmarks count the operator's API requests there.
+kubeconfig "$W/operator.kubeconfig" diphoma-operator "$P/operator.crt" "$P/operator.key"
+cat >"$W/audit-policy.yaml" <<'POLICY'
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    users:
+      - diphoma-operator
+      - system:serviceaccount:diphoma-system:diphoma-operator
+  - level: None
+POLICY
 
 wait_for() { # what timeout_s cmd...
   local what=$1 t=$2; shift 2
@@ -97,6 +112,10 @@ wait_for etcd 30 curl -fsS "http://127.0.0.1:${ETCD_PORT}/health"
   --kubelet-certificate-authority="$P/ca.crt" \
   --kubelet-preferred-address-types=InternalIP \
   --allow-privileged=true \
+  --audit-policy-file="$W/audit-policy.yaml" \
+  --audit-log-path="$W/logs/audit.log" \
+  --audit-log-format=json \
+  --audit-log-mode=blocking \
   ${APISERVER_EXTRA_ARGS:-} \
   --v="${KLOG_V:-1}" >"$W/logs/kube-apiserver.log" 2>&1 &
 echo $! >"$W/kube-apiserver.pid"
@@ -157,5 +176,7 @@ export CP_API_URL=https://127.0.0.1:${API_PORT}
 export CP_ETCD_URL=http://127.0.0.1:${ETCD_PORT}
 export CP_KCM_PORT=${KCM_PORT}
 export CP_SCHED_PORT=${SCHED_PORT}
+export CP_OPERATOR_KUBECONFIG=$W/operator.kubeconfig
+export CP_AUDIT_LOG=$W/logs/audit.log
 ENV
 echo "control plane up; source $W/env"

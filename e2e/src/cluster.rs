@@ -47,6 +47,12 @@ pub struct ControlPlane {
     pub bin_dir: PathBuf,
     /// Admin kubeconfig (O=system:masters).
     pub kubeconfig: PathBuf,
+    /// The operator's kubeconfig: user `diphoma-operator`, O=system:masters, whose requests (and
+    /// only theirs, with a chart-installed operator's) the API server writes to [`Self::audit_log`].
+    pub operator_kubeconfig: PathBuf,
+    /// The API server's audit log: one JSON object per line (`audit.k8s.io/v1` Event, level
+    /// Metadata, stage ResponseComplete) for each request of the operator's identities.
+    pub audit_log: PathBuf,
 }
 
 impl ControlPlane {
@@ -73,6 +79,8 @@ impl ControlPlane {
         );
         let cp = ControlPlane {
             kubeconfig: dir.join("admin.kubeconfig"),
+            operator_kubeconfig: dir.join("operator.kubeconfig"),
+            audit_log: dir.join("logs/audit.log"),
             dir,
             bin_dir,
         };
@@ -82,6 +90,12 @@ impl ControlPlane {
     /// A client authenticated as the cluster admin.
     pub async fn client(&self) -> Result<Client, Error> {
         client_from_kubeconfig(&self.kubeconfig).await
+    }
+
+    /// A client authenticated as the operator (user `diphoma-operator`, cluster admin), whose
+    /// requests the audit log records.
+    pub async fn operator_client(&self) -> Result<Client, Error> {
+        client_from_kubeconfig(&self.operator_kubeconfig).await
     }
 
     /// `kubectl` with this control plane's admin kubeconfig.

@@ -254,22 +254,38 @@ async fn the_operator_runs_as_a_pod_under_exactly_its_chart_rbac(
         in_ns(&["patch", "serviceaccounts"]),
         in_ns(&["patch", "roles.rbac.authorization.k8s.io"]),
         in_ns(&["patch", "rolebindings.rbac.authorization.k8s.io"]),
-        // Watched (metadata), so that a deleted child is restored.
+        // Watched (metadata), so that a deleted child is restored; pods and ConfigMaps whole:
+        // the operator reads them from its caches.
         vec!["watch", "configmaps", "-A"],
+        vec!["list", "secrets", "-A"],
+        vec!["watch", "secrets", "-A"],
         vec!["watch", "services", "-A"],
         vec!["watch", "serviceaccounts", "-A"],
         vec!["watch", "roles.rbac.authorization.k8s.io", "-A"],
         vec!["watch", "rolebindings.rbac.authorization.k8s.io", "-A"],
         in_ns(&["create", "events.events.k8s.io"]),
-        vec!["get", "nodes"],
-        vec!["get", "leases.coordination.k8s.io", "-n", "kube-node-lease"],
+        vec!["list", "nodes"],
+        vec!["watch", "nodes"],
+        vec![
+            "list",
+            "leases.coordination.k8s.io",
+            "-n",
+            "kube-node-lease",
+        ],
+        vec![
+            "watch",
+            "leases.coordination.k8s.io",
+            "-n",
+            "kube-node-lease",
+        ],
     ];
-    // Beyond it: secrets are never read, nothing is escalated, nodes and the job spec are
-    // never written, jobs are never fetched one by one (the watch cache has them), no leader
-    // Lease with one replica, no NetworkPolicies unless enabled.
+    // Beyond it: secrets are never fetched (only their metadata is watched), nothing is
+    // escalated, nodes and the job spec are never written, nothing is fetched one by one (the
+    // watch caches have it), no leader Lease with one replica, no NetworkPolicies unless enabled.
     let denied: Vec<Vec<&str>> = vec![
         in_ns(&["get", "secrets"]),
-        vec!["list", "secrets", "-A"],
+        vec!["get", "nodes"],
+        vec!["get", "leases.coordination.k8s.io", "-n", "kube-node-lease"],
         in_ns(&["delete", "configmaps"]),
         in_ns(&["delete", "secrets"]),
         in_ns(&["update", "pods"]),
@@ -281,7 +297,6 @@ async fn the_operator_runs_as_a_pod_under_exactly_its_chart_rbac(
         vec!["bind", "clusterroles.rbac.authorization.k8s.io"],
         vec!["create", "clusterrolebindings.rbac.authorization.k8s.io"],
         vec!["patch", "nodes"],
-        vec!["list", "nodes"],
         vec!["delete", "namespaces"],
         vec!["get", "leases.coordination.k8s.io", "-n", OPERATOR_NS],
         vec![

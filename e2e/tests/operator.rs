@@ -62,6 +62,8 @@ fn main() -> Result<()> {
             an_eviction_is_a_disruption_and_spends_no_backoff_limit,
             deleted_children_are_restored_and_generations_only_grow,
             checkpoints_belong_to_their_job_unless_another_is_resumed_by_name,
+            a_steady_job_costs_the_api_server_no_request,
+            deleted_children_come_back_from_the_watch_alone,
         ],
     )
 }
@@ -1762,5 +1764,155 @@ async fn checkpoints_belong_to_their_job_unless_another_is_resumed_by_name(
         third == [60],
         "third did not resume first's step 40: {third:?}"
     );
+    Ok(())
+}
+
+/// Issue 14: the operator reads from caches that watches keep, so a steady job costs the API
+/// server nothing. A job of two probe workers with `detectionSeconds: 3` (the old operator polled
+/// it every second: a list of its pods, its ring and heartbeat ConfigMaps, a Lease and a Node per
+/// node) runs steadily for 15 s while the API server's audit log records the operator's requests
+/// (its own user, [`Ctx::operator_client`]): no get or list of pods, ConfigMaps, Leases or Nodes
+/// anywhere, and no write in the job's namespace (nothing changed).
+async fn a_steady_job_costs_the_api_server_no_request(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    let job = JobManifest {
+        detection_seconds: Some(3),
+        ..probe_job("idle", 2)
+    };
+    let start = audit_offset(&ctx.cp);
+    start_job(&ctx, &ns, &job, 2).await?;
+    // The ring's status written and seen: from here on nothing changes.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let from = audit_offset(&ctx.cp);
+    // The log records the operator: its writes that started the job are there.
+    let started = operator_requests(&ctx.cp, start)?;
+    let created = |what: &str| {
+        started
+            .iter()
+            .any(|r| r.namespace == ns && r.resource == what && r.verb == "patch")
+    };
+    ensure!(
+        created("pods") && created("configmaps") && created("diphomajobs/status"),
+        "the audit log misses the operator's writes that started the job:\n{}",
+        request_table(&started)
+    );
+    tokio::time::sleep(std::time::Duration::from_secs(15)).await;
+    let requests = operator_requests(&ctx.cp, from)?;
+    eprintln!(
+        "the operator's requests in 15 s of a steady job (verb, resource, count):\n{}",
+        request_table(&requests)
+    );
+    let reads: Vec<&Request> = requests
+        .iter()
+        .filter(|r| matches!(r.verb.as_str(), "get" | "list"))
+        .filter(|r| ["pods", "configmaps", "leases", "nodes"].contains(&r.resource.as_str()))
+        .collect();
+    ensure!(
+        reads.is_empty(),
+        "{} reads while the job was steady, e.g. {:?}",
+        reads.len(),
+        reads.first()
+    );
+    let writes: Vec<&Request> = requests
+        .iter()
+        .filter(|r| r.namespace == ns && !matches!(r.verb.as_str(), "get" | "list" | "watch"))
+        .collect();
+    ensure!(
+        writes.is_empty(),
+        "{} writes while nothing changed, e.g. {:?}",
+        writes.len(),
+        writes.first()
+    );
+    // Still served: the job runs on.
+    let j = job_status(&ctx.client, &ns, "idle").await?;
+    ensure!(phase_of(&j) == Some(Phase::Running), "{:?}", j.status);
+    Ok(())
+}
+
+/// Issue 14: a deleted ring ConfigMap, heartbeat ConfigMap, key Secret or Service is restored
+/// from the watch of its kind, not by a timer: the job's `detectionSeconds` is an hour (the old
+/// operator looked at a running job every `detectionSeconds / 3`, and watched no Secret) and the
+/// test operator's safety net is an hour ([`OPERATOR_RESYNC`]), while each child must be back,
+/// owned by the job, within 20 s. The ring generation never goes back: the restored ring is
+/// republished above the one deleted, and every generation seen meanwhile (ConfigMap and status)
+/// only grows.
+async fn deleted_children_come_back_from_the_watch_alone(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    let job = JobManifest {
+        detection_seconds: Some(3600),
+        ..probe_job("kept", 2)
+    };
+    let first = start_job(&ctx, &ns, &job, 2).await?;
+    let uid = job_status(&ctx.client, &ns, "kept")
+        .await?
+        .uid()
+        .unwrap_or_default();
+    let owned = |m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+        m.owner_references.iter().flatten().any(|o| o.uid == uid)
+    };
+    let configmaps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    let services: Api<Service> = Api::namespaced(ctx.client.clone(), &ns);
+    // The highest generation seen so far, in the ring ConfigMap or the status; never lower.
+    let mut highest = first.generation;
+    let watch_generations = async |highest: &mut u64| -> Result<()> {
+        let cm = ring(&ctx.client, &ns, "kept").await?.map(|r| r.generation);
+        let st = job_status(&ctx.client, &ns, "kept")
+            .await?
+            .status
+            .and_then(|s| s.ring)
+            .map(|r| r.generation as u64);
+        for g in [cm, st].into_iter().flatten() {
+            ensure!(
+                g >= *highest,
+                "ring generation went back from {highest} to {g}"
+            );
+            *highest = g;
+        }
+        Ok(())
+    };
+    let key = diphoma_operator::build::key_secret_name("kept");
+    for (kind, name) in [
+        ("ConfigMap", "kept-ring"),
+        ("ConfigMap", "kept-heartbeat"),
+        ("Secret", key.as_str()),
+        ("Service", "kept"),
+    ] {
+        watch_generations(&mut highest).await?;
+        let before = highest;
+        let dp = DeleteParams::default();
+        match kind {
+            "ConfigMap" => configmaps.delete(name, &dp).await.map(|_| ())?,
+            "Secret" => secrets.delete(name, &dp).await.map(|_| ())?,
+            _ => services.delete(name, &dp).await.map(|_| ())?,
+        }
+        eventually(20, &format!("{kind} {name} restored"), async || {
+            watch_generations(&mut highest).await?;
+            Ok(match kind {
+                "ConfigMap" => configmaps
+                    .get_opt(name)
+                    .await?
+                    .is_some_and(|o| owned(&o.metadata)),
+                "Secret" => secrets
+                    .get_opt(name)
+                    .await?
+                    .is_some_and(|o| owned(&o.metadata)),
+                _ => services
+                    .get_opt(name)
+                    .await?
+                    .is_some_and(|o| owned(&o.metadata)),
+            })
+        })
+        .await?;
+        if name == "kept-ring" {
+            let republished = ring(&ctx.client, &ns, "kept")
+                .await?
+                .context("the ring ConfigMap holds no ring")?
+                .generation;
+            ensure!(
+                republished > before,
+                "the ring was republished at generation {republished}, not above {before}"
+            );
+        }
+    }
+    watch_generations(&mut highest).await?;
     Ok(())
 }

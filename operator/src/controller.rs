@@ -3,16 +3,19 @@
 //! children are re-applied and when to look again are the plan's.
 //!
 //! The children are the job's by owner UID, not by name: a pod, ConfigMap or RBAC object left
-//! by a deleted job of the same name (still terminating) is never taken for its own. The
-//! controller watches the kinds it owns (pods, ConfigMaps, ServiceAccounts, Roles, RoleBindings,
-//! Services; metadata only except pods), so that a deleted child triggers a reconcile, and keeps
-//! the metadata of the static ones in caches ([`Children`]) that tell `observe` which are
-//! missing, without an API call.
+//! by a deleted job of the same name (still terminating) is never taken for its own.
+//!
+//! Reads come from caches, reactions from watches ([`caches`]): the controller watches its jobs,
+//! their pods and ConfigMaps (whole), their ServiceAccounts, Roles, RoleBindings, Services, key
+//! Secrets and NetworkPolicies (metadata), all by the label `app.kubernetes.io/managed-by`, and
+//! the node Leases and Nodes; each event reconciles the jobs it concerns (a child's owner; for a
+//! node, the jobs with a pod on it). A job where nothing happens costs no API request: it is
+//! looked at again only when a timer of its plan falls due ([`Plan::look_again`]: deadline, TTL,
+//! when a node would be lost without a renewal, young failure reports, reports falling silent),
+//! or after [`Options::resync`], a long safety net.
 //!
 //! API calls per reconcile:
-//! - reads (`observe`): the job's pods (one list), the ring and heartbeat ConfigMaps, and for
-//!   each node its pods run on, that node's Lease in `kube-node-lease` (remembered in
-//!   [`Context::leases`]: when this operator saw its `renewTime` change) and the Node;
+//! - reads: none (`observe` reads the caches);
 //! - writes (`apply`), only what the plan asks for, in this order: the static children
 //!   (ServiceAccount, Role, RoleBinding, Service, NetworkPolicy by server-side apply; key Secret
 //!   and heartbeat ConfigMap created once) when [`Plan::apply_children`]; the status when it
@@ -21,11 +24,15 @@
 //!   remembered for the next plan, the others are still created, and the reconcile then fails
 //!   so that it is retried with exponential back-off); the ring ConfigMap of a new generation;
 //!   the events. The static children are applied again whenever one is missing. Once the TTL
-//!   passed ([`Plan::delete_job`]), only the job's deletion.
+//!   passed ([`Plan::delete_job`]), only the job's deletion. After its writes, a reconcile waits
+//!   until the watches have delivered them ([`Caches::caught_up`]), so that the next one plans
+//!   from what it wrote;
 //! - a job that does not decode gets one list of the job as stored, then its status and event
 //!   ([`plan::invalid`]).
 //!
-//! A steady job therefore writes nothing.
+//! A steady job therefore reads and writes nothing.
+
+pub mod caches;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,17 +44,14 @@ use diphoma_contract::{
 };
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, ObjectReference, Pod, Service, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Pod};
 use kube::api::{
-    ApiResource, DeleteParams, DynamicObject, ListParams, PartialObjectMeta, Patch, PatchParams,
-    PostParams,
+    ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
 };
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::Serialize;
@@ -57,8 +61,8 @@ use crate::api::{DiphomaJob, DiphomaJobStatus, FIELD_MANAGER};
 use crate::build::{self, ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED, MANAGED_BY};
 use crate::error::Error;
 use crate::metrics::Metrics;
-use crate::plan::nodes::{LeaseSeen, observe_lease};
-use crate::plan::{self, NodeHealth, Observed, Plan};
+use crate::plan::{self, Observed, Plan};
+use caches::{Caches, Kind, Written, owned_by};
 
 /// What every reconcile shares.
 pub struct Context {
@@ -79,90 +83,16 @@ pub struct Context {
     /// Per job (`namespace/name`): the heartbeat ConfigMap's `resourceVersion` and when this
     /// operator first saw it ([`Observed::heartbeat_changed`]).
     pub heartbeats: Mutex<BTreeMap<String, (String, jiff::Timestamp)>>,
-    /// The caches of the static children (none: not watched, none reported missing).
-    pub children: Option<Children>,
-    /// Per node: its Lease as this operator last saw it, and when it saw it change (node health
-    /// is judged by this operator's clocks, never by the kubelet's `renewTime`:
-    /// [`plan::nodes`]).
-    pub leases: Mutex<BTreeMap<String, LeaseSeen>>,
+    /// What the watches keep: the children, node health, what they delivered.
+    pub caches: Arc<Caches>,
+    /// The safety net: the longest a job goes without a reconcile ([`Options::resync`]).
+    pub resync: Duration,
 }
 
-/// Metadata caches of the jobs' static children, fed by the controller's watches of those
-/// kinds (label `app.kubernetes.io/managed-by=diphoma-operator`).
-#[derive(Clone)]
-pub struct Children {
-    service_accounts: Store<PartialObjectMeta<ServiceAccount>>,
-    roles: Store<PartialObjectMeta<Role>>,
-    role_bindings: Store<PartialObjectMeta<RoleBinding>>,
-    services: Store<PartialObjectMeta<Service>>,
-}
-
-impl Children {
-    /// The static children of `job` that are missing from the caches or not its own
-    /// (`Kind/name`).
-    fn missing(&self, job: &DiphomaJob) -> Vec<String> {
-        let ns = job.namespace().unwrap_or_default();
-        let uid = job.uid().unwrap_or_default();
-        [
-            absent(
-                &self.service_accounts,
-                &ns,
-                &build::service_account(job).name_any(),
-                &uid,
-            ),
-            absent(&self.roles, &ns, &build::role(job).name_any(), &uid),
-            absent(
-                &self.role_bindings,
-                &ns,
-                &build::role_binding(job).name_any(),
-                &uid,
-            ),
-            absent(&self.services, &ns, &build::service(job).name_any(), &uid),
-        ]
-        .into_iter()
-        .flatten()
-        .collect()
-    }
-}
-
-/// `Kind/name` when `store` holds no object `name` in `ns` owned by `uid`.
-fn absent<K>(store: &Store<PartialObjectMeta<K>>, ns: &str, name: &str, uid: &str) -> Option<String>
-where
-    K: Resource<DynamicType = ()> + Clone,
-{
-    let found = store.get(&ObjectRef::new(name).within(ns));
-    (!found.is_some_and(|o| owned_by(&o.metadata, uid))).then(|| format!("{}/{name}", K::kind(&())))
-}
-
-/// Whether `meta` names `uid` among its owners.
-fn owned_by(meta: &ObjectMeta, uid: &str) -> bool {
-    meta.owner_references.iter().flatten().any(|o| o.uid == uid)
-}
-
-/// A metadata watch of kind `K`'s objects matching `cfg`, feeding the returned cache.
-fn watch_children<K>(
-    client: &Client,
-    cfg: &watcher::Config,
-) -> (
-    Store<PartialObjectMeta<K>>,
-    impl futures::Stream<Item = Result<PartialObjectMeta<K>, watcher::Error>> + Send + 'static,
-)
-where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
-{
-    let (reader, writer) = reflector::store();
-    let api = Api::<PartialObjectMeta<K>>::all(client.clone());
-    let stream = reflector::reflector(writer, watcher(api, cfg.clone()))
-        .default_backoff()
-        .touched_objects();
-    (reader, stream)
-}
+/// How long a reconcile waits for the watches to deliver its own writes
+/// ([`Caches::caught_up`]) before it gives up waiting (the next reconcile may then plan from an
+/// older view; it is logged).
+const CATCH_UP: Duration = Duration::from_secs(10);
 
 /// The worker creations the API server refused for one job at the last apply. Only their
 /// creation backs off ([`retry_delay`]): the job is still reconciled at its usual cadence
@@ -197,7 +127,8 @@ pub fn retry_delay(n: u32) -> Duration {
 }
 
 impl Context {
-    /// A context whose events are reported by `diphoma-operator` (instance: `$POD_NAME`).
+    /// A context whose events are reported by `diphoma-operator` (instance: `$POD_NAME`), with
+    /// caches fed by no watch ([`Caches::unwatched`]) and the default [`Options::resync`].
     pub fn new(client: Client, metrics: Metrics) -> Self {
         let reporter = Reporter {
             controller: MANAGED_BY.into(),
@@ -211,11 +142,14 @@ impl Context {
             refused: Mutex::default(),
             retries: Mutex::default(),
             heartbeats: Mutex::default(),
-            children: None,
-            leases: Mutex::default(),
+            caches: Arc::new(Caches::unwatched()),
+            resync: DEFAULT_RESYNC,
         }
     }
 }
+
+/// The default [`Options::resync`]: 5 minutes (as controller-rs).
+pub const DEFAULT_RESYNC: Duration = Duration::from_secs(300);
 
 /// Leader election on a `coordination.k8s.io` Lease, so that several replicas are safe.
 #[derive(Debug, Clone)]
@@ -229,12 +163,25 @@ pub struct LeaderElection {
 }
 
 /// How [`run`] coordinates.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Options {
     /// Reconcile only while holding this Lease (none: always).
     pub leader_election: Option<LeaderElection>,
     /// Give each job a NetworkPolicy that opens its ring port only to its own workers.
     pub network_policy: bool,
+    /// The safety net: a job is reconciled at least this often, even when no watch event and no
+    /// timer of its plan asks for it ([`DEFAULT_RESYNC`]).
+    pub resync: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            leader_election: None,
+            network_policy: false,
+            resync: DEFAULT_RESYNC,
+        }
+    }
 }
 
 /// Why [`run`] stopped before its shutdown signal.
@@ -346,31 +293,32 @@ pub async fn run(
 ) -> Result<(), RunError> {
     // Guarded: a job that does not decode is reported on itself, and never stops the others.
     let jobs: Api<DeserializeGuard<DiphomaJob>> = Api::all(client.clone());
-    let pods: Api<Pod> = Api::all(client.clone());
-    let managed = format!("app.kubernetes.io/managed-by={MANAGED_BY}");
     let metrics = Metrics::default();
     let ready = Arc::new(AtomicBool::new(false));
-    let owned = watcher::Config::default().labels(&managed);
-    let (service_accounts, sa_events) = watch_children::<ServiceAccount>(&client, &owned);
-    let (roles, role_events) = watch_children::<Role>(&client, &owned);
-    let (role_bindings, binding_events) = watch_children::<RoleBinding>(&client, &owned);
-    let (services, service_events) = watch_children::<Service>(&client, &owned);
-    let children = Children {
-        service_accounts,
-        roles,
-        role_bindings,
-        services,
-    };
-    let controller = Controller::new(jobs, watcher::Config::default().any_semantic())
-        .owns(pods, owned.clone())
-        .owns(
-            Api::<PartialObjectMeta<ConfigMap>>::all(client.clone()),
-            owned,
-        )
-        .owns_stream(sa_events)
-        .owns_stream(role_events)
-        .owns_stream(binding_events)
-        .owns_stream(service_events);
+    let (caches, writers) = Caches::new(opts.network_policy);
+    let caches = Arc::new(caches);
+    let streams = caches.watches(&client, writers);
+    let (job_store, job_writer) = reflector::store();
+    let job_events = caches::watch_into(
+        jobs,
+        &watcher::Config::default().any_semantic(),
+        job_writer,
+        caches.seen.clone(),
+        Kind::Job,
+    )
+    .applied_objects();
+    let mut controller = Controller::for_stream(job_events, job_store)
+        .owns_stream(streams.pods)
+        .owns_stream(streams.configmaps)
+        .owns_stream(streams.service_accounts)
+        .owns_stream(streams.roles)
+        .owns_stream(streams.role_bindings)
+        .owns_stream(streams.services)
+        .owns_stream(streams.secrets)
+        .reconcile_on(streams.nodes);
+    if let Some(np) = streams.network_policies {
+        controller = controller.owns_stream(np);
+    }
     if let Some(listener) = metrics_listener {
         tokio::spawn(crate::metrics::serve(
             listener,
@@ -400,6 +348,7 @@ pub async fn run(
     let lost_flag = lost.clone();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let (stopping_tx, mut stopping) = tokio::sync::watch::channel(false);
+    let closing = caches.clone();
     tokio::spawn(async move {
         match leadership {
             Some(mut rx) => tokio::select! {
@@ -412,13 +361,15 @@ pub async fn run(
         // the shutdown, as client-go's ReleaseOnCancel), while the controller drains.
         let _ = stop_tx.send(());
         let _ = stopping_tx.send(true);
+        closing.close(); // the reconciles in flight no longer wait for the watches
     });
     let stop = async move {
         let _ = stop_rx.await;
     };
     let ctx = Arc::new(Context {
         network_policy: opts.network_policy,
-        children: Some(children),
+        caches,
+        resync: opts.resync,
         ..Context::new(client, metrics.clone())
     });
     let drive = controller
@@ -533,12 +484,14 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
             .remove(&job_key(job));
         return Ok(Action::await_change()); // owner references clean up the children
     }
+    tracing::debug!(job = %job_key(job), "reconcile");
+    // The first lists: before them, a missing object may only be unlisted yet.
+    if !ctx.caches.ready().await {
+        return Ok(Action::await_change()); // stopping
+    }
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
-    let (mut obs, heartbeat_version) = observe(&ctx.client, &ctx.leases, job).await?; // reads
-    if let Some(children) = &ctx.children {
-        obs.missing.extend(children.missing(job)); // from the watches' caches
-    }
+    let (mut obs, heartbeat_version) = observe(&ctx.caches, job)?; // from the caches
     obs.heartbeat_changed = heartbeat_version.map(|v| {
         let mut seen = ctx.heartbeats.lock().expect("heartbeats lock");
         let entry = seen.entry(job_key(job)).or_insert((v.clone(), obs.now));
@@ -556,128 +509,93 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
         .unwrap_or_default();
     obs.refused = refusals.pods.clone();
     let plan = plan::plan(job, &obs); // pure
-    apply(ctx, job, &plan, refusals).await?; // writes (and the metrics of what they did)
-    Ok(plan
-        .look_again
-        .map_or_else(Action::await_change, Action::requeue))
+    let mut written = Written::default();
+    let applied = apply(ctx, job, &plan, refusals, &mut written).await; // writes
+    // Read-your-writes: the next reconcile of this job plans from what this one wrote.
+    tracing::debug!(job = %job_key(job), ?written, ok = applied.is_ok(), "applied");
+    let late = ctx.caches.caught_up(&written, CATCH_UP).await;
+    if !late.is_empty() {
+        tracing::warn!(job = %job.name_any(), ?late, "the watches did not deliver this reconcile's writes within {CATCH_UP:?}");
+    }
+    applied?;
+    // The refused workers' back-off is a timer too.
+    let held = ctx
+        .refused
+        .lock()
+        .expect("refused lock")
+        .get(&job_key(job))
+        .and_then(|r| r.until)
+        .map(|until| until.saturating_duration_since(std::time::Instant::now()));
+    let next = [plan.look_again, held, Some(ctx.resync)]
+        .into_iter()
+        .flatten()
+        .min()
+        .unwrap_or(ctx.resync);
+    Ok(Action::requeue(next))
 }
 
-/// Reads the job's pods, its published ring, the workers' reports and the health of the nodes
-/// its pods run on; with the heartbeat ConfigMap's `resourceVersion` (none: missing or not the
-/// job's). Only what the job owns (owner UID) is its own: pods, ring and heartbeat left by a
-/// deleted job of the same name are not; such pods' names are [`Observed::foreign`], and a
-/// missing or foreign heartbeat ConfigMap is in [`Observed::missing`]. `leases` is the memory of
-/// the node Leases seen before, updated here.
-async fn observe(
-    client: &Client,
-    leases: &Mutex<BTreeMap<String, LeaseSeen>>,
-    job: &DiphomaJob,
-) -> Result<(Observed, Option<String>), Error> {
+/// The job's pods, its published ring, the workers' reports, the health of the nodes its pods
+/// run on and its missing children, from the caches (no API request); with the heartbeat
+/// ConfigMap's `resourceVersion` (none: missing or not the job's). Only what the job owns (owner
+/// UID) is its own: pods, ring and heartbeat left by a deleted job of the same name are not;
+/// such pods' names are [`Observed::foreign`], and a missing or foreign heartbeat ConfigMap is
+/// in [`Observed::missing`].
+///
+/// Errors: [`Error::Ring`] when the ring ConfigMap holds no readable membership.
+fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String>), Error> {
     let ns = job.namespace().unwrap_or_default();
     let name = job.name_any();
     let uid = job.uid().unwrap_or_default();
-    let read = |what| move |source| Error::Observe { what, source };
-    let (pods, foreign): (Vec<Pod>, Vec<Pod>) = Api::<Pod>::namespaced(client.clone(), &ns)
-        .list(&ListParams::default().labels(&build::selector(&name)))
-        .await
-        .map_err(read("pods"))?
-        .items
-        .into_iter()
+    let labelled = caches.pods.state_filter(|p| {
+        p.metadata.namespace.as_deref() == Some(ns.as_str())
+            && p.labels().get(contract::LABEL_JOB_NAME) == Some(&name)
+    });
+    let (pods, foreign): (Vec<Pod>, Vec<Pod>) = labelled
+        .iter()
+        .map(|p| Pod::clone(p))
         .partition(|p| owned_by(&p.metadata, &uid));
-    let configmaps = Api::<ConfigMap>::namespaced(client.clone(), &ns);
+    let configmap = |cm: &str| {
+        caches
+            .configmaps
+            .get(&ObjectRef::new(cm).within(&ns))
+            .filter(|cm| owned_by(&cm.metadata, &uid))
+    };
     let ring_name = contract::membership_configmap_name(&name);
-    let ring_cm = configmaps
-        .get_opt(&ring_name)
-        .await
-        .map_err(read("ring ConfigMap"))?
-        .filter(|cm| owned_by(&cm.metadata, &uid));
-    let ring = match ring_cm.and_then(|cm| cm.data?.remove(MEMBERSHIP_KEY)) {
-        Some(json) => Some(Membership::parse(&json).map_err(|source| Error::Ring {
-            name: ring_name.clone(),
-            source,
-        })?),
-        None => None,
-    };
-    let heartbeat_name = contract::heartbeat_configmap_name(&name);
-    let heartbeat = configmaps
-        .get_opt(&heartbeat_name)
-        .await
-        .map_err(read("heartbeat ConfigMap"))?
-        .filter(|cm| owned_by(&cm.metadata, &uid));
-    let missing = match &heartbeat {
-        Some(_) => vec![],
-        None => vec![format!("ConfigMap/{heartbeat_name}")],
-    };
+    let ring =
+        match configmap(&ring_name).and_then(|cm| cm.data.as_ref()?.get(MEMBERSHIP_KEY).cloned()) {
+            Some(json) => Some(Membership::parse(&json).map_err(|source| Error::Ring {
+                name: ring_name.clone(),
+                source,
+            })?),
+            None => None,
+        };
+    let heartbeat = configmap(&contract::heartbeat_configmap_name(&name));
     let version = heartbeat
         .as_ref()
         .and_then(|cm| cm.metadata.resource_version.clone());
-    let (progress, reports) = read_heartbeat(heartbeat.and_then(|cm| cm.data).unwrap_or_default());
-    let now = jiff::Timestamp::now();
-    let names: BTreeSet<String> = pods
+    let (progress, reports) =
+        read_heartbeat(heartbeat.and_then(|cm| cm.data.clone()).unwrap_or_default());
+    let at = std::time::Instant::now();
+    let nodes = pods
         .iter()
         .filter_map(|p| p.spec.as_ref()?.node_name.clone())
+        .collect::<BTreeSet<String>>()
+        .into_iter()
+        .map(|n| {
+            let health = caches.node_health(&n, at);
+            (n, health)
+        })
         .collect();
-    let mut nodes = BTreeMap::new();
-    for n in names {
-        let lease = Api::<Lease>::namespaced(client.clone(), "kube-node-lease")
-            .get_opt(&n)
-            .await
-            .map_err(read("node Lease"))?
-            .and_then(|l| l.spec);
-        let node = Api::<Node>::all(client.clone())
-            .get_opt(&n)
-            .await
-            .map_err(read("Node"))?;
-        let renewed = lease
-            .as_ref()
-            .and_then(|s| s.renew_time.as_ref())
-            .map(|t| t.0);
-        let duration_s = lease.as_ref().and_then(|s| s.lease_duration_seconds);
-        let (lease_age, clock_skew) = {
-            let mut leases = leases.lock().expect("leases lock");
-            match renewed {
-                Some(renewed) => {
-                    let at = std::time::Instant::now();
-                    let (seen, skew) = observe_lease(
-                        leases.get(&n),
-                        renewed,
-                        duration_s,
-                        at,
-                        jiff::Timestamp::now(),
-                    );
-                    leases.insert(n.clone(), seen);
-                    (Some(seen.age(at)), skew)
-                }
-                None => {
-                    leases.remove(&n);
-                    (None, None)
-                }
-            }
-        };
-        let health = NodeHealth {
-            lease_age,
-            lease_duration_seconds: duration_s,
-            clock_skew,
-            ready: node.is_some_and(|node| {
-                node.status
-                    .and_then(|s| s.conditions)
-                    .into_iter()
-                    .flatten()
-                    .any(|c| c.type_ == "Ready" && c.status == "True")
-            }),
-        };
-        nodes.insert(n, health);
-    }
     let observed = Observed {
         pods,
         foreign: foreign.iter().map(|p| p.name_any()).collect(),
-        missing,
+        missing: caches.missing(job),
         heartbeat_changed: None,
         ring,
         nodes,
         progress,
         reports,
-        now,
+        now: jiff::Timestamp::now(),
         refused: BTreeMap::new(),
     };
     Ok((observed, version))
@@ -706,8 +624,8 @@ fn read_heartbeat(
     (progress, reports)
 }
 
-/// Server-side applies `obj` (forced, as [`FIELD_MANAGER`]).
-async fn apply_one<K>(api: &Api<K>, obj: &K) -> Result<(), kube::Error>
+/// Server-side applies `obj` (forced, as [`FIELD_MANAGER`]); the object as stored.
+async fn apply_one<K>(api: &Api<K>, obj: &K) -> Result<K, kube::Error>
 where
     K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
 {
@@ -717,17 +635,17 @@ where
         &PatchParams::apply(FIELD_MANAGER).force(),
         &Patch::Apply(obj),
     )
-    .await?;
-    Ok(())
+    .await
 }
 
 /// Carries out the plan, in the order the module doc lists; `before`: the refusals of the last
-/// apply.
+/// apply. Each write that returned an object is noted in `written`.
 async fn apply(
     ctx: &Context,
     job: &DiphomaJob,
     plan: &Plan,
     before: Refusals,
+    written: &mut Written,
 ) -> Result<(), Error> {
     let client = &ctx.client;
     let ns = job.namespace().unwrap_or_default();
@@ -740,17 +658,21 @@ async fn apply(
         return Ok(());
     }
     if plan.apply_children {
-        apply_children(ctx, job).await?;
+        apply_children(ctx, job, written).await?;
     }
     // Status first: a counted failure is never lost, even if what follows fails.
-    write_status(&jobs, &name, job.status.as_ref(), &plan.status).await?;
+    if let Some(j) = write_status(&jobs, &name, job.status.as_ref(), &plan.status).await? {
+        written.note(Kind::Job, j.meta());
+    }
     ctx.metrics.observe_failures(plan);
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     for f in plan.failures.iter().filter(|f| f.exists) {
-        annotate(&pods, &f.pod, ANNOT_FAILURE_COUNTED, f.cause.as_str()).await?;
+        let p = annotate(&pods, &f.pod, ANNOT_FAILURE_COUNTED, f.cause.as_str()).await?;
+        written.note(Kind::Pod, &p.metadata);
     }
     for d in &plan.delete {
-        annotate(&pods, &d.pod, ANNOT_DELETED_BY_OPERATOR, d.reason).await?;
+        let p = annotate(&pods, &d.pod, ANNOT_DELETED_BY_OPERATOR, d.reason).await?;
+        written.note(Kind::Pod, &p.metadata);
         let dp = if d.force {
             DeleteParams {
                 grace_period_seconds: Some(0),
@@ -759,12 +681,16 @@ async fn apply(
         } else {
             DeleteParams::default()
         };
-        ignore_missing(pods.delete(&d.pod, &dp).await.map(|_| ())).map_err(|source| {
-            Error::DeletePod {
-                pod: d.pod.clone(),
-                source,
-            }
-        })?;
+        let gone =
+            ignore_missing(pods.delete(&d.pod, &dp).await.map(|e| e.left())).map_err(|source| {
+                Error::DeletePod {
+                    pod: d.pod.clone(),
+                    source,
+                }
+            })?;
+        if let Some(p) = gone {
+            written.note(Kind::Pod, &p.metadata);
+        }
     }
     // A pod the API server refuses (a quota, a pod it finds invalid) stops neither the other
     // creations nor the ring: it is remembered for the next plan, and retried with back-off.
@@ -779,7 +705,7 @@ async fn apply(
             continue;
         }
         match apply_one(&pods, p).await {
-            Ok(()) => {}
+            Ok(created) => written.note(Kind::Pod, &created.metadata),
             Err(kube::Error::Api(s)) => {
                 refused.insert(pod.clone(), s.message.clone());
                 refusals += 1;
@@ -824,7 +750,7 @@ async fn apply(
         .expect("refused lock")
         .insert(job_key(job), after);
     if let Some(m) = &plan.publish {
-        apply_one(
+        let cm = apply_one(
             &Api::<ConfigMap>::namespaced(client.clone(), &ns),
             &build::ring_configmap(job, m),
         )
@@ -833,28 +759,30 @@ async fn apply(
             generation: m.generation,
             source,
         })?;
+        written.note(Kind::ConfigMap, &cm.metadata);
         ctx.metrics.observe_publish(plan);
     }
     for r in &plan.relabel {
-        relabel(&pods, r).await?;
+        let p = relabel(&pods, r).await?;
+        written.note(Kind::Pod, &p.metadata);
     }
     publish(ctx, &job.object_ref(&()), &events).await;
     Ok(())
 }
 
 /// Writes `status` on job `name` (server-side apply) unless it equals `prev`; `K` is the job
-/// type the reply decodes into.
+/// type the reply decodes into. The job as stored after the write (none: nothing written).
 async fn write_status<K>(
     jobs: &Api<K>,
     name: &str,
     prev: Option<&DiphomaJobStatus>,
     status: &DiphomaJobStatus,
-) -> Result<(), Error>
+) -> Result<Option<K>, Error>
 where
     K: Clone + DeserializeOwned + std::fmt::Debug,
 {
     if prev == Some(status) {
-        return Ok(());
+        return Ok(None);
     }
     let body = serde_json::json!({"apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "status": status});
     jobs.patch_status(
@@ -863,8 +791,8 @@ where
         &Patch::Apply(&body),
     )
     .await
-    .map_err(|source| Error::PatchStatus { source })?;
-    Ok(())
+    .map(Some)
+    .map_err(|source| Error::PatchStatus { source })
 }
 
 /// Publishes `events` on the object `reference` (a failed publish is logged, not an error).
@@ -897,8 +825,8 @@ async fn publish(ctx: &Context, reference: &ObjectReference, events: &[plan::Eve
     }
 }
 
-/// Sets annotation `key` to `value` on `pod` (a pod already gone is fine).
-async fn annotate(pods: &Api<Pod>, pod: &str, key: &str, value: &str) -> Result<(), Error> {
+/// Sets annotation `key` to `value` on `pod` (a pod already gone is fine); the pod as stored.
+async fn annotate(pods: &Api<Pod>, pod: &str, key: &str, value: &str) -> Result<Pod, Error> {
     mark(
         pods,
         pod,
@@ -907,8 +835,8 @@ async fn annotate(pods: &Api<Pod>, pod: &str, key: &str, value: &str) -> Result<
     .await
 }
 
-/// Sets (or, for a pod outside the ring, removes) the rank labels of `r.pod`.
-async fn relabel(pods: &Api<Pod>, r: &plan::Relabel) -> Result<(), Error> {
+/// Sets (or, for a pod outside the ring, removes) the rank labels of `r.pod`; the pod as stored.
+async fn relabel(pods: &Api<Pod>, r: &plan::Relabel) -> Result<Pod, Error> {
     let (rank, generation) = r
         .rank
         .map(|(rank, g)| (rank.to_string(), g.to_string()))
@@ -925,75 +853,89 @@ async fn relabel(pods: &Api<Pod>, r: &plan::Relabel) -> Result<(), Error> {
     .await
 }
 
-/// Merge-patches `body` into `pod` (a pod already gone is fine).
-async fn mark(pods: &Api<Pod>, pod: &str, body: serde_json::Value) -> Result<(), Error> {
+/// Merge-patches `body` into `pod`; the pod as stored (a pod already gone is fine: an empty
+/// pod).
+async fn mark(pods: &Api<Pod>, pod: &str, body: serde_json::Value) -> Result<Pod, Error> {
     let r = pods
         .patch(pod, &PatchParams::default(), &Patch::Merge(&body))
         .await;
-    ignore_missing(r)
-        .map(|_| ())
-        .map_err(|source| Error::MarkPod {
-            pod: pod.to_owned(),
-            source,
-        })
+    ignore_missing(r).map_err(|source| Error::MarkPod {
+        pod: pod.to_owned(),
+        source,
+    })
 }
 
 /// The static children: ServiceAccount, Role, RoleBinding, Service and (with
 /// [`Options::network_policy`]) NetworkPolicy applied; the key Secret and the heartbeat
-/// ConfigMap created once.
-async fn apply_children(ctx: &Context, job: &DiphomaJob) -> Result<(), Error> {
+/// ConfigMap created once. Each write is noted in `written`.
+async fn apply_children(
+    ctx: &Context,
+    job: &DiphomaJob,
+    written: &mut Written,
+) -> Result<(), Error> {
     let (client, ns) = (&ctx.client, job.namespace().unwrap_or_default());
     let failed = |kind: &'static str, name: &str| {
         let name = name.to_owned();
         move |source| Error::ApplyChild { kind, name, source }
     };
     let sa = build::service_account(job);
-    apply_one(&Api::namespaced(client.clone(), &ns), &sa)
+    let o = apply_one(&Api::namespaced(client.clone(), &ns), &sa)
         .await
         .map_err(failed("ServiceAccount", &sa.name_any()))?;
+    written.note(Kind::ServiceAccount, o.meta());
     let role = build::role(job);
-    apply_one(&Api::namespaced(client.clone(), &ns), &role)
+    let o = apply_one(&Api::namespaced(client.clone(), &ns), &role)
         .await
         .map_err(failed("Role", &role.name_any()))?;
+    written.note(Kind::Role, o.meta());
     let binding = build::role_binding(job);
-    apply_one(&Api::namespaced(client.clone(), &ns), &binding)
+    let o = apply_one(&Api::namespaced(client.clone(), &ns), &binding)
         .await
         .map_err(failed("RoleBinding", &binding.name_any()))?;
+    written.note(Kind::RoleBinding, o.meta());
     let service = build::service(job);
-    apply_one(&Api::namespaced(client.clone(), &ns), &service)
+    let o = apply_one(&Api::namespaced(client.clone(), &ns), &service)
         .await
         .map_err(failed("Service", &service.name_any()))?;
+    written.note(Kind::Service, o.meta());
     if ctx.network_policy {
         let np = build::network_policy(job);
-        apply_one(&Api::namespaced(client.clone(), &ns), &np)
+        let o = apply_one(&Api::namespaced(client.clone(), &ns), &np)
             .await
             .map_err(failed("NetworkPolicy", &np.name_any()))?;
+        written.note(Kind::NetworkPolicy, o.meta());
     }
     let key: Vec<u8> = (0..contract::MIN_KEY_LEN)
         .map(|_| rand::random::<u8>())
         .collect();
     let secret = build::key_secret(job, key);
-    create_once(&Api::namespaced(client.clone(), &ns), &secret)
+    let o = create_once(&Api::namespaced(client.clone(), &ns), &secret)
         .await
         .map_err(failed("Secret", &secret.name_any()))?;
+    if let Some(o) = o {
+        written.note(Kind::Secret, o.meta());
+    }
     // The workers may patch the heartbeat object but not create it (create cannot be limited by
     // resourceNames), so the operator creates it, empty, once.
     let heartbeat = build::heartbeat_configmap(job);
-    create_once(&Api::namespaced(client.clone(), &ns), &heartbeat)
+    let o = create_once(&Api::namespaced(client.clone(), &ns), &heartbeat)
         .await
         .map_err(failed("ConfigMap", &heartbeat.name_any()))?;
+    if let Some(o) = o {
+        written.note(Kind::ConfigMap, o.meta());
+    }
     Ok(())
 }
 
 /// Creates `obj` unless it exists (never overwritten: the key must not change under running
-/// workers, and the heartbeat's data belongs to them).
-async fn create_once<K>(api: &Api<K>, obj: &K) -> Result<(), kube::Error>
+/// workers, and the heartbeat's data belongs to them); the object created (none: it existed).
+async fn create_once<K>(api: &Api<K>, obj: &K) -> Result<Option<K>, kube::Error>
 where
     K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
 {
     match api.create(&PostParams::default(), obj).await {
-        Err(kube::Error::Api(s)) if s.is_already_exists() => Ok(()),
-        other => other.map(|_| ()),
+        Err(kube::Error::Api(s)) if s.is_already_exists() => Ok(None),
+        other => other.map(Some),
     }
 }
 

@@ -9,9 +9,11 @@
 //!   and members are lost) → lifecycle (finish, deadline,
 //!   TTL, suspend) → workers (create, delete) → ring (next generation) → status; plus when the
 //!   static children are re-applied and when to look again. Pure, and where most tests live.
-//! - [`controller`]: observe → plan → apply against the API server, leader election, and the
-//!   watches of owned kinds whose caches tell which children are missing (children are a job's
-//!   by owner UID). Decides nothing; the metrics listener is injected.
+//! - [`controller`]: observe → plan → apply against the API server, and leader election.
+//!   `controller::caches` holds what the watches keep (the jobs' children, node Leases and
+//!   readiness, the `resourceVersion`s delivered): `observe` reads only from it, so a steady job
+//!   costs no API request (children are a job's by owner UID). Decides nothing; the metrics
+//!   listener is injected.
 //! - [`error`]: the reconcile errors, one variant per step, each with a bounded metric label.
 //!   Imported by `controller` and `metrics`, importing neither.
 //! - [`docs`]: the DiphomaJob reference (Markdown) generated from the CRD. Pure.

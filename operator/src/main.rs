@@ -52,6 +52,10 @@ struct RunArgs {
     /// Give each job a NetworkPolicy that opens its ring port only to its own workers.
     #[arg(long, env = "DIPHOMA_NETWORK_POLICY")]
     network_policy: bool,
+    /// The safety net, in seconds: each job is reconciled at least this often even when no watch
+    /// event and no timer of its own asks for it.
+    #[arg(long, env = "DIPHOMA_RESYNC_SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    resync_seconds: u64,
 }
 
 #[tokio::main]
@@ -99,6 +103,7 @@ async fn main() {
                     identity: args.identity,
                 }),
                 network_policy: args.network_policy,
+                resync: std::time::Duration::from_secs(args.resync_seconds),
             };
             tracing::info!(metrics = %metrics_addr, leader_election = opts.leader_election.is_some(), "diphoma-operator running");
             let stop = async {

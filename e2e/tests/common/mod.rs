@@ -199,6 +199,9 @@ pub fn trials<C: Send + Sync + 'static>(
         .collect()
 }
 
+/// The in-process operator's safety-net resync ([`Ctx::start_operator`]): longer than any test.
+pub const OPERATOR_RESYNC: Duration = Duration::from_secs(3600);
+
 /// Where a test binary's operator runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OperatorMode {
@@ -242,6 +245,9 @@ pub fn run_ok(cmd: &mut std::process::Command) -> Result<String> {
 /// operator as [`OperatorMode`] says.
 pub struct Ctx {
     pub client: Client,
+    /// The in-process operator's client: its own identity, whose requests the audit log holds
+    /// ([`ControlPlane::audit_log`]).
+    pub operator_client: Client,
     pub kubelet: Kubelet,
     pub cp: ControlPlane,
     pub mode: OperatorMode,
@@ -264,9 +270,11 @@ impl Ctx {
         }
         rt.block_on(async {
             let client = cp.client().await?;
+            let operator_client = cp.operator_client().await?;
             let kubelet = start_kubelet(&cp, &client, nodes, runtime).await?;
             let ctx = Arc::new(Ctx {
                 client,
+                operator_client,
                 kubelet,
                 cp,
                 mode,
@@ -304,11 +312,17 @@ impl Ctx {
         Ok(())
     }
 
-    /// Starts the operator in this process (one replica, no leader election).
+    /// Starts the operator in this process (one replica, no leader election), as its own user
+    /// ([`Ctx::operator_client`]), with a safety-net resync of an hour ([`OPERATOR_RESYNC`]):
+    /// whatever a test sees it do within a test's time was asked for by a watch event or a timer
+    /// of the job's own.
     pub fn start_operator(&self) {
         let (tx, rx) = oneshot::channel::<()>();
-        let client = self.client.clone();
-        let opts = diphoma_operator::controller::Options::default();
+        let client = self.operator_client.clone();
+        let opts = diphoma_operator::controller::Options {
+            resync: OPERATOR_RESYNC,
+            ..Default::default()
+        };
         let task = tokio::spawn(async move {
             let stop = async move {
                 let _ = rx.await;
@@ -593,4 +607,68 @@ pub async fn finished(ctx: &Ctx, ns: &str, name: &str, secs: u64) -> Result<Diph
         return Err(e.context(format!("last status: {last:?}; pods: {states:#?}")));
     }
     Ok(last.unwrap())
+}
+
+/// One API request of the operator, from the API server's audit log.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Request {
+    /// The API verb: `get`, `list`, `watch`, `create`, `patch`, `update`, `delete`, ...
+    pub verb: String,
+    /// The resource (`pods`, `configmaps`, `leases`, ...), with `/subresource` if any.
+    pub resource: String,
+    /// The object's namespace (empty: cluster-scoped or all namespaces).
+    pub namespace: String,
+    /// The request's URI.
+    pub uri: String,
+}
+
+/// The audit log's length now: [`operator_requests`] from here reads what comes after.
+pub fn audit_offset(cp: &ControlPlane) -> u64 {
+    std::fs::metadata(&cp.audit_log).map_or(0, |m| m.len())
+}
+
+/// The in-process operator's requests (user `diphoma-operator`) that completed after byte `from`
+/// of the audit log ([`ControlPlane::audit_log`]); a line cut short by a write in progress is
+/// skipped.
+pub fn operator_requests(cp: &ControlPlane, from: u64) -> Result<Vec<Request>> {
+    use std::io::{Read, Seek};
+    let mut f = std::fs::File::open(&cp.audit_log)
+        .with_context(|| format!("audit log {}", cp.audit_log.display()))?;
+    f.seek(std::io::SeekFrom::Start(from))?;
+    let mut text = String::new();
+    f.read_to_string(&mut text)?;
+    let mut out = vec![];
+    for line in text.lines() {
+        let Ok(ev) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let s = |p: &str| ev.pointer(p).and_then(|v| v.as_str()).unwrap_or_default();
+        if s("/user/username") != "diphoma-operator" || s("/stage") != "ResponseComplete" {
+            continue;
+        }
+        let sub = s("/objectRef/subresource");
+        out.push(Request {
+            verb: s("/verb").to_owned(),
+            resource: match sub {
+                "" => s("/objectRef/resource").to_owned(),
+                sub => format!("{}/{sub}", s("/objectRef/resource")),
+            },
+            namespace: s("/objectRef/namespace").to_owned(),
+            uri: s("/requestURI").to_owned(),
+        });
+    }
+    Ok(out)
+}
+
+/// `requests` counted by verb and resource, one `verb resource count` line each (for messages).
+pub fn request_table(requests: &[Request]) -> String {
+    let mut counts = std::collections::BTreeMap::<(&str, &str), usize>::new();
+    for r in requests {
+        *counts.entry((&r.verb, &r.resource)).or_default() += 1;
+    }
+    counts
+        .iter()
+        .map(|((v, r), n)| format!("{v} {r} {n}"))
+        .collect::<Vec<_>>()
+        .join("\n")
 }

@@ -1,6 +1,6 @@
-//! Reconciles against a mocked API server (tower-test): which requests one reconcile makes, in
-//! which order. A steady job must write nothing; a lost worker is counted in the status before
-//! its pod is touched.
+//! Reconciles against a mocked API server (tower-test), with caches filled by hand as the
+//! watches would fill them: which requests one reconcile makes, in which order. A steady job
+//! must make no request at all; a lost worker is counted in the status before its pod is touched.
 
 use std::sync::{Arc, Mutex};
 
@@ -130,32 +130,104 @@ fn world(job: &DiphomaJob, pods: Vec<Value>) -> Vec<(String, Value)> {
     ]
 }
 
+/// Caches holding `objects` (the pods of a pod list, ConfigMaps, node Leases and Nodes) and all
+/// of `job`'s metadata-only children, each store listed, as the watches leave them.
+fn caches(job: &DiphomaJob, objects: &[(String, Value)]) -> Arc<Caches> {
+    use kube::core::PartialObjectMetaExt;
+    use kube::runtime::watcher::Event as Ev;
+    let (caches, mut w) = Caches::new(false);
+    let at = std::time::Instant::now();
+    w.pods.apply_watcher_event(&Ev::Init);
+    w.configmaps.apply_watcher_event(&Ev::Init);
+    w.service_accounts.apply_watcher_event(&Ev::Init);
+    w.roles.apply_watcher_event(&Ev::Init);
+    w.role_bindings.apply_watcher_event(&Ev::Init);
+    w.services.apply_watcher_event(&Ev::Init);
+    w.secrets.apply_watcher_event(&Ev::Init);
+    for (path, v) in objects {
+        if path.ends_with("/pods") {
+            for p in v["items"].as_array().unwrap() {
+                w.pods.apply_watcher_event(&Ev::InitApply(
+                    serde_json::from_value(p.clone()).unwrap(),
+                ));
+            }
+        } else if path.contains("/configmaps/") {
+            w.configmaps
+                .apply_watcher_event(&Ev::InitApply(serde_json::from_value(v.clone()).unwrap()));
+        } else if path.contains("/leases/") {
+            let lease = serde_json::from_value(v.clone()).unwrap();
+            caches.on_lease(&Ev::InitApply(lease), at, jiff::Timestamp::now());
+        } else if path.starts_with("/api/v1/nodes/") {
+            caches.on_node(&Ev::InitApply(serde_json::from_value(v.clone()).unwrap()));
+        }
+    }
+    w.service_accounts.apply_watcher_event(&Ev::InitApply(
+        build::service_account(job).metadata.into_response_partial(),
+    ));
+    w.roles.apply_watcher_event(&Ev::InitApply(
+        build::role(job).metadata.into_response_partial(),
+    ));
+    w.role_bindings.apply_watcher_event(&Ev::InitApply(
+        build::role_binding(job).metadata.into_response_partial(),
+    ));
+    w.services.apply_watcher_event(&Ev::InitApply(
+        build::service(job).metadata.into_response_partial(),
+    ));
+    w.secrets.apply_watcher_event(&Ev::InitApply(
+        build::key_secret(job, vec![0; 32])
+            .metadata
+            .into_response_partial(),
+    ));
+    w.pods.apply_watcher_event(&Ev::InitDone);
+    w.configmaps.apply_watcher_event(&Ev::InitDone);
+    w.service_accounts.apply_watcher_event(&Ev::InitDone);
+    w.roles.apply_watcher_event(&Ev::InitDone);
+    w.role_bindings.apply_watcher_event(&Ev::InitDone);
+    w.services.apply_watcher_event(&Ev::InitDone);
+    w.secrets.apply_watcher_event(&Ev::InitDone);
+    caches.all_listed();
+    Arc::new(caches)
+}
+
+/// A context on `client` whose caches hold `objects` ([`caches`]).
+fn context(client: Client, job: &DiphomaJob, objects: &[(String, Value)]) -> Arc<Context> {
+    Arc::new(Context {
+        caches: caches(job, objects),
+        ..Context::new(client, Metrics::default())
+    })
+}
+
 /// The job as the operator left it after the previous reconcile of `objects`.
-async fn settled(job: DiphomaJob, objects: &[(String, Value)]) -> DiphomaJob {
-    let (client, _) = mock(objects.to_vec());
-    let (obs, _) = observe(&client, &Mutex::default(), &job).await.unwrap();
+fn settled(job: DiphomaJob, objects: &[(String, Value)]) -> DiphomaJob {
+    let (obs, _) = observe(&caches(&job, objects), &job).unwrap();
     let mut j = job;
     j.status = Some(plan::plan(&j, &obs).status);
     j
 }
 
 #[tokio::test]
-async fn a_steady_job_only_reads() {
+async fn a_steady_job_makes_no_request() {
     let job = basic();
     let objects = world(
         &job,
         (0..4).map(|i| worker(&job, i, "Running", None)).collect(),
     );
-    let job = settled(job, &objects).await;
-    let (client, log) = mock(objects);
-    let ctx = Arc::new(Context::new(client, Metrics::default()));
-    reconcile(Arc::new(DeserializeGuard(Ok(job))), ctx)
+    let job = settled(job, &objects);
+    let (client, log) = mock(objects.clone());
+    let ctx = context(client, &job, &objects);
+    let action = reconcile(Arc::new(DeserializeGuard(Ok(job))), ctx)
         .await
         .unwrap();
     let log = log.lock().unwrap().clone();
-    assert!(!log.is_empty());
-    let writes: Vec<_> = log.iter().filter(|(m, _)| m != "GET").collect();
-    assert!(writes.is_empty(), "a steady job wrote: {writes:?}");
+    assert!(log.is_empty(), "a steady job made requests: {log:?}");
+    // Looked at again when its node would be lost without a renewal (a 40 s Lease: after two
+    // missed 10 s renewals), not polled every detectionSeconds / 3 as before.
+    assert!(
+        ["Some(20.", "Some(19."]
+            .iter()
+            .any(|d| format!("{action:?}").contains(d)),
+        "requeued when the node would be lost: {action:?}"
+    );
 }
 
 /// A node whose kubelet's clock is a minute behind the operator's: its Lease's `renewTime` reads
@@ -174,16 +246,18 @@ async fn a_lease_renewed_by_a_clock_behind_the_operators_is_not_lost() {
             obj["spec"]["renewTime"] = json!(behind);
         }
     }
-    let job = settled(job, &objects).await;
+    let job = settled(job, &objects);
     assert_eq!(job.status.as_ref().unwrap().failures.total, 0);
-    let (client, log) = mock(objects);
-    let ctx = Arc::new(Context::new(client, Metrics::default()));
+    let (client, log) = mock(objects.clone());
+    let ctx = context(client, &job, &objects);
     reconcile(Arc::new(DeserializeGuard(Ok(job))), ctx)
         .await
         .unwrap();
     let log = log.lock().unwrap().clone();
-    let writes: Vec<_> = log.iter().filter(|(m, _)| m != "GET").collect();
-    assert!(writes.is_empty(), "a healthy node's job wrote: {writes:?}");
+    assert!(
+        log.is_empty(),
+        "a healthy node's job made requests: {log:?}"
+    );
 }
 
 #[tokio::test]
@@ -193,7 +267,7 @@ async fn a_lost_worker_is_counted_before_its_pod_is_touched() {
         &job,
         (0..4).map(|i| worker(&job, i, "Running", None)).collect(),
     );
-    let job = settled(job, &healthy).await;
+    let job = settled(job, &healthy);
     let mut pods: Vec<Value> = (0..4).map(|i| worker(&job, i, "Running", None)).collect();
     pods[2] = worker(&job, 2, "Failed", Some(137));
     let mut objects = world(&job, pods);
@@ -201,8 +275,8 @@ async fn a_lost_worker_is_counted_before_its_pod_is_touched() {
         "/apis/diphoma.io/v1alpha1/namespaces/ml/diphomajobs/train".into(),
         serde_json::to_value(&job).unwrap(),
     ));
-    let (client, log) = mock(objects);
-    let ctx = Arc::new(Context::new(client, Metrics::default()));
+    let (client, log) = mock(objects.clone());
+    let ctx = context(client, &job, &objects);
     reconcile(Arc::new(DeserializeGuard(Ok(job))), ctx)
         .await
         .unwrap();
@@ -305,15 +379,19 @@ async fn a_refused_worker_backs_off_alone() {
         (0..4).map(|i| worker(&job, i, "Running", None)).collect(),
     );
     job.spec.replicas = 5; // worker 4 is refused
-    let job = settled(job, &objects).await;
+    let job = settled(job, &objects);
     let mut objects = objects;
     objects.push((
         "/apis/diphoma.io/v1alpha1/namespaces/ml/diphomajobs/train".into(),
         serde_json::to_value(&job).unwrap(),
     ));
+    let ctx = context(mock(vec![]).0, &job, &objects);
     let job = Arc::new(DeserializeGuard(Ok(job)));
     let (client, log) = mock_refusing(objects, Some("/api/v1/namespaces/ml/pods/train-worker-4"));
-    let ctx = Arc::new(Context::new(client, Metrics::default()));
+    let ctx = Arc::new(Context {
+        caches: ctx.caches.clone(),
+        ..Context::new(client, Metrics::default())
+    });
     let creates = |log: &Log| {
         log.lock()
             .unwrap()
@@ -324,6 +402,9 @@ async fn a_refused_worker_backs_off_alone() {
     let first = reconcile(job.clone(), ctx.clone()).await;
     assert!(first.is_ok(), "{first:?}");
     assert_eq!(creates(&log), 1);
+    // Tried again when its back-off ends (2 s), not at the safety net.
+    let action = format!("{:?}", first.unwrap());
+    assert!(action.contains("requeue_after: Some(1."), "{action}");
     let again = reconcile(job, ctx.clone()).await;
     assert!(again.is_ok(), "{again:?}");
     assert_eq!(creates(&log), 1, "retried before its back-off ended");

@@ -218,7 +218,9 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
                 at: now,
             });
         }
-        plan.requeue_after = wait;
+        if let Some(wait) = wait {
+            plan.due_in(wait);
+        }
     }
     // Members that vanished from the API without being accounted for were deleted by someone.
     let present: BTreeSet<String> = obs.pods.iter().map(|p| p.name_any()).collect();

@@ -83,6 +83,7 @@ fn failed(job: &DiphomaJob, now: Timestamp, plan: &mut Plan) -> Option<(&'static
             ),
         )
     });
+    let mut due = None;
     let deadline = spec.run_policy.active_deadline_seconds.and_then(|d| {
         let start = parse_ts(status.start_time.as_deref()?)?;
         let end = start + jiff::SignedDuration::from_secs(d);
@@ -92,7 +93,7 @@ fn failed(job: &DiphomaJob, now: Timestamp, plan: &mut Plan) -> Option<(&'static
                 format!("job ran longer than activeDeadlineSeconds {d}"),
             ))
         } else {
-            plan.requeue_after = Some(
+            due = Some(
                 Duration::from_secs_f64(end.duration_since(now).as_secs_f64().max(0.0))
                     + Duration::from_millis(100),
             );
@@ -112,6 +113,9 @@ fn failed(job: &DiphomaJob, now: Timestamp, plan: &mut Plan) -> Option<(&'static
                 ),
             )
         });
+    if let Some(d) = due {
+        plan.due_in(d);
+    }
     fatal.or(budget).or(disruptions).or(deadline)
 }
 
@@ -166,7 +170,7 @@ fn completion(
         });
         if waited < grace {
             let again = grace - waited + Duration::from_millis(100);
-            plan.requeue_after = Some(plan.requeue_after.map_or(again, |r| r.min(again)));
+            plan.due_in(again);
             return Some(Completion::Holding);
         }
     }
@@ -293,7 +297,7 @@ fn ttl(job: &DiphomaJob, status: &DiphomaJobStatus, now: Timestamp, plan: &mut P
     if now >= due {
         plan.delete_job = true;
     } else {
-        plan.requeue_after = Some(
+        plan.due_in(
             Duration::from_secs_f64(due.duration_since(now).as_secs_f64())
                 + Duration::from_millis(100),
         );

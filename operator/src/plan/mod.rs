@@ -239,11 +239,13 @@ pub struct Plan {
     pub publish: Option<Membership>,
     /// The status to write.
     pub status: DiphomaJobStatus,
-    /// A timer of the job's own (deadline, TTL, completion grace, young failure reports).
+    /// The earliest timer of the job's own (deadline, TTL, completion grace, young failure
+    /// reports, the workers' reports falling silent); set with [`Plan::due_in`].
     pub requeue_after: Option<Duration>,
-    /// When to reconcile again without an event: [`Plan::requeue_after`], capped at a third of
-    /// `detectionSeconds` while the job runs (node health is polled, not watched); none: only on
-    /// a change.
+    /// When to reconcile again without an event: [`Plan::requeue_after`] or, while the job runs,
+    /// when one of its nodes would be judged lost if its Lease is not renewed
+    /// ([`nodes::next_check`]), whichever comes first; none: only on a change (the controller
+    /// still looks again after its long safety-net interval).
     pub look_again: Option<Duration>,
     /// Delete the job itself (`ttlSecondsAfterFinished` passed).
     pub delete_job: bool,
@@ -251,6 +253,13 @@ pub struct Plan {
     pub events: Vec<EventNote>,
     /// Worker pods whose rank labels are to be set (or removed) to match the ring.
     pub relabel: Vec<Relabel>,
+}
+
+impl Plan {
+    /// Sets a timer `d` from now: [`Plan::requeue_after`] keeps the earliest.
+    pub fn due_in(&mut self, d: Duration) {
+        self.requeue_after = Some(self.requeue_after.map_or(d, |r| r.min(d)));
+    }
 }
 
 /// New rank labels for one worker pod ([`diphoma_contract::LABEL_RANK`],
@@ -274,7 +283,7 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
     decide(job, obs, &mut plan);
     plan.events.extend(nodes::skew_events(&obs.nodes));
     plan.status.replicas = status::observed_replicas(obs, &plan);
-    plan.look_again = look_again(job, &plan);
+    plan.look_again = look_again(job, obs, &plan);
     plan
 }
 
@@ -334,16 +343,12 @@ fn children_due(job: &DiphomaJob, obs: &Observed) -> bool {
 }
 
 /// See [`Plan::look_again`].
-fn look_again(job: &DiphomaJob, plan: &Plan) -> Option<Duration> {
+fn look_again(job: &DiphomaJob, obs: &Observed, plan: &Plan) -> Option<Duration> {
     let running = plan.status.phase.is_some_and(|p| !p.is_terminal());
-    let node_check =
-        Duration::from_secs_f64(f64::from(job.spec.fault_tolerance.detection_seconds) / 3.0);
-    match plan.requeue_after {
-        Some(d) if running => Some(d.min(node_check)),
-        Some(d) => Some(d),
-        None if running => Some(node_check),
-        None => None,
-    }
+    let nodes = running
+        .then(|| nodes::next_check(&obs.nodes, job.spec.fault_tolerance.detection_seconds))
+        .flatten();
+    [plan.requeue_after, nodes].into_iter().flatten().min()
 }
 
 fn ts(t: Timestamp) -> String {

@@ -88,6 +88,25 @@ pub fn judge_nodes(nodes: &BTreeMap<String, NodeHealth>, detection_seconds: i32)
     out
 }
 
+/// How long until the first of `nodes` would be judged [`NodeLease::Lost`] if its Lease is not
+/// renewed meanwhile (its age passes both two renewal intervals and `detection_seconds`), plus
+/// 100 ms; none when no node with a Lease is still unjudged (already lost, or no Lease). A renewal
+/// pushes this back: the reconcile it schedules then finds the node fresh and schedules again.
+pub fn next_check(
+    nodes: &BTreeMap<String, NodeHealth>,
+    detection_seconds: i32,
+) -> Option<Duration> {
+    let detection = Duration::from_secs(detection_seconds.max(0).unsigned_abs().into());
+    nodes
+        .values()
+        .filter_map(|h| {
+            let age = h.lease_age?;
+            let lost_after = (renew_interval(h.lease_duration_seconds) * 2).max(detection);
+            (age <= lost_after).then(|| lost_after - age + Duration::from_millis(100))
+        })
+        .min()
+}
+
 /// What this operator remembers of one node's Lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseSeen {
@@ -268,6 +287,32 @@ mod tests {
         let (_, skew) = observe_lease(Some(&seen), t(7), Some(8), start, t(2));
         assert_eq!(skew, None);
         assert_eq!(skew_threshold(Some(8)), Duration::from_secs(8));
+    }
+
+    #[test]
+    fn the_next_check_is_when_the_first_node_would_be_lost() {
+        let health = |age_s: u64| NodeHealth {
+            lease_age: Some(Duration::from_secs(age_s)),
+            lease_duration_seconds: Some(8),
+            ready: true,
+            clock_skew: None,
+        };
+        let ms = Duration::from_millis;
+        // Late after 4 s (two renewals of 2 s), lost after 10 s (detectionSeconds).
+        let nodes = BTreeMap::from([("a".to_owned(), health(3)), ("b".to_owned(), health(6))]);
+        assert_eq!(next_check(&nodes, 10), Some(ms(4_100)));
+        // A detectionSeconds below two renewals: lost once late.
+        assert_eq!(next_check(&nodes, 1), Some(ms(1_100)));
+        // Lost already, or without a Lease: nothing left to wait for.
+        let gone = BTreeMap::from([
+            ("a".to_owned(), health(11)),
+            ("b".to_owned(), NodeHealth::default()),
+        ]);
+        assert_eq!(next_check(&gone, 10), None);
+        assert_eq!(
+            node_lease(Some(Duration::from_secs(11)), Some(8), 10),
+            NodeLease::Lost
+        );
     }
 
     #[test]

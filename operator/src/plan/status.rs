@@ -173,7 +173,8 @@ pub fn running(
         obs.now,
         job.metadata.generation,
     );
-    let reporting = reporting(job, obs, status.progress.is_some());
+    let reported = status.progress.is_some();
+    let reporting = reporting(job, obs, reported);
     status.conditions.push(condition(
         &prev.conditions,
         "Reporting",
@@ -181,6 +182,9 @@ pub fn running(
         obs.now,
         job.metadata.generation,
     ));
+    if let Some(d) = reports_due(job, obs, reported) {
+        plan.due_in(d);
+    }
     // Each worker that does not start is announced when what the job waits for changes, not on
     // every reconcile.
     if plan.status.waiting != prev.waiting {
@@ -292,6 +296,21 @@ pub fn reporting(
             "the workers have not reported progress yet".into(),
         ),
     }
+}
+
+/// How long until [`reporting`] would say `ReportsStopped` if no report arrives meanwhile (the
+/// silence passed by whole seconds, plus 100 ms); none once it does, or before a first report.
+pub fn reports_due(
+    job: &DiphomaJob,
+    obs: &Observed,
+    reported: bool,
+) -> Option<std::time::Duration> {
+    let silence = (i64::from(job.spec.fault_tolerance.detection_seconds) * REPORT_SILENCE_FACTOR)
+        .max(MIN_REPORT_SILENCE_SECONDS);
+    let changed = obs.heartbeat_changed.filter(|_| reported)?;
+    let due = changed + jiff::SignedDuration::from_secs(silence + 1);
+    let left = due.duration_since(obs.now);
+    (!left.is_negative()).then(|| left.unsigned_abs() + std::time::Duration::from_millis(100))
 }
 
 /// Condition `type_` with (status, reason, message) `now`; it keeps its `lastTransitionTime`

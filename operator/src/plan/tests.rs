@@ -823,16 +823,29 @@ fn resumed_workers_named_like_departed_members_get_a_new_generation_and_are_not_
 
 #[test]
 fn the_plan_says_when_to_look_again() {
-    // A running job is polled every detectionSeconds / 3 (node health is not watched); a
-    // shorter timer of its own wins.
+    // A running job without nodes to watch and without timers waits for a change (node health,
+    // pods and reports are watched); one on a node is looked at again when the node would be
+    // lost without a renewal; a shorter timer of its own wins.
     let j = with_status(basic(), Phase::Running);
     let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
     let steady = plan(&j, &obs(pods.clone(), Some(ring(&j, 3, &[0, 1, 2, 3]))));
-    let node_check = Duration::from_secs_f64(10.0 / 3.0);
-    assert_eq!(steady.look_again, Some(node_check));
+    assert_eq!(steady.look_again, None);
+    let fresh = NodeHealth {
+        lease_age: Some(Duration::from_secs(1)),
+        lease_duration_seconds: Some(8),
+        ready: true,
+        clock_skew: None,
+    };
+    let on_node = Observed {
+        nodes: BTreeMap::from([("n0".to_owned(), fresh)]),
+        ..obs(pods.clone(), Some(ring(&j, 3, &[0, 1, 2, 3])))
+    };
+    // detectionSeconds 10, seen renewed 1 s ago: lost in 9 s (and 100 ms) unless renewed.
+    let node_check = Duration::from_millis(9_100);
+    assert_eq!(plan(&j, &on_node).look_again, Some(node_check));
     let mut o = Observed {
         reports: vec![report(0, 1, 3, 98)],
-        ..obs(pods, Some(ring(&j, 3, &[0, 1, 2, 3])))
+        ..on_node
     };
     o.now = t(100);
     let young = plan(&j, &o);

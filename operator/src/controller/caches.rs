@@ -1,0 +1,755 @@
+//! The operator's view of the cluster, kept by watches: reflector stores of the jobs' children
+//! (label `app.kubernetes.io/managed-by=diphoma-operator`; pods and ConfigMaps whole, the other
+//! kinds metadata only, `managedFields` dropped from all), the memory of the node Leases in
+//! `kube-node-lease` and of the Nodes' `Ready` condition (no object stored), and the
+//! `resourceVersion` each watch has delivered ([`Seen`]), so that a reconcile can wait until the
+//! stores hold its own writes.
+//!
+//! `observe` reads only from here: a reconcile makes no read request. The stores are eventually
+//! consistent: after the operator writes an object, the store shows the old one until the watch
+//! delivers the new. A reconcile therefore waits, after its writes, until each watch has passed
+//! the `resourceVersion` the API server returned for them ([`Seen::caught_up`]); the next
+//! reconcile of the job then plans from the state it wrote (no failure counted twice, no ring
+//! generation published twice or from an older one). `resourceVersion`s are compared as integers
+//! (etcd revisions, as the API server issues them; one that does not parse is not waited for).
+//!
+//! Node health (judged by the plan, [`crate::plan::nodes`]): each Lease event updates when this
+//! operator saw its `renewTime` change ([`observe_lease`], the instant the event arrived). A
+//! renewal triggers nothing; the jobs on a node are reconciled when its Lease appears or goes, a
+//! clock skew is to be reported, or its Node's `Ready` condition flips. A missed renewal is found
+//! by the job's own timer: each reconcile requeues for when its nodes would be judged lost
+//! ([`crate::plan::nodes::next_check`]).
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::PartialObjectMeta;
+use kube::core::DeserializeGuard;
+use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+use tokio::sync::watch;
+
+use crate::api::DiphomaJob;
+use crate::build::{self, MANAGED_BY};
+use crate::plan::NodeHealth;
+use crate::plan::nodes::{LeaseSeen, observe_lease};
+
+/// The kinds whose watches the operator keeps, for [`Seen`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Kind {
+    /// `DiphomaJob` (the controller's own watch).
+    Job,
+    /// Worker pods.
+    Pod,
+    /// Ring and heartbeat ConfigMaps.
+    ConfigMap,
+    /// The workers' ServiceAccount.
+    ServiceAccount,
+    /// The workers' Role.
+    Role,
+    /// The workers' RoleBinding.
+    RoleBinding,
+    /// The headless Service.
+    Service,
+    /// The key Secret.
+    Secret,
+    /// The NetworkPolicy (watched only when the operator makes them).
+    NetworkPolicy,
+}
+
+/// The number of [`Kind`]s.
+const KINDS: usize = 9;
+
+/// The `resourceVersion` of an object as an integer (none: missing or not a number).
+pub fn resource_version(meta: &ObjectMeta) -> Option<u64> {
+    meta.resource_version.as_deref()?.parse().ok()
+}
+
+/// Per [`Kind`]: the highest `resourceVersion` its watch has delivered (after its store applied
+/// it); and which watches have listed once ([`Listed`]).
+pub struct Seen {
+    versions: [watch::Sender<u64>; KINDS],
+    listed: watch::Sender<u32>,
+}
+
+/// A watch that lists: a [`Kind`]'s, or the node Leases' or Nodes'.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listed {
+    /// The watch of a [`Kind`].
+    Kind(Kind),
+    /// The node Leases.
+    Leases,
+    /// The Nodes.
+    Nodes,
+}
+
+impl Listed {
+    fn bit(self) -> u32 {
+        match self {
+            Listed::Kind(k) => 1 << (k as u32),
+            Listed::Leases => 1 << KINDS,
+            Listed::Nodes => 1 << (KINDS + 1),
+        }
+    }
+}
+
+impl Default for Seen {
+    fn default() -> Self {
+        Seen {
+            versions: std::array::from_fn(|_| watch::Sender::new(0)),
+            listed: watch::Sender::new(0),
+        }
+    }
+}
+
+impl Seen {
+    /// Records that the watch `w` has listed once (its store holds a complete list).
+    pub fn listed(&self, w: Listed) {
+        self.listed.send_modify(|l| *l |= w.bit());
+    }
+
+    /// Resolves once every watch of `all` has listed once. (Not [`Store::wait_until_ready`]: its
+    /// one-shot channel wakes only the last of several waiters, and reconciles wait together.)
+    async fn all_listed(&self, all: &[Listed]) {
+        let mask = all.iter().fold(0, |m, w| m | w.bit());
+        let _ = self.listed.subscribe().wait_for(|l| l & mask == mask).await;
+    }
+
+    /// Records that the watch of `kind` delivered `meta`.
+    pub fn note(&self, kind: Kind, meta: &ObjectMeta) {
+        if let Some(rv) = resource_version(meta) {
+            self.versions[kind as usize].send_if_modified(|m| {
+                let newer = rv > *m;
+                if newer {
+                    *m = rv;
+                }
+                newer
+            });
+        }
+    }
+
+    /// Resolves once the watch of `kind` has delivered `resourceVersion` `rv` or a later one.
+    pub async fn caught_up(&self, kind: Kind, rv: u64) {
+        let mut rx = self.versions[kind as usize].subscribe();
+        let _ = rx.wait_for(|m| *m >= rv).await;
+    }
+}
+
+/// The writes of one reconcile: per [`Kind`], the highest `resourceVersion` the API server
+/// returned.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Written(pub BTreeMap<Kind, u64>);
+
+impl Written {
+    /// Records a write of `kind` that returned `meta`.
+    pub fn note(&mut self, kind: Kind, meta: &ObjectMeta) {
+        if let Some(rv) = resource_version(meta) {
+            let e = self.0.entry(kind).or_default();
+            *e = (*e).max(rv);
+        }
+    }
+}
+
+/// What this operator knows of one node.
+#[derive(Debug, Clone, Default)]
+pub struct NodeSeen {
+    /// Its Lease, as seen change (none: no Lease, or one never renewed).
+    pub lease: Option<LeaseSeen>,
+    /// The Lease's `leaseDurationSeconds`.
+    pub duration_s: Option<i32>,
+    /// The Node's `Ready` condition is `True`.
+    pub ready: bool,
+    /// A clock skew measured at a Lease change and not yet reported by a plan.
+    pub skew: Option<jiff::SignedDuration>,
+}
+
+/// The stores and memories `observe` reads (see the module doc).
+pub struct Caches {
+    /// Worker pods.
+    pub pods: Store<Pod>,
+    /// Ring and heartbeat ConfigMaps.
+    pub configmaps: Store<ConfigMap>,
+    /// Metadata of the workers' ServiceAccounts.
+    pub service_accounts: Store<PartialObjectMeta<ServiceAccount>>,
+    /// Metadata of the workers' Roles.
+    pub roles: Store<PartialObjectMeta<Role>>,
+    /// Metadata of the workers' RoleBindings.
+    pub role_bindings: Store<PartialObjectMeta<RoleBinding>>,
+    /// Metadata of the jobs' Services.
+    pub services: Store<PartialObjectMeta<Service>>,
+    /// Metadata of the key Secrets (their data is never read).
+    pub secrets: Store<PartialObjectMeta<Secret>>,
+    /// Metadata of the NetworkPolicies (none: the operator makes none).
+    pub network_policies: Option<Store<PartialObjectMeta<NetworkPolicy>>>,
+    /// Per node name: its Lease and readiness.
+    pub nodes: Mutex<BTreeMap<String, NodeSeen>>,
+    /// Set when the controller stops: the watches are no longer polled ([`Caches::close`]).
+    closing: watch::Sender<bool>,
+    /// What each watch has delivered.
+    pub seen: Arc<Seen>,
+}
+
+/// The writers of [`Caches`]' stores, fed by [`Caches::watches`] (or by hand in tests).
+pub struct Writers {
+    /// See [`Caches::pods`].
+    pub pods: Writer<Pod>,
+    /// See [`Caches::configmaps`].
+    pub configmaps: Writer<ConfigMap>,
+    /// See [`Caches::service_accounts`].
+    pub service_accounts: Writer<PartialObjectMeta<ServiceAccount>>,
+    /// See [`Caches::roles`].
+    pub roles: Writer<PartialObjectMeta<Role>>,
+    /// See [`Caches::role_bindings`].
+    pub role_bindings: Writer<PartialObjectMeta<RoleBinding>>,
+    /// See [`Caches::services`].
+    pub services: Writer<PartialObjectMeta<Service>>,
+    /// See [`Caches::secrets`].
+    pub secrets: Writer<PartialObjectMeta<Secret>>,
+    /// See [`Caches::network_policies`].
+    pub network_policies: Option<Writer<PartialObjectMeta<NetworkPolicy>>>,
+}
+
+/// A boxed stream of one watched kind's objects, for `Controller::owns_stream`.
+pub type Objects<K> = futures::stream::BoxStream<'static, Result<K, watcher::Error>>;
+
+/// The child watches of [`Caches::watches`], each feeding its store.
+pub struct Streams {
+    /// Pods.
+    pub pods: Objects<Pod>,
+    /// ConfigMaps.
+    pub configmaps: Objects<ConfigMap>,
+    /// ServiceAccounts.
+    pub service_accounts: Objects<PartialObjectMeta<ServiceAccount>>,
+    /// Roles.
+    pub roles: Objects<PartialObjectMeta<Role>>,
+    /// RoleBindings.
+    pub role_bindings: Objects<PartialObjectMeta<RoleBinding>>,
+    /// Services.
+    pub services: Objects<PartialObjectMeta<Service>>,
+    /// Secrets.
+    pub secrets: Objects<PartialObjectMeta<Secret>>,
+    /// NetworkPolicies, when watched.
+    pub network_policies: Option<Objects<PartialObjectMeta<NetworkPolicy>>>,
+    /// The jobs to reconcile for node events.
+    pub nodes: futures::stream::BoxStream<'static, ObjectRef<DeserializeGuard<DiphomaJob>>>,
+}
+
+impl Caches {
+    /// Empty caches and their writers; `network_policies`: whether NetworkPolicies are kept.
+    pub fn new(network_policies: bool) -> (Caches, Writers) {
+        let (pods, pods_w) = reflector::store();
+        let (configmaps, configmaps_w) = reflector::store();
+        let (service_accounts, service_accounts_w) = reflector::store();
+        let (roles, roles_w) = reflector::store();
+        let (role_bindings, role_bindings_w) = reflector::store();
+        let (services, services_w) = reflector::store();
+        let (secrets, secrets_w) = reflector::store();
+        let (network_policies, network_policies_w) = match network_policies {
+            true => {
+                let (r, w) = reflector::store();
+                (Some(r), Some(w))
+            }
+            false => (None, None),
+        };
+        let caches = Caches {
+            pods,
+            configmaps,
+            service_accounts,
+            roles,
+            role_bindings,
+            services,
+            secrets,
+            network_policies,
+            nodes: Mutex::default(),
+            closing: watch::Sender::new(false),
+            seen: Arc::default(),
+        };
+        let writers = Writers {
+            pods: pods_w,
+            configmaps: configmaps_w,
+            service_accounts: service_accounts_w,
+            roles: roles_w,
+            role_bindings: role_bindings_w,
+            services: services_w,
+            secrets: secrets_w,
+            network_policies: network_policies_w,
+        };
+        (caches, writers)
+    }
+
+    /// Caches fed by nothing, every watch counted as listed: every store reads empty and
+    /// [`Caches::ready`] resolves at once (a context without watches).
+    pub fn unwatched() -> Caches {
+        let (caches, _) = Caches::new(false);
+        caches.all_listed();
+        caches
+    }
+
+    /// The watches these caches need listed before a plan.
+    fn needed(&self) -> Vec<Listed> {
+        let mut all = vec![
+            Listed::Kind(Kind::Pod),
+            Listed::Kind(Kind::ConfigMap),
+            Listed::Kind(Kind::ServiceAccount),
+            Listed::Kind(Kind::Role),
+            Listed::Kind(Kind::RoleBinding),
+            Listed::Kind(Kind::Service),
+            Listed::Kind(Kind::Secret),
+            Listed::Leases,
+            Listed::Nodes,
+        ];
+        if self.network_policies.is_some() {
+            all.push(Listed::Kind(Kind::NetworkPolicy));
+        }
+        all
+    }
+
+    /// Counts every watch as listed (caches filled by hand).
+    pub fn all_listed(&self) {
+        for w in self.needed() {
+            self.seen.listed(w);
+        }
+    }
+
+    /// Tells the waits ([`Caches::ready`], [`Caches::caught_up`]) that the watches are no longer
+    /// polled (the controller stops): they return at once.
+    pub fn close(&self) {
+        self.closing.send_replace(true);
+    }
+
+    /// Resolves once the controller stops ([`Caches::close`]).
+    async fn closed(&self) {
+        let _ = self.closing.subscribe().wait_for(|c| *c).await;
+    }
+
+    /// True once every store and the node memory hold a first complete list: before that, a
+    /// missing object may only be unlisted yet.
+    /// False when the controller stops first: nothing may be planned from these caches then.
+    pub async fn ready(&self) -> bool {
+        tokio::select! {
+            _ = self.listed() => true,
+            _ = self.closed() => false,
+        }
+    }
+
+    /// See [`Caches::ready`].
+    async fn listed(&self) {
+        self.seen.all_listed(&self.needed()).await;
+    }
+
+    /// Waits, at most `limit` in all, until every watch has delivered the writes `w`; the kinds
+    /// it has not caught up with by then are returned (none when the controller stops first).
+    pub async fn caught_up(&self, w: &Written, limit: Duration) -> Vec<Kind> {
+        let deadline = tokio::time::Instant::now() + limit;
+        let mut late = vec![];
+        for (kind, rv) in &w.0 {
+            let unwatched = *kind == Kind::NetworkPolicy && self.network_policies.is_none();
+            if unwatched {
+                continue;
+            }
+            let wait = tokio::time::timeout_at(deadline, self.seen.caught_up(*kind, *rv));
+            tokio::select! {
+                done = wait => if done.is_err() {
+                    late.push(*kind);
+                },
+                _ = self.closed() => break,
+            }
+        }
+        late
+    }
+
+    /// The health of node `name` as this operator knows it at `at` (the default, lost, for a
+    /// node never seen); a pending clock skew is handed over once.
+    pub fn node_health(&self, name: &str, at: Instant) -> NodeHealth {
+        let mut nodes = self.nodes.lock().expect("nodes lock");
+        let Some(n) = nodes.get_mut(name) else {
+            return NodeHealth::default();
+        };
+        NodeHealth {
+            lease_age: n.lease.map(|l| l.age(at)),
+            lease_duration_seconds: n.duration_s,
+            ready: n.ready,
+            clock_skew: n.skew.take(),
+        }
+    }
+
+    /// The jobs with a pod on node `node` (by the pods' controller owner references).
+    pub fn jobs_on(&self, node: &str) -> HashSet<ObjectRef<DeserializeGuard<DiphomaJob>>> {
+        let pods = self
+            .pods
+            .state_filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node));
+        pods.iter()
+            .flat_map(|p| {
+                let ns = p.namespace();
+                p.owner_references()
+                    .iter()
+                    .filter(|o| o.kind == DiphomaJob::kind(&()))
+                    .map(move |o| {
+                        let r = ObjectRef::new(&o.name);
+                        match &ns {
+                            Some(ns) => r.within(ns),
+                            None => r,
+                        }
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// Takes in one Lease event at monotonic `at` and wall time `wall`: returns the nodes whose
+    /// jobs are to be reconciled (see the module doc).
+    pub fn on_lease(
+        &self,
+        ev: &watcher::Event<Lease>,
+        at: Instant,
+        wall: jiff::Timestamp,
+    ) -> Vec<String> {
+        let mut nodes = self.nodes.lock().expect("nodes lock");
+        match ev {
+            watcher::Event::Apply(l) | watcher::Event::InitApply(l) => {
+                let name = l.name_any();
+                let spec = l.spec.as_ref();
+                let renewed = spec.and_then(|s| s.renew_time.as_ref()).map(|t| t.0);
+                let duration_s = spec.and_then(|s| s.lease_duration_seconds);
+                let n = nodes.entry(name.clone()).or_default();
+                n.duration_s = duration_s;
+                let had = n.lease.is_some();
+                match renewed {
+                    Some(renewed) => {
+                        let (seen, skew) =
+                            observe_lease(n.lease.as_ref(), renewed, duration_s, at, wall);
+                        n.lease = Some(seen);
+                        if skew.is_some() {
+                            n.skew = skew;
+                        }
+                        if !had || skew.is_some() {
+                            return vec![name];
+                        }
+                    }
+                    None => {
+                        n.lease = None;
+                        return vec![name];
+                    }
+                }
+                vec![]
+            }
+            watcher::Event::Delete(l) => {
+                let name = l.name_any();
+                if let Some(n) = nodes.get_mut(&name) {
+                    n.lease = None;
+                }
+                vec![name]
+            }
+            watcher::Event::InitDone => {
+                self.seen.listed(Listed::Leases);
+                vec![]
+            }
+            watcher::Event::Init => vec![],
+        }
+    }
+
+    /// Takes in one Node event: returns the node when its `Ready` condition flipped or it went.
+    pub fn on_node(&self, ev: &watcher::Event<Node>) -> Vec<String> {
+        let mut nodes = self.nodes.lock().expect("nodes lock");
+        match ev {
+            watcher::Event::Apply(node) | watcher::Event::InitApply(node) => {
+                let name = node.name_any();
+                let ready = node
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c.type_ == "Ready" && c.status == "True");
+                let n = nodes.entry(name.clone()).or_default();
+                let flipped = n.ready != ready;
+                n.ready = ready;
+                if flipped { vec![name] } else { vec![] }
+            }
+            watcher::Event::Delete(node) => {
+                let name = node.name_any();
+                if let Some(n) = nodes.get_mut(&name) {
+                    n.ready = false;
+                }
+                vec![name]
+            }
+            watcher::Event::InitDone => {
+                self.seen.listed(Listed::Nodes);
+                vec![]
+            }
+            watcher::Event::Init => vec![],
+        }
+    }
+
+    /// Starts nothing: builds the watches that feed these caches from `writers` (children by
+    /// label `app.kubernetes.io/managed-by`, node Leases and Nodes); polled by the controller.
+    pub fn watches(self: &Arc<Self>, client: &Client, writers: Writers) -> Streams {
+        let owned = watcher::Config::default()
+            .labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"));
+        let seen = &self.seen;
+        let leases = watcher(
+            Api::<Lease>::namespaced(client.clone(), "kube-node-lease"),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .map({
+            let caches = self.clone();
+            move |ev| match ev {
+                Ok(ev) => caches.on_lease(&ev, Instant::now(), jiff::Timestamp::now()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "watch of the node Leases");
+                    vec![]
+                }
+            }
+        });
+        let nodes = watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
+            .default_backoff()
+            .map({
+                let caches = self.clone();
+                move |ev| match ev {
+                    Ok(ev) => caches.on_node(&ev),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "watch of the Nodes");
+                        vec![]
+                    }
+                }
+            });
+        let caches = self.clone();
+        let node_jobs = futures::stream::select(leases, nodes)
+            .flat_map(move |names| {
+                let jobs: HashSet<_> = names.iter().flat_map(|n| caches.jobs_on(n)).collect();
+                futures::stream::iter(jobs)
+            })
+            .boxed();
+        Streams {
+            pods: watch_kind(client, &owned, writers.pods, seen, Kind::Pod),
+            configmaps: watch_kind(client, &owned, writers.configmaps, seen, Kind::ConfigMap),
+            service_accounts: watch_kind(
+                client,
+                &owned,
+                writers.service_accounts,
+                seen,
+                Kind::ServiceAccount,
+            ),
+            roles: watch_kind(client, &owned, writers.roles, seen, Kind::Role),
+            role_bindings: watch_kind(
+                client,
+                &owned,
+                writers.role_bindings,
+                seen,
+                Kind::RoleBinding,
+            ),
+            services: watch_kind(client, &owned, writers.services, seen, Kind::Service),
+            secrets: watch_kind(client, &owned, writers.secrets, seen, Kind::Secret),
+            network_policies: writers
+                .network_policies
+                .map(|w| watch_kind(client, &owned, w, seen, Kind::NetworkPolicy)),
+            nodes: node_jobs,
+        }
+    }
+
+    /// The job's static children missing from the stores or not its own (`Kind/name`): its
+    /// ServiceAccount, Role, RoleBinding, Service, key Secret, heartbeat ConfigMap and (when kept)
+    /// NetworkPolicy.
+    pub fn missing(&self, job: &DiphomaJob) -> Vec<String> {
+        let ns = job.namespace().unwrap_or_default();
+        let uid = job.uid().unwrap_or_default();
+        let name = job.name_any();
+        let heartbeat = diphoma_contract::heartbeat_configmap_name(&name);
+        let heartbeat_owned = self
+            .configmaps
+            .get(&ObjectRef::new(&heartbeat).within(&ns))
+            .is_some_and(|cm| owned_by(&cm.metadata, &uid));
+        [
+            absent(
+                &self.service_accounts,
+                &ns,
+                &build::service_account(job).name_any(),
+                &uid,
+            ),
+            absent(&self.roles, &ns, &build::role(job).name_any(), &uid),
+            absent(
+                &self.role_bindings,
+                &ns,
+                &build::role_binding(job).name_any(),
+                &uid,
+            ),
+            absent(&self.services, &ns, &build::service(job).name_any(), &uid),
+            absent(&self.secrets, &ns, &build::key_secret_name(&name), &uid),
+            self.network_policies
+                .as_ref()
+                .and_then(|np| absent(np, &ns, &build::network_policy(job).name_any(), &uid)),
+            (!heartbeat_owned).then(|| format!("ConfigMap/{heartbeat}")),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+}
+
+/// Whether `meta` names `uid` among its owners.
+pub fn owned_by(meta: &ObjectMeta, uid: &str) -> bool {
+    meta.owner_references.iter().flatten().any(|o| o.uid == uid)
+}
+
+/// `Kind/name` when `store` holds no object `name` in `ns` owned by `uid`.
+fn absent<K>(store: &Store<PartialObjectMeta<K>>, ns: &str, name: &str, uid: &str) -> Option<String>
+where
+    K: Resource<DynamicType = ()> + Clone,
+{
+    let found = store.get(&ObjectRef::new(name).within(ns));
+    (!found.is_some_and(|o| owned_by(&o.metadata, uid))).then(|| format!("{}/{name}", K::kind(&())))
+}
+
+/// A watch of the `K` objects matching `cfg` (their `managedFields` dropped), feeding `writer`'s
+/// store and noting in `seen` what it delivered; the objects touched, for `owns_stream`.
+fn watch_kind<K>(
+    client: &Client,
+    cfg: &watcher::Config,
+    writer: Writer<K>,
+    seen: &Arc<Seen>,
+    kind: Kind,
+) -> Objects<K>
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let seen = seen.clone();
+    watch_into(Api::<K>::all(client.clone()), cfg, writer, seen, kind)
+        .touched_objects()
+        .boxed()
+}
+
+/// The event stream of a watch of `api` feeding `writer`, `managedFields` dropped, noting in
+/// `seen` (as `kind`) each object once its store holds it.
+pub fn watch_into<K>(
+    api: Api<K>,
+    cfg: &watcher::Config,
+    writer: Writer<K>,
+    seen: Arc<Seen>,
+    kind: Kind,
+) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let stream = watcher(api, cfg.clone())
+        .default_backoff()
+        .modify(|o: &mut K| o.meta_mut().managed_fields = None);
+    reflector::reflector(writer, stream).inspect(move |ev| match ev {
+        Ok(watcher::Event::Apply(o) | watcher::Event::Delete(o) | watcher::Event::InitApply(o)) => {
+            seen.note(kind, o.meta())
+        }
+        Ok(watcher::Event::InitDone) => seen.listed(Listed::Kind(kind)),
+        _ => {}
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use watcher::Event as Ev;
+
+    fn lease(node: &str, renewed: jiff::Timestamp) -> Lease {
+        serde_json::from_value(
+            json!({"metadata": {"name": node, "namespace": "kube-node-lease"},
+            "spec": {"renewTime": renewed.to_string(), "leaseDurationSeconds": 8}}),
+        )
+        .unwrap()
+    }
+
+    fn node(name: &str, ready: &str) -> Node {
+        serde_json::from_value(json!({"metadata": {"name": name},
+            "status": {"conditions": [{"type": "Ready", "status": ready}]}}))
+        .unwrap()
+    }
+
+    /// A Lease's renewals trigger nothing (the job's own timer finds a missed one); its first
+    /// sight, its loss and a Node's readiness flipping reconcile the jobs on that node, which are
+    /// found from the pods' owners.
+    #[test]
+    fn node_events_reconcile_the_jobs_on_the_node_only_when_its_health_can_change() {
+        let (caches, mut w) = Caches::new(false);
+        let t0 = jiff::Timestamp::now();
+        let at = Instant::now();
+        let s = |d: i64| t0 + jiff::SignedDuration::from_secs(d);
+        assert_eq!(
+            caches.on_lease(&Ev::Apply(lease("n0", s(0))), at, s(0)),
+            ["n0"]
+        );
+        let renewed = caches.on_lease(&Ev::Apply(lease("n0", s(2))), at, s(2));
+        assert!(renewed.is_empty(), "a renewal reconciles nothing");
+        let health = caches.node_health("n0", at + Duration::from_secs(1));
+        assert_eq!(health.lease_age, Some(Duration::from_secs(1)));
+        assert!(!health.ready);
+        assert_eq!(caches.on_node(&Ev::Apply(node("n0", "True"))), ["n0"]);
+        assert!(caches.on_node(&Ev::Apply(node("n0", "True"))).is_empty());
+        assert_eq!(caches.on_node(&Ev::Apply(node("n0", "False"))), ["n0"]);
+        assert_eq!(
+            caches.on_lease(&Ev::Delete(lease("n0", s(2))), at, s(3)),
+            ["n0"]
+        );
+        assert_eq!(caches.node_health("n0", at).lease_age, None);
+        // A renewTime 30 s behind the operator's clock is a skew, handed to one plan once.
+        assert_eq!(
+            caches.on_lease(&Ev::Apply(lease("n1", s(0))), at, s(0)),
+            ["n1"]
+        );
+        assert_eq!(
+            caches.on_lease(&Ev::Apply(lease("n1", s(-28))), at, s(2)),
+            ["n1"]
+        );
+        assert!(caches.node_health("n1", at).clock_skew.is_some());
+        assert!(caches.node_health("n1", at).clock_skew.is_none());
+        // The jobs on a node, by their pods' owners.
+        let pod: Pod = serde_json::from_value(json!({"metadata": {"name": "train-worker-0",
+            "namespace": "ml", "ownerReferences": [{"apiVersion": "diphoma.io/v1alpha1",
+            "kind": "DiphomaJob", "name": "train", "uid": "u"}]}, "spec": {"nodeName": "n0",
+            "containers": []}}))
+        .unwrap();
+        w.pods.apply_watcher_event(&Ev::Apply(pod));
+        let jobs: Vec<_> = caches.jobs_on("n0").into_iter().collect();
+        assert_eq!(jobs, [ObjectRef::new("train").within("ml")]);
+        assert!(caches.jobs_on("n1").is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_reconcile_waits_until_the_watches_delivered_its_writes() {
+        let caches = Caches::unwatched();
+        let meta = |rv: &str| ObjectMeta {
+            resource_version: Some(rv.into()),
+            ..Default::default()
+        };
+        let mut w = Written::default();
+        w.note(Kind::Pod, &meta("7"));
+        w.note(Kind::Pod, &meta("5"));
+        w.note(Kind::ConfigMap, &meta("not a number"));
+        assert_eq!(w.0, BTreeMap::from([(Kind::Pod, 7)]));
+        let limit = Duration::from_millis(50);
+        assert_eq!(caches.caught_up(&w, limit).await, [Kind::Pod]);
+        caches.seen.note(Kind::Pod, &meta("6"));
+        assert_eq!(caches.caught_up(&w, limit).await, [Kind::Pod]);
+        caches.seen.note(Kind::Pod, &meta("9"));
+        assert!(caches.caught_up(&w, limit).await.is_empty());
+    }
+}
