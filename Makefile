@@ -8,7 +8,7 @@ CARGO ?= cargo
 # How the local kubelet runs pods: process (fast) or podman (containers of the local images).
 RUNTIME ?= process
 
-.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair cluster-up cluster-down demo wheel test-python images image-pytorch bench-torch bench-balance
+.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair bench-scale cluster-up cluster-down demo wheel test-python images image-pytorch bench-torch bench-balance
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -65,6 +65,10 @@ images: deps ## build the release binaries and the images (operator, worker, pro
 
 image-pytorch: deps wheel ## build the PyTorch worker image (Python, torch from PyPI, the diphoma wheel) into the local image store: several GB, not part of make test
 	bash images/build-pytorch.sh
+
+bench-scale: tools ## the operator at scale: N=100, 300, 1000 jobs x 4 workers on kwok's fake GPU nodes, side by side with Kubeflow's training operator (builds kwok and it, cached); SIZES, IDLE_S (300) and FAILOVER (1) override; writes e2e/bench/scale/out/
+	$(CARGO) build --release --locked -p diphoma-operator --bin diphoma-operator
+	bash e2e/bench/scale/run.sh $(or $(SIZES),100 300 1000)
 
 cluster-up: tools build ## start the control plane and the local kubelet (RUNTIME=process or podman); writes .local/cluster/env
 	@bash e2e/cluster/cluster-up.sh "$(CLUSTER_DIR)" $(NODES) $(GPUS) $(RUNTIME)

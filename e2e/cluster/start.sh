@@ -5,6 +5,8 @@
 # Stop with: stop.sh WORK_DIR
 # With OWNER_PID set, a watchdog stops the control plane as soon as that process is gone (a test
 # binary that panics or is killed never leaves etcd or the apiserver behind).
+# Optional: APISERVER_EXTRA_ARGS, KCM_CONTROLLERS, KCM_EXTRA_ARGS, NODE_MONITOR_PERIOD,
+# NODE_MONITOR_GRACE_PERIOD, SCHED_QPS/SCHED_BURST (the scheduler's client limits, default 50/100).
 # Flags are taken from envtest, kwok's binary runtime and hack/local-up-cluster.sh
 # (../shared/control-plane/README.md §3); verified with the v1.35.4 binaries (e2e/cluster/README.md).
 set -euo pipefail
@@ -145,6 +147,8 @@ apiVersion: kubescheduler.config.k8s.io/v1
 kind: KubeSchedulerConfiguration
 clientConnection:
   kubeconfig: $W/admin.kubeconfig
+  qps: ${SCHED_QPS:-50}
+  burst: ${SCHED_BURST:-100}
 leaderElection:
   leaderElect: false
 CFG
