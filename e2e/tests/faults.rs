@@ -998,7 +998,9 @@ async fn operator_pod(ctx: &Ctx) -> Result<Pod> {
 /// worker is declared lost within detectionSeconds (plus the Lease renewal period and a
 /// reconcile), counted once, replaced on another node, and the job completes.
 async fn a_lost_node_is_detected_and_its_worker_moves(ctx: Arc<Ctx>, ns: String) -> Result<()> {
-    let job = training_job("digits", 3, 800, json!({}));
+    // Enough steps that the job is still training when the node freezes (digits runs at about
+    // 200 steps/s here, and progress reaches the status seconds late).
+    let job = training_job("digits", 3, 4000, json!({}));
     submit(&ctx, &ns, &job, 3).await?;
     progress_until(&ctx, &ns, "digits", "step 100", |p| p.step >= 100).await?;
     let node_of = |p: &Pod| p.spec.as_ref().and_then(|s| s.node_name.clone());
@@ -1011,6 +1013,13 @@ async fn a_lost_node_is_detected_and_its_worker_moves(ctx: Arc<Ctx>, ns: String)
     let node = node_of(&victim).unwrap();
     ctx.kubelet
         .fail_node(&node, diphoma_e2e::kubelet::FailMode::Freeze)?;
+    let st = job_status(&ctx.client, &ns, "digits").await?.status;
+    ensure!(
+        st.as_ref()
+            .and_then(|s| s.completion_time.as_ref())
+            .is_none(),
+        "the job finished before its node froze: give it more steps"
+    );
     // NodeLost: the Lease is stale, or late when the neighbours' timed-out collectives blame the
     // silent worker (a disruption). Hung if those reports are judged before a whole renewal is
     // missed (a renewal just before the freeze; the job's own failure).
@@ -1028,7 +1037,8 @@ async fn a_lost_node_is_detected_and_its_worker_moves(ctx: Arc<Ctx>, ns: String)
             Ok(st.as_ref().is_some_and(lost))
         },
     )
-    .await?;
+    .await
+    .with_context(|| format!("frozen node {node}"))?;
     let st = succeeded(&ctx, &ns, "digits", 180).await?;
     ensure!(
         lost(&st) && st.repairs.total == 1,
