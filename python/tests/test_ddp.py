@@ -17,6 +17,8 @@ import torch
 from conftest import check, launch
 
 STEPS = 20
+# What libstdc++ prints when a joinable std::thread is destroyed (gloo's, at exit).
+GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -24,7 +26,12 @@ def test_ddp_diphoma_equals_gloo(world, tmp_path):
     out = {}
     for backend in ("gloo", "diphoma"):
         out[backend] = str(tmp_path / f"{backend}.pt")
-        check(launch(world, "ddp_train.py", backend, str(STEPS), out[backend]))
+        proc = launch(world, "ddp_train.py", backend, str(STEPS), out[backend])
+        if backend == "gloo" and proc.returncode == 134 and GLOO_EXIT_ABORT in proc.stderr:
+            # torch's gloo group rarely aborts at interpreter exit on a loaded machine, after the
+            # script finished (seen once in many runs); the reference is gloo's, so run it again.
+            proc = launch(world, "ddp_train.py", backend, str(STEPS), out[backend])
+        check(proc)
     gloo, ours = torch.load(out["gloo"]), torch.load(out["diphoma"])
     assert gloo.shape == ours.shape
     torch.testing.assert_close(ours, gloo, atol=2e-5, rtol=1e-4)
