@@ -319,7 +319,7 @@ pub async fn run(
     if let Some(np) = streams.network_policies {
         controller = controller.owns_stream(np);
     }
-    // --- queue hook (issue 15): Kueue Workloads, when the API server serves them ---
+    // Kueue's Workloads, when the API server serves them.
     if crate::queue::served(&client).await {
         let ar = crate::queue::workloads();
         controller = controller.owns_with(
@@ -328,7 +328,6 @@ pub async fn run(
             crate::queue::owned_workloads(),
         );
     }
-    // --- end queue hook ---
     if let Some(listener) = metrics_listener {
         tokio::spawn(crate::metrics::serve(
             listener,
@@ -494,12 +493,11 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
             .remove(&job_key(job));
         return Ok(Action::await_change()); // owner references clean up the children
     }
-    // --- queue hook (issue 15): a job managed by another controller (spec.managedBy) is left
-    // alone: nothing created, no status written ---
+    // A job managed by another controller (spec.managedBy) is left alone: nothing created, no
+    // status written.
     if !job.spec.managed_here() {
         return Ok(Action::await_change());
     }
-    // --- end queue hook ---
     tracing::debug!(job = %job_key(job), "reconcile");
     // The first lists: before them, a missing object may only be unlisted yet.
     if !ctx.caches.ready().await {
@@ -508,7 +506,7 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
     let (mut obs, heartbeat_version) = observe(&ctx.caches, job)?; // from the caches
-    // Queue hook (issue 15): a queued job's Workload (API reads, only for a queued job).
+    // A queued job's Kueue Workload (an API read, only for a job with a queue).
     obs.queue = crate::queue::observe(&ctx.client, job).await?;
     obs.heartbeat_changed = heartbeat_version.map(|v| {
         let mut seen = ctx.heartbeats.lock().expect("heartbeats lock");
@@ -536,7 +534,7 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
         tracing::warn!(job = %job.name_any(), ?late, "the watches did not deliver this reconcile's writes within {CATCH_UP:?}");
     }
     applied?;
-    crate::queue::apply(&ctx.client, job, &plan.queue).await?; // queue hook (issue 15)
+    crate::queue::apply(&ctx.client, job, &plan.queue).await?;
     // The refused workers' back-off is a timer too.
     let held = ctx
         .refused
