@@ -875,8 +875,11 @@ async fn a_job_that_loses_every_worker_resumes_from_its_newest_checkpoint(
     ns: String,
 ) -> Result<()> {
     const EVERY: u64 = 50;
+    // Enough steps that the job is still training when its workers are killed (digits runs at
+    // about 200 steps/s here, and progress reaches the status seconds late).
+    const STEPS: u64 = 4000;
     let (extra, dir) = with_checkpoints(&ctx, &ns, EVERY)?;
-    let g1 = submit(&ctx, &ns, &training_job("digits", 4, 1000, extra), 4).await?;
+    let g1 = submit(&ctx, &ns, &training_job("digits", 4, STEPS, extra), 4).await?;
     progress_until(&ctx, &ns, "digits", "two checkpoints", |p| {
         p.last_checkpoint_step
             .is_some_and(|s| s >= 2 * EVERY as i64)
@@ -916,7 +919,7 @@ async fn a_job_that_loses_every_worker_resumes_from_its_newest_checkpoint(
         st.repairs
     );
     ensure!(
-        st.progress.as_ref().map(|p| p.step) == Some(1000),
+        st.progress.as_ref().map(|p| p.step) == Some(STEPS as i64),
         "{:?}",
         st.progress
     );
