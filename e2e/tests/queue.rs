@@ -27,12 +27,7 @@ const GPUS_PER_NODE: u32 = 2;
 const QUOTA: usize = 2;
 
 fn main() -> Result<()> {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into());
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    init_tracing();
     let nodes = (0..2)
         .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), GPUS_PER_NODE))
         .collect();

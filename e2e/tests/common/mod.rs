@@ -387,12 +387,7 @@ pub fn run_tests_in(
     mode: OperatorMode,
     list: Vec<(&'static str, TestFn<Ctx>)>,
 ) -> Result<()> {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into());
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    init_tracing();
     let args = sequential_args();
     let rt = runtime()?;
     let ctx = Ctx::start(&rt, nodes, mode, containers)?;
@@ -671,4 +666,14 @@ pub fn request_table(requests: &[Request]) -> String {
         .map(|((v, r), n)| format!("{v} {r} {n}"))
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (errors only by default).
+pub fn init_tracing() {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
 }
