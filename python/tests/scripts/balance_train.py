@@ -86,6 +86,10 @@ def main(out, steps):
         while state.step < steps:
             sampler.set_step(state.step)
             for x, y in loader:
+                # This rank's share of the current split; a mean loss would take mean_scale.
+                world = dist.get_world_size()
+                assert len(x) == sampler.shares[dist.get_rank()], (len(x), sampler.shares)
+                assert abs(sampler.mean_scale - len(x) * world / GLOBAL_BATCH) < 1e-12
                 with torch.no_grad():
                     for _ in range(extra):
                         state.model(x)
