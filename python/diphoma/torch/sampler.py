@@ -49,6 +49,12 @@ estimate (``diphoma.Speed``, an exponential moving average of weight 0.3):
   speeds and the joiners start at the mean.
 - Only the diphoma backend counts waits: with another backend (gloo) the shares stay equal and
   nothing is exchanged.
+- With ``DataLoader(num_workers > 0)`` the loader asks for shares ahead by its prefetch depth:
+  the exchanges still happen at the same point on every rank, and in steady state one share is
+  asked for per training step, so each measured interval is still one step (timed against the
+  size of the share asked for, which differs only around a re-split).
+- Not reached from Python: the Rust worker's ``diphoma_worker_batch_share`` gauge (the binding
+  serves no ``/metrics``); the job's status and the progress records are.
 
 The split reaches the job's status as the Rust worker's does: rank 0's progress records carry
 every rank's share (``status.progress.minBatchShare``/``maxBatchShare``).
