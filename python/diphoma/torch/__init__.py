@@ -142,6 +142,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         self._queue = queue.SimpleQueue()
         self._stopped = False
         self.error = None  # the first collective that failed: the group is unusable after it
+        self.blocked = CollectiveTime()  # the caller's waits for the ring (ElasticSampler's speed)
         self._thread = threading.Thread(target=self._serve, name="diphoma-pg", daemon=True)
         self._thread.start()
         _LIVE.add(self)
@@ -168,6 +169,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             except BaseException as e:  # noqa: BLE001 - handed to the waiter
                 work.error = e
                 self.error = self.error or e
+            self.blocked.completed()
             work.fut.set_result(result)
 
     def _submit(self, job, result):
@@ -176,6 +178,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         if self.error is not None:
             raise RingChanged(f"an earlier collective of this group failed: {self.error}")
         work = _Work()
+        self.blocked.submitted()
         self._queue.put((job, work, result))
         return work
 
@@ -338,6 +341,6 @@ def _create(store, rank, size, timeout):
 if BACKEND not in dist.Backend.backend_list:
     dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
 
-from diphoma.torch.sampler import ElasticSampler  # noqa: E402  (after the registration)
+from diphoma.torch.sampler import CollectiveTime, ElasticSampler  # noqa: E402  (after the registration)
 
 __all__ = ["BACKEND", "ElasticSampler", "ProcessGroupDiphoma"]
