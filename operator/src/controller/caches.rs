@@ -534,7 +534,14 @@ impl Caches {
             .boxed();
         Streams {
             pods: watch_kind(client, &owned, writers.pods, seen, Kind::Pod, prune_pod),
-            configmaps: watch_kind(client, &owned, writers.configmaps, seen, Kind::ConfigMap, keep),
+            configmaps: watch_kind(
+                client,
+                &owned,
+                writers.configmaps,
+                seen,
+                Kind::ConfigMap,
+                keep,
+            ),
             service_accounts: watch_kind(
                 client,
                 &owned,
@@ -680,9 +687,16 @@ where
         + 'static,
 {
     let seen = seen.clone();
-    watch_into(Api::<K>::all(client.clone()), cfg, writer, seen, kind, prune)
-        .touched_objects()
-        .boxed()
+    watch_into(
+        Api::<K>::all(client.clone()),
+        cfg,
+        writer,
+        seen,
+        kind,
+        prune,
+    )
+    .touched_objects()
+    .boxed()
 }
 
 /// The event stream of a watch of `api` feeding `writer`, `managedFields` dropped and the rest
@@ -839,7 +853,10 @@ mod tests {
         assert!(after < before, "{after} >= {before}");
         assert!(was_ready && crate::plan::workers::ready_member(&pod));
         assert_eq!(pod.spec.as_ref().unwrap().node_name.as_deref(), Some("n0"));
-        assert_eq!(pod.labels().get("diphoma.io/rank").map(String::as_str), Some("0"));
+        assert_eq!(
+            pod.labels().get("diphoma.io/rank").map(String::as_str),
+            Some("0")
+        );
         assert_eq!(pod.annotations().len(), 1);
         let spec = pod.spec.as_ref().unwrap();
         assert!(spec.containers.is_empty() && spec.volumes.is_none() && spec.tolerations.is_none());
