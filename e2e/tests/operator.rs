@@ -1973,7 +1973,7 @@ async fn deleted_children_come_back_from_the_watch_alone(ctx: Arc<Ctx>, ns: Stri
 /// that trail. What a repair must write, at most:
 /// - pods: the failure mark on the departing pod, the replacement's creation and its rank
 ///   labels (3); the survivors keep their ranks, so none of them is patched (the old operator
-///   relabelled every member at every generation: 3 + 4 = 7 and more);
+///   relabelled every member at every generation: 6 here, the mark, the creation and 4 labels);
 /// - the job's status: the failure counted, each generation published (at most 2: without the
 ///   lost member, then with its replacement), the replacement ready (4);
 /// - the ring ConfigMap: at most 2 generations.
