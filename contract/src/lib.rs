@@ -102,10 +102,15 @@ pub const LABEL_JOB_NAME: &str = "diphoma.io/job-name";
 /// changes with each generation).
 pub const LABEL_REPLICA_INDEX: &str = "diphoma.io/replica-index";
 /// Label on a worker pod that is a ring member: its rank in the current generation (absent on a
-/// worker outside the ring). Kept up to date by the operator when the ring re-forms, so that
+/// worker outside the ring). Kept up to date by the operator when the ring re-forms (a member
+/// whose rank does not change is not patched), so that
 /// `kubectl logs -l diphoma.io/job-name=J,diphoma.io/rank=0` finds rank 0.
 pub const LABEL_RANK: &str = "diphoma.io/rank";
-/// Label on a worker pod that is a ring member: the generation its [`LABEL_RANK`] belongs to.
+/// Label on a worker pod that is a ring member: the generation since which it holds its
+/// [`LABEL_RANK`] (the generation that gave it that rank; it holds the same rank in every later
+/// one up to the current). Not rewritten while the rank stays, so that a repair patches only the
+/// members whose rank moved (issue 14); the current generation is the ring ConfigMap's and
+/// `status.ring.generation`.
 pub const LABEL_GENERATION: &str = "diphoma.io/generation";
 
 /// Key inside the job's Secret, and file name inside its mount, of the per-job HMAC key.

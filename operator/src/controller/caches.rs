@@ -26,7 +26,9 @@ use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, ContainerStatus, Node, Pod, PodSpec, PodStatus, Secret, Service, ServiceAccount,
+};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -531,28 +533,37 @@ impl Caches {
             })
             .boxed();
         Streams {
-            pods: watch_kind(client, &owned, writers.pods, seen, Kind::Pod),
-            configmaps: watch_kind(client, &owned, writers.configmaps, seen, Kind::ConfigMap),
+            pods: watch_kind(client, &owned, writers.pods, seen, Kind::Pod, prune_pod),
+            configmaps: watch_kind(
+                client,
+                &owned,
+                writers.configmaps,
+                seen,
+                Kind::ConfigMap,
+                keep,
+            ),
             service_accounts: watch_kind(
                 client,
                 &owned,
                 writers.service_accounts,
                 seen,
                 Kind::ServiceAccount,
+                keep,
             ),
-            roles: watch_kind(client, &owned, writers.roles, seen, Kind::Role),
+            roles: watch_kind(client, &owned, writers.roles, seen, Kind::Role, keep),
             role_bindings: watch_kind(
                 client,
                 &owned,
                 writers.role_bindings,
                 seen,
                 Kind::RoleBinding,
+                keep,
             ),
-            services: watch_kind(client, &owned, writers.services, seen, Kind::Service),
-            secrets: watch_kind(client, &owned, writers.secrets, seen, Kind::Secret),
+            services: watch_kind(client, &owned, writers.services, seen, Kind::Service, keep),
+            secrets: watch_kind(client, &owned, writers.secrets, seen, Kind::Secret, keep),
             network_policies: writers
                 .network_policies
-                .map(|w| watch_kind(client, &owned, w, seen, Kind::NetworkPolicy)),
+                .map(|w| watch_kind(client, &owned, w, seen, Kind::NetworkPolicy, keep)),
             nodes: node_jobs,
         }
     }
@@ -610,14 +621,61 @@ where
     (!found.is_some_and(|o| owned_by(&o.metadata, uid))).then(|| format!("{}/{name}", K::kind(&())))
 }
 
-/// A watch of the `K` objects matching `cfg` (their `managedFields` dropped), feeding `writer`'s
-/// store and noting in `seen` what it delivered; the objects touched, for `owns_stream`.
+/// What the operator never reads of a worker pod, dropped before the pod store keeps it (the store
+/// holds every worker pod: at 1,000 jobs, 4,000 of them, issue 14). The plan and the node → jobs
+/// map read a pod's metadata (labels, annotations, owners, deletion), its `spec.nodeName`, and of
+/// its status the phase, reason, message, conditions, pod IP and the container statuses' name,
+/// readiness, restarts and states; the rest (containers with their env, volumes, tolerations,
+/// the statuses' images and IDs, host and pod IP lists, QoS class, ...) is dropped.
+pub fn prune_pod(pod: &mut Pod) {
+    if let Some(spec) = pod.spec.as_mut() {
+        *spec = PodSpec {
+            node_name: spec.node_name.take(),
+            ..PodSpec::default()
+        };
+    }
+    if let Some(st) = pod.status.as_mut() {
+        let containers = |list: Option<Vec<ContainerStatus>>| {
+            list.map(|l| {
+                l.into_iter()
+                    .map(|c| ContainerStatus {
+                        name: c.name,
+                        ready: c.ready,
+                        restart_count: c.restart_count,
+                        started: c.started,
+                        state: c.state,
+                        last_state: c.last_state,
+                        ..ContainerStatus::default()
+                    })
+                    .collect()
+            })
+        };
+        *st = PodStatus {
+            phase: st.phase.take(),
+            reason: st.reason.take(),
+            message: st.message.take(),
+            conditions: st.conditions.take(),
+            pod_ip: st.pod_ip.take(),
+            container_statuses: containers(st.container_statuses.take()),
+            init_container_statuses: containers(st.init_container_statuses.take()),
+            ..PodStatus::default()
+        };
+    }
+}
+
+/// Keeps the whole object (what [`watch_kind`] keeps of kinds other than pods).
+fn keep<K>(_: &mut K) {}
+
+/// A watch of the `K` objects matching `cfg` (their `managedFields` dropped, then `prune`d),
+/// feeding `writer`'s store and noting in `seen` what it delivered; the objects touched, for
+/// `owns_stream`.
 fn watch_kind<K>(
     client: &Client,
     cfg: &watcher::Config,
     writer: Writer<K>,
     seen: &Arc<Seen>,
     kind: Kind,
+    prune: fn(&mut K),
 ) -> Objects<K>
 where
     K: Resource<DynamicType = ()>
@@ -629,19 +687,28 @@ where
         + 'static,
 {
     let seen = seen.clone();
-    watch_into(Api::<K>::all(client.clone()), cfg, writer, seen, kind)
-        .touched_objects()
-        .boxed()
+    watch_into(
+        Api::<K>::all(client.clone()),
+        cfg,
+        writer,
+        seen,
+        kind,
+        prune,
+    )
+    .touched_objects()
+    .boxed()
 }
 
-/// The event stream of a watch of `api` feeding `writer`, `managedFields` dropped, noting in
-/// `seen` (as `kind`) each object once its store holds it.
+/// The event stream of a watch of `api` feeding `writer`, `managedFields` dropped and the rest
+/// `prune`d (e.g. [`prune_pod`]) before the store keeps it, noting in `seen` (as `kind`) each
+/// object once its store holds it.
 pub fn watch_into<K>(
     api: Api<K>,
     cfg: &watcher::Config,
     writer: Writer<K>,
     seen: Arc<Seen>,
     kind: Kind,
+    prune: fn(&mut K),
 ) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
 where
     K: Resource<DynamicType = ()>
@@ -654,7 +721,10 @@ where
 {
     let stream = watcher(api, cfg.clone())
         .default_backoff()
-        .modify(|o: &mut K| o.meta_mut().managed_fields = None);
+        .modify(move |o: &mut K| {
+            o.meta_mut().managed_fields = None;
+            prune(o);
+        });
     reflector::reflector(writer, stream).inspect(move |ev| match ev {
         Ok(watcher::Event::Apply(o) | watcher::Event::Delete(o) | watcher::Event::InitApply(o)) => {
             seen.note(kind, o.meta())
@@ -751,5 +821,50 @@ mod tests {
         assert_eq!(caches.caught_up(&w, limit).await, [Kind::Pod]);
         caches.seen.note(Kind::Pod, &meta("9"));
         assert!(caches.caught_up(&w, limit).await.is_empty());
+    }
+
+    /// The pod store keeps what the plan reads and drops the rest: a worker pod as the API server
+    /// returns it (env, volumes, tolerations, images) shrinks, and the plan sees it the same
+    /// (ready member, node, labels, annotations, the container's exit).
+    #[test]
+    fn pruned_pods_keep_what_the_plan_reads() {
+        let mut pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "train-worker-0", "namespace": "ns",
+                "labels": {"diphoma.io/rank": "0"},
+                "annotations": {"diphoma.io/failure-counted": "ProcessExit"}},
+            "spec": {"nodeName": "n0", "containers": [{"name": "worker", "image": "probe:1",
+                "env": [{"name": "DIPHOMA_JOB", "value": "train"}],
+                "volumeMounts": [{"name": "key", "mountPath": "/key"}]}],
+                "volumes": [{"name": "key", "secret": {"secretName": "train-key"}}],
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+            "status": {"phase": "Running", "podIP": "127.0.1.2", "hostIP": "127.0.0.1",
+                "podIPs": [{"ip": "127.0.1.2"}], "qosClass": "Guaranteed",
+                "conditions": [{"type": "Ready", "status": "True"}],
+                "containerStatuses": [{"name": "worker", "ready": true, "restartCount": 0,
+                    "image": "probe:1", "imageID": "sha256:abc", "containerID": "kwok://1",
+                    "lastState": {"terminated": {"exitCode": 137, "reason": "Error"}},
+                    "state": {"running": {"startedAt": "2026-12-01T00:00:00Z"}}}]}
+        }))
+        .unwrap();
+        let before = serde_json::to_string(&pod).unwrap().len();
+        let was_ready = crate::plan::workers::ready_member(&pod);
+        prune_pod(&mut pod);
+        let after = serde_json::to_string(&pod).unwrap().len();
+        assert!(after < before, "{after} >= {before}");
+        assert!(was_ready && crate::plan::workers::ready_member(&pod));
+        assert_eq!(pod.spec.as_ref().unwrap().node_name.as_deref(), Some("n0"));
+        assert_eq!(
+            pod.labels().get("diphoma.io/rank").map(String::as_str),
+            Some("0")
+        );
+        assert_eq!(pod.annotations().len(), 1);
+        let spec = pod.spec.as_ref().unwrap();
+        assert!(spec.containers.is_empty() && spec.volumes.is_none() && spec.tolerations.is_none());
+        let st = pod.status.as_ref().unwrap();
+        assert!(st.pod_ips.is_none() && st.host_ip.is_none() && st.qos_class.is_none());
+        let c = &st.container_statuses.as_ref().unwrap()[0];
+        assert!(c.image.is_empty() && c.container_id.is_none());
+        let exit = c.last_state.as_ref().and_then(|s| s.terminated.as_ref());
+        assert_eq!(exit.map(|t| t.exit_code), Some(137));
     }
 }

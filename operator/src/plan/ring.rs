@@ -164,8 +164,11 @@ pub fn rank_labels(ring: Option<&Membership>, pod: &str) -> Option<(u32, u64)> {
     Some((m.rank_of(pod)? as u32, m.generation))
 }
 
-/// The pods whose [`LABEL_RANK`]/[`LABEL_GENERATION`] differ from [`rank_labels`] (pods being
-/// deleted are left alone).
+/// The pods whose rank labels must change (pods being deleted are left alone): a member whose
+/// [`LABEL_RANK`] is not its rank in the ring in effect ([`rank_labels`]) gets its rank and the
+/// ring's generation as [`LABEL_GENERATION`] (the generation since which it holds that rank); a
+/// member that keeps its rank keeps both labels, so a new generation patches only the members
+/// whose rank moved and the new ones (not every member); a pod outside the ring loses both.
 pub fn relabel(obs: &Observed, plan: &Plan) -> Vec<Relabel> {
     let ring = plan.publish.as_ref().or(obs.ring.as_ref());
     let deleting: BTreeSet<&str> = plan.delete.iter().map(|d| d.pod.as_str()).collect();
@@ -177,11 +180,15 @@ pub fn relabel(obs: &Observed, plan: &Plan) -> Vec<Relabel> {
         .filter_map(|p| {
             let want = rank_labels(ring, &p.name_any());
             let labels = p.labels();
-            let have = (labels.get(LABEL_RANK), labels.get(LABEL_GENERATION));
-            let want_text = want.map(|(r, g)| (r.to_string(), g.to_string()));
-            let same = match &want_text {
-                Some((r, g)) => have == (Some(r), Some(g)),
-                None => have == (None, None),
+            let (rank, generation) = (labels.get(LABEL_RANK), labels.get(LABEL_GENERATION));
+            let same = match want {
+                Some((r, g)) => {
+                    rank == Some(&r.to_string())
+                        && generation
+                            .and_then(|have| have.parse::<u64>().ok())
+                            .is_some_and(|have| have <= g)
+                }
+                None => (rank, generation) == (None, None),
             };
             (!same).then(|| Relabel {
                 pod: p.name_any(),
@@ -242,7 +249,7 @@ mod tests {
         let ring = Membership {
             generation: 7,
             job_uid: "uid-1".into(),
-            members: ["w-2", "w-0"]
+            members: ["w-2", "w-0", "w-4", "w-5"]
                 .iter()
                 .enumerate()
                 .map(|(rank, pod)| Member {
@@ -259,6 +266,8 @@ mod tests {
                 pod("w-1", "n1", &[(LABEL_RANK, "1"), (LABEL_GENERATION, "6")]), // left the ring
                 pod("w-2", "n2", &[(LABEL_RANK, "0"), (LABEL_GENERATION, "7")]), // up to date
                 pod("w-3", "n3", &[]), // not a member, no labels: nothing to do
+                pod("w-4", "n4", &[(LABEL_RANK, "2"), (LABEL_GENERATION, "5")]), // kept its rank
+                pod("w-5", "n5", &[(LABEL_RANK, "3")]), // a rank without its generation
             ],
             ring: Some(ring.clone()),
             ..Default::default()
@@ -275,6 +284,10 @@ mod tests {
                     pod: "w-1".into(),
                     rank: None
                 },
+                Relabel {
+                    pod: "w-5".into(),
+                    rank: Some((3, 7))
+                },
             ]
         );
         let status = ring_status("j", &ring, vec![], &obs.pods);
@@ -283,7 +296,15 @@ mod tests {
             .iter()
             .map(|m| (m.rank, m.pod.as_str(), m.node.as_deref()))
             .collect();
-        assert_eq!(listed, [(0, "w-2", Some("n2")), (1, "w-0", Some("n0"))]);
+        assert_eq!(
+            listed,
+            [
+                (0, "w-2", Some("n2")),
+                (1, "w-0", Some("n0")),
+                (2, "w-4", Some("n4")),
+                (3, "w-5", Some("n5"))
+            ]
+        );
         let mut big = ring;
         big.members = (0..=MAX_LISTED_MEMBERS as u32)
             .map(|rank| Member {
