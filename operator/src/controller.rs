@@ -87,8 +87,6 @@ pub struct Context {
     pub caches: Arc<Caches>,
     /// The safety net: the longest a job goes without a reconcile ([`Options::resync`]).
     pub resync: Duration,
-    /// The controller's debounce ([`Options::debounce`]), taken off each requeue.
-    pub debounce: Duration,
 }
 
 /// How long a reconcile waits for the watches to deliver its own writes
@@ -146,7 +144,6 @@ impl Context {
             heartbeats: Mutex::default(),
             caches: Arc::new(Caches::unwatched()),
             resync: DEFAULT_RESYNC,
-            debounce: Duration::ZERO,
         }
     }
 }
@@ -154,12 +151,6 @@ impl Context {
 /// The default [`Options::resync`]: 5 minutes (as controller-rs).
 pub const DEFAULT_RESYNC: Duration = Duration::from_secs(300);
 
-/// The default [`Options::debounce`]: none. With a debounce, every reaction to an event comes
-/// that much later (a timer of the plan does not: its requeue is shortened by the debounce, which
-/// the scheduler adds back, so node loss is still judged when it falls due), and a deleted pod
-/// may be gone before the reconcile that replaces it, whose replacement then takes its name
-/// again (attempt 0) as after a resume: correct, but not what the e2e tests expect of a repair.
-pub const DEFAULT_DEBOUNCE: Duration = Duration::ZERO;
 
 /// Leader election on a `coordination.k8s.io` Lease, so that several replicas are safe.
 #[derive(Debug, Clone)]
@@ -182,11 +173,6 @@ pub struct Options {
     /// The safety net: a job is reconciled at least this often, even when no watch event and no
     /// timer of its plan asks for it ([`DEFAULT_RESYNC`]).
     pub resync: Duration,
-    /// How long a job's reconcile waits for further events of the same job before it runs
-    /// (kube-runtime's trailing-edge debounce, [`DEFAULT_DEBOUNCE`]; zero: none). The events of one
-    /// transition (a pod bound, started, given its IP, ready; the operator's own writes delivered
-    /// back) then make one reconcile and at most one status write, instead of one each.
-    pub debounce: Duration,
 }
 
 impl Default for Options {
@@ -195,7 +181,6 @@ impl Default for Options {
             leader_election: None,
             network_policy: false,
             resync: DEFAULT_RESYNC,
-            debounce: DEFAULT_DEBOUNCE,
         }
     }
 }
@@ -333,8 +318,7 @@ pub async fn run(
         .owns_stream(streams.role_bindings)
         .owns_stream(streams.services)
         .owns_stream(streams.secrets)
-        .reconcile_on(streams.nodes)
-        .with_config(kube::runtime::controller::Config::default().debounce(opts.debounce));
+        .reconcile_on(streams.nodes);
     if let Some(np) = streams.network_policies {
         controller = controller.owns_stream(np);
     }
@@ -398,7 +382,6 @@ pub async fn run(
         network_policy: opts.network_policy,
         caches,
         resync: opts.resync,
-        debounce: opts.debounce,
         ..Context::new(client, metrics.clone())
     });
     let drive = controller
@@ -568,9 +551,7 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
         .flatten()
         .min()
         .unwrap_or(ctx.resync);
-    // The scheduler adds the debounce to every request, timers included: take it off here, so
-    // that a timer runs when it falls due.
-    Ok(Action::requeue(next.saturating_sub(ctx.debounce)))
+    Ok(Action::requeue(next))
 }
 
 /// The job's pods, its published ring, the workers' reports, the health of the nodes its pods

@@ -56,10 +56,6 @@ struct RunArgs {
     /// event and no timer of its own asks for it.
     #[arg(long, env = "DIPHOMA_RESYNC_SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
     resync_seconds: u64,
-    /// How long, in milliseconds, a job's reconcile waits for further events of the same job, so
-    /// that the events of one transition make one reconcile (0: none, the default).
-    #[arg(long, env = "DIPHOMA_DEBOUNCE_MS", default_value_t = 0)]
-    debounce_ms: u64,
 }
 
 #[tokio::main]
@@ -108,7 +104,6 @@ async fn main() {
                 }),
                 network_policy: args.network_policy,
                 resync: std::time::Duration::from_secs(args.resync_seconds),
-                debounce: std::time::Duration::from_millis(args.debounce_ms),
             };
             tracing::info!(metrics = %metrics_addr, leader_election = opts.leader_election.is_some(), "diphoma-operator running");
             let stop = async {

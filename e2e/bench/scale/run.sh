@@ -32,7 +32,7 @@
 # KWOK_PARALLELISM (16: kwok's pod and node stage workers; its default 4 plays ~60 pod stages/s
 # here, 67 s for the 4,000 pods of N=1000, for both operators alike, where real kubelets work in
 # parallel per node), DIPHOMA_OPERATOR (target/release/diphoma-operator), KEEP=1 keeps the work
-# directory. The operator's own settings pass through its environment (e.g. DIPHOMA_DEBOUNCE_MS).
+# directory. The operator's own settings pass through its environment.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../../.." && pwd)
