@@ -47,10 +47,11 @@ PARTS = {"## DDP step": "ddp", "## all_reduce (": "allreduce", "## The Rust benc
 
 def previous(path):
     """The sections of an existing OUT, by part: {part: [lines]} (titles included)."""
-    kept, part = defaultdict(list), None
+    kept, part, fenced = defaultdict(list), None, False
     if os.path.exists(path):
         for line in open(path).read().splitlines():
-            if line.startswith("## "):
+            fenced ^= line.startswith("```")
+            if line.startswith("## ") and not fenced:
                 part = next((v for k, v in PARTS.items() if line.startswith(k)), None)
             if part:
                 kept[part].append(line)
