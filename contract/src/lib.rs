@@ -24,10 +24,12 @@
 //! | crate root | env names, ports, labels, key-file constants, protocol bounds shared with the ring | do I/O |
 //! | [`membership`] | the ring-membership document ([`Membership`]), its validation, the key-file check | do I/O |
 //! | [`heartbeat`] | the heartbeat ConfigMap: rank 0's [`ProgressReport`], the workers' [`FailureReport`]s | do I/O |
+//! | [`balance`] | speed-weighted shares that every worker of a job derives alike: the smoothed compute time per sample ([`balance::Speed`]), the split of the global batch by largest remainder ([`balance::split`]) | do I/O, time anything itself |
 //!
 //! This crate imports nothing of ours (only serde, serde_json and thiserror): the operator, the
 //! ring, the worker and e2e all depend on it, and it on none of them.
 
+pub mod balance;
 pub mod heartbeat;
 pub mod membership;
 

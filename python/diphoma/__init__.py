@@ -8,6 +8,8 @@ membership sources (the fixed standalone ring, the ring directory of ``python -m
 ``torch.distributed`` backend ``"diphoma"``; ``diphoma.torch.elastic`` re-forms the ring without
 restarting the process; ``python -m diphoma.run --nproc N script.py`` starts N ranks on
 127.0.0.1. ``diphoma.report`` publishes training progress on the Rust worker's heartbeat path.
+``diphoma.split`` and ``diphoma.Speed`` are the contract's speed-weighted shares (the Rust
+worker's functions), used by ``diphoma.torch.ElasticSampler``.
 
 Exceptions: ``ConfigError`` (a ``ValueError``: a bad argument or environment variable, named in
 the message; nothing was sent), ``RingError`` (a ``RuntimeError``: the ring could not be joined)
@@ -17,7 +19,7 @@ lost or a newer generation published; the ring must re-form).
 
 import time
 
-from diphoma._native import ConfigError, Follower, Ring, RingChanged, RingError, membership_json
+from diphoma._native import ConfigError, Follower, Ring, RingChanged, RingError, Speed, membership_json, split
 
 for _e in (ConfigError, RingError, RingChanged):
     _e.__module__ = __name__  # shown as diphoma.ConfigError in tracebacks
@@ -73,4 +75,4 @@ def report(step=None, loss=None, samples=None, test_accuracy=None, total_steps=N
         follower.publish(p["step"], p["total_steps"], p["loss"], _samples_per_second(), p["last_checkpoint"])
 
 
-__all__ = ["ConfigError", "Follower", "Ring", "RingChanged", "RingError", "membership_json", "report"]
+__all__ = ["ConfigError", "Follower", "Ring", "RingChanged", "RingError", "Speed", "membership_json", "report", "split"]

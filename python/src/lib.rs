@@ -9,6 +9,7 @@
 //! | [`Ring`] | one ring generation's [`Communicator`] and its collectives on raw CPU buffers (address + length from `tensor.data_ptr()`), each run with the GIL released; the error of its failed collective | know about torch, keep a buffer past a call |
 //! | [`Follower`] | where the generations come from (`diphoma-ring`'s [`FixedRing`], [`FileRing`] or [`KubeRing`], chosen by the environment): joining the next one, the decision after a commit or a failure, the progress records | decide anything the ring's sources do not |
 //! | [`membership_json`] | the contract's membership document for the standalone launcher | |
+//! | [`split`], [`Speed`] | the contract's speed-weighted shares (`diphoma_contract::balance`) for `diphoma.torch.ElasticSampler`: the same split and the same smoothing as the Rust worker | time anything (the sampler measures) |
 //! | [`RingError`], [`RingChanged`], [`ConfigError`] | the Python exceptions: the join failed; a collective of an established ring failed (the ring must re-form); a bad argument or environment variable (named in the message) | |
 //!
 //! The ring, the membership and the handshake are `diphoma-ring`'s: this crate only converts
@@ -18,7 +19,7 @@ use std::net::TcpListener;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use diphoma_contract::{Member, Membership};
+use diphoma_contract::{Member, Membership, balance};
 use diphoma_ring::file::{ENV_RING_DIR, FileRing};
 use diphoma_ring::k8s::{KubeRing, OP_TIMEOUT, WorkerEnv};
 use diphoma_ring::source::{
@@ -337,6 +338,9 @@ struct Following {
     pending: Option<Generation>,
     /// (generation, rank) of the ring joined last.
     current: (u64, usize),
+    /// Every rank's share of the global batch, in rank order (`set_shares`), published with the
+    /// progress as the Rust worker's (`status.progress.min/maxBatchShare`); empty: not known.
+    shares: Vec<usize>,
 }
 
 fn config_err(e: impl std::fmt::Display) -> PyErr {
@@ -454,6 +458,7 @@ impl Follower {
                 source,
                 pending: Some(pending),
                 current: (0, 0),
+                shares: Vec::new(),
             }),
         })
     }
@@ -514,6 +519,7 @@ impl Follower {
             samples_per_second,
             last_checkpoint,
         );
+        p.shares.clone_from(&st.shares);
         if total_steps.is_none() {
             p.rank = usize::MAX; // the sources publish rank 0's progress only
         }
@@ -555,7 +561,7 @@ impl Follower {
         last_checkpoint: Option<u64>,
     ) {
         let mut st = self.lock();
-        let p = progress(
+        let mut p = progress(
             st.current,
             step,
             total_steps,
@@ -563,11 +569,19 @@ impl Follower {
             samples_per_second,
             last_checkpoint,
         );
+        p.shares.clone_from(&st.shares);
         match &mut st.source {
             Source::Fixed(_) => {}
             Source::File(f) => f.publish_progress(&p),
             Source::Kube(k) => k.publish_progress(&p),
         }
+    }
+
+    /// Every rank's share of the global batch (samples, in rank order) from now on: the next
+    /// progress records (`commit`, `publish`) carry it, so the operator shows the smallest and
+    /// largest share in `status.progress.min/maxBatchShare` as for the Rust worker.
+    fn set_shares(&self, shares: Vec<usize>) {
+        self.lock().shares = shares;
     }
 
     /// Rank 0's last record: its last progress record again with the test accuracy (in
@@ -615,12 +629,60 @@ fn membership_json(
     serde_json::to_string(&m).map_err(config_err)
 }
 
+/// Shares of a global batch of `batch` samples for ranks computing at `rates` (samples per
+/// second, one per rank, in rank order): `diphoma_contract::balance::split`, the Rust
+/// worker's own function. Proportional to the rates by largest remainder, each share at least
+/// one sample when `batch ≥ len(rates)`, adding up to `batch`; a rate that is not a positive
+/// finite number (unknown: a joiner) counts as the mean of the known ones, equal shares when
+/// none is known. Deterministic: the same rates give the same shares on every rank.
+#[pyfunction]
+fn split(batch: usize, rates: Vec<f64>) -> Vec<usize> {
+    balance::split(batch, &rates)
+}
+
+/// A rank's smoothed compute time per sample (`diphoma_contract::balance::Speed`, the Rust
+/// worker's estimator): an exponential moving average with weight `SMOOTHING` (0.3) of
+/// `seconds / samples` of each recorded step.
+#[pyclass(module = "diphoma._native")]
+#[derive(Default)]
+pub struct Speed(balance::Speed);
+
+#[pymethods]
+impl Speed {
+    #[new]
+    fn new() -> Speed {
+        Speed::default()
+    }
+
+    /// Records one step: `seconds` of compute for `samples` samples (ignored for 0 samples or
+    /// a negative or non-finite time).
+    fn record(&mut self, seconds: f64, samples: usize) {
+        self.0.record(seconds, samples);
+    }
+
+    /// Samples per second; 0.0 before the first record ("unknown" to `split`).
+    #[getter]
+    fn rate(&self) -> f64 {
+        self.0.rate()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Speed(rate={:.1})", self.0.rate())
+    }
+}
+
 /// The module `diphoma._native`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Ring>()?;
     m.add_class::<Follower>()?;
     m.add_function(wrap_pyfunction!(membership_json, m)?)?;
+    m.add_function(wrap_pyfunction!(split, m)?)?;
+    m.add_class::<Speed>()?;
+    m.add("SMOOTHING", balance::SMOOTHING)?;
+    m.add("DEFAULT_BALANCE_EVERY", balance::DEFAULT_EVERY)?;
+    m.add("ENV_SPEED_WEIGHTED", diphoma_contract::ENV_SPEED_WEIGHTED)?;
+    m.add("ENV_BALANCE_EVERY", diphoma_contract::ENV_BALANCE_EVERY)?;
     m.add("RingError", m.py().get_type::<RingError>())?;
     m.add("RingChanged", m.py().get_type::<RingChanged>())?;
     m.add("ConfigError", m.py().get_type::<ConfigError>())?;

@@ -9,7 +9,7 @@
 //! | [`model`] | the candle MLPs (digits; the synthetic model sized by parameter count), summed-loss gradients as flat `f32`, gradient fusion | touch sockets |
 //! | [`optim`] | SGD (candle-nn) and AdamW (candle-nn's update) with their state as flat `f32` | know about ranks |
 //! | [`checkpoint`] | safetensors checkpoints (parameters, optimizer state) with a SHA-256 and the owning job in the metadata; atomic writes, newest-valid reads, a job's own directory (or the one it resumes by name) only | decide when to write |
-//! | [`balance`] | speed-weighted shares: the smoothed compute time per sample, the split of the global batch by largest remainder (pure) | know about sockets or models |
+//! | [`balance`] | re-export of `diphoma_contract::balance`: the smoothed compute time per sample and the split of the global batch by largest remainder (pure), shared with the PyTorch sampler | (defined in the contract: one implementation for both runtimes) |
 //! | [`train`] | one rank's step loop: fused allreduce (or periodic averaging), commit, roll-back, generation changes, state sync, the re-split of the batch | parse the contract's env or talk to Kubernetes |
 //! | [`metrics`] | the `diphoma_worker_*` Prometheus metrics, the `/metrics` endpoint, [`metrics::Metered`] (a ring source that records them) | decide what to record |
 //! | `main.rs` (binary) | the `diphoma-worker` CLI: parses it and dispatches to `train` or the benchmark | hold runtime logic |
@@ -46,7 +46,7 @@
 //!   `diphoma_ring::k8s::KubeRing`, wrapped in [`metrics::Metered`]; the e2e fault catalogue
 //!   (`e2e/tests/faults.rs`) runs it against a real control plane.
 
-pub mod balance;
+pub use diphoma_contract::balance;
 pub mod checkpoint;
 pub mod data;
 pub mod metrics;

@@ -121,7 +121,7 @@ impl SyncMode {
 }
 
 /// Default of [`TrainConfig::balance_every`].
-pub const DEFAULT_BALANCE_EVERY: u64 = 10;
+pub const DEFAULT_BALANCE_EVERY: u64 = balance::DEFAULT_EVERY;
 
 impl Default for TrainConfig {
     fn default() -> Self {

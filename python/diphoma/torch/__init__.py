@@ -166,6 +166,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         self._count_lock = threading.Lock()
         self._stopped = False
         self.error = None  # the first collective that failed: the group is unusable after it
+        self.blocked = CollectiveTime()  # the caller's waits for the ring (ElasticSampler's speed)
         self._thread = threading.Thread(target=self._serve, name="diphoma-pg", daemon=True)
         self._thread.start()
         _LIVE.add(self)
@@ -188,6 +189,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                 return
             job, work, result = item
             self._run(job, work)
+            self.blocked.completed()
             with self._count_lock:  # the ring is free: a synchronous call may run inline now
                 self._queued -= 1
             work.fut.set_result(result)
@@ -209,6 +211,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         if self.error is not None:
             raise RingChanged(f"an earlier collective of this group failed: {self.error}")
         work = _Work()
+        self.blocked.submitted()
         with self._count_lock:
             inline = self._queued == 0 and not getattr(opts, "asyncOp", True)
             self._queued += 1
@@ -217,6 +220,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                 self._queue.put((job, work, result))
         if inline:
             self._run(job, work)
+            self.blocked.completed()
             with self._count_lock:
                 self._queued -= 1
             work.done(result)
@@ -381,6 +385,6 @@ def _create(store, rank, size, timeout):
 if BACKEND not in dist.Backend.backend_list:
     dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
 
-from diphoma.torch.sampler import ElasticSampler  # noqa: E402  (after the registration)
+from diphoma.torch.sampler import CollectiveTime, ElasticSampler  # noqa: E402  (after the registration)
 
 __all__ = ["BACKEND", "ElasticSampler", "ProcessGroupDiphoma"]

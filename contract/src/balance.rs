@@ -1,15 +1,24 @@
 //! Speed-weighted shares of the global batch: how fast each rank computes, and the split of a
 //! fixed global batch proportional to those speeds. Pure functions and plain data; no I/O.
 //!
+//! Part of the contract because every worker of a job must derive the same split from the same
+//! rates, whichever runtime it is: the Rust worker (`diphoma-worker`'s `train` module, which
+//! re-exports this module as `diphoma_worker::balance`) and the PyTorch sampler
+//! (`diphoma.torch.ElasticSampler`, through the binding's `diphoma.split` and `diphoma.Speed`)
+//! call these same functions; nothing else implements them.
+//!
 //! Every rank keeps a smoothed estimate of its own compute time per sample ([`Speed`]); the
-//! estimates travel, one value per rank, in the step's existing collective (see
-//! [`crate::train`]), so every rank holds the same vector of rates and derives the same split
-//! with [`split`]. The samples of step `s` are always the same `B` samples
-//! ([`crate::data::step_indices`]); only which rank computes which of them changes, so with
-//! every-step synchronisation the model does not depend on the split (up to the order of f32
-//! additions).
+//! estimates travel, one value per rank, in a collective (the Rust worker's step allreduce, the
+//! sampler's own small allreduce every `K` steps), so every rank holds the same vector of rates
+//! and derives the same split with [`split`]. The samples of step `s` are always the same `B`
+//! samples; only which rank computes which of them changes, so with every-step synchronisation
+//! the model does not depend on the split (up to the order of float additions).
 
 use std::ops::Range;
+
+/// Committed steps between two re-splits of the batch when the job does not say
+/// (`spec.balance.everySteps`'s default, [`crate::ENV_BALANCE_EVERY`] unset).
+pub const DEFAULT_EVERY: u64 = 10;
 
 /// Weight of the newest measurement in the smoothed compute time per sample (an exponential
 /// moving average: the estimate follows a change of speed within about `1/SMOOTHING` steps).
