@@ -1,10 +1,12 @@
 """One rank of ``make bench-torch`` (started by ``python -m diphoma.run``; see run.sh).
 
-``ddp BACKEND MODEL STEPS OUT``: torchvision MODEL (resnet18, resnet50; 10 classes) under DDP
-with BACKEND (gloo, diphoma), a batch of 2 synthetic 32×32 images per rank; after 2 warm-up
-steps, STEPS timed steps with gradient allreduce and STEPS under ``no_sync()`` (the same
-compute, no communication). Rank 0 appends one JSON line to OUT: the median step time with
-and without communication (s); the communication share is 1 − no_sync / step.
+``ddp BACKEND MODEL STEPS WARMUP OUT``: torchvision MODEL (resnet18, resnet50; 10 classes) under
+DDP with BACKEND (gloo, diphoma) and DDP's defaults (25 MB buckets, the first 1 MB), a batch of
+2 synthetic 32×32 images per rank; after WARMUP warm-up steps of each kind, STEPS timed steps
+with gradient allreduce alternating with STEPS under ``no_sync()`` (the same compute, no
+communication), so load that comes and goes hits both alike; every step starts on a barrier.
+Rank 0 appends one JSON line to OUT: the median step time with and without communication (s);
+the communication share is 1 − no_sync / step.
 
 ``allreduce BACKEND SIZES OUT``: ``torch.distributed.all_reduce`` (sum, in place) of float32
 tensors of each size in SIZES (bytes, comma-separated), timed as ``diphoma-worker bench`` times
@@ -32,18 +34,20 @@ import diphoma.torch  # noqa: F401  registers "diphoma"
 SAMPLES, SAMPLE_S, WARMUP = 20, 0.02, 5
 
 
-def timed(fn, n):
-    """Median over ``n`` calls of ``fn`` (s), each call started together (barrier)."""
-    out = []
+def timed(fns, n):
+    """Per function of ``fns``, the median over ``n`` calls (s); the calls alternate between
+    the functions and each starts together on every rank (barrier)."""
+    out = [[] for _ in fns]
     for _ in range(n):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+        for fn, ts in zip(fns, out):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in out]
 
 
-def ddp(model_name, steps):
+def ddp(model_name, steps, warmup):
     torch.manual_seed(0)
     model = DDP(getattr(torchvision.models, model_name)(num_classes=10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -58,10 +62,11 @@ def ddp(model_name, steps):
         with model.no_sync():
             step()
 
-    timed(step, 2)
-    with_comm, without = timed(step, steps), timed(local, steps)
+    timed([step, local], warmup)
+    with_comm, without = timed([step, local], steps)
     return [{"kind": "ddp", "model": model_name, "step_s": with_comm, "compute_s": without,
-             "comm_share": max(0.0, 1 - without / with_comm)}]
+             "comm_share": max(0.0, 1 - without / with_comm), "steps": steps,
+             "threads": torch.get_num_threads()}]
 
 
 def allreduce(sizes):
@@ -92,7 +97,7 @@ def main():
     mode, backend = sys.argv[1], sys.argv[2]
     dist.init_process_group(backend=backend)
     if mode == "ddp":
-        rows = ddp(sys.argv[3], int(sys.argv[4]))
+        rows = ddp(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     else:
         rows = allreduce([int(s) for s in sys.argv[3].split(",")])
     protection = (os.environ.get("DIPHOMA_RING_PROTECTION") or "integrity") if backend == "diphoma" else "-"

@@ -2,7 +2,11 @@
 the tables of ``diphoma-worker bench`` (see run.sh). Ratios are the median over rounds of the
 per-round ratio, with its min–max; times are medians over rounds of each run's median.
 
-Usage: ``report.py ROWS RUST OUT LOAD_BEFORE LOAD_AFTER PARAMS``.
+Each part (the DDP step; all_reduce with the Rust bench's tables) states its own run: a part
+with no rows in this run keeps its sections from the existing OUT unchanged.
+
+Usage: ``report.py ROWS RUST OUT LOAD_BEFORE LOAD_AFTER PARAMS``; the tables of overhead.py,
+when that part ran, in the file named by the environment variable ``OVERHEAD``.
 """
 
 import datetime
@@ -33,16 +37,35 @@ def ratios(by_round, a, b):
     return [v[b] / v[a] for v in by_round.values() if a in v and b in v]
 
 
-out = ["# make bench-torch", "",
-       f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()} "
+RUN = (f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()} "
        f"({os.cpu_count()} CPUs), `make bench-torch` with {params}; load average before "
-       f"{load_before}, after {load_after}.", "",
+       f"{load_before}, after {load_after}.")
+# The part each section belongs to, by the start of its title.
+PARTS = {"## DDP step": "ddp", "## all_reduce (": "allreduce", "## The Rust bench": "allreduce",
+         "## all_reduce beyond the ring": "overhead"}
+
+
+def previous(path):
+    """The sections of an existing OUT, by part: {part: [lines]} (titles included)."""
+    kept, part, fenced = defaultdict(list), None, False
+    if os.path.exists(path):
+        for line in open(path).read().splitlines():
+            fenced ^= line.startswith("```")
+            if line.startswith("## ") and not fenced:
+                part = next((v for k, v in PARTS.items() if line.startswith(k)), None)
+            if part:
+                kept[part].append(line)
+    return kept
+
+
+kept = previous(out_path)
+out = ["# make bench-torch", "",
        "`diphoma` is the ring with its default frame protection (integrity: a keyed BLAKE3 tag per "
        "frame); `diphoma none` is the same ring without it, as gloo runs. Ratios: median over rounds "
-       "of each round's ratio (min–max).", "",
-       "## DDP step on CPU (torchvision, synthetic 32×32, batch 2 per rank)", "",
-       "| model | world | gloo step (ms) | comm share | diphoma step (ms) | comm share | diphoma none step (ms) | comm share | diphoma / gloo | diphoma none / gloo |",
-       "|---|---|---|---|---|---|---|---|---|---|"]
+       "of each round's ratio (min–max). Each part states the run it comes from.", ""]
+ddp_out = ["## DDP step on CPU (torchvision, synthetic 32×32, batch 2 per rank)", "", RUN, "",
+           "| model | world | gloo step (ms) | comm share | diphoma step (ms) | comm share | diphoma none step (ms) | comm share | diphoma / gloo | diphoma none / gloo |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
 ddp = defaultdict(lambda: defaultdict(dict))  # (model, world) -> round -> name -> row
 for r in rows:
     if r["kind"] == "ddp":
@@ -54,8 +77,9 @@ for (m, w), by_round in sorted(ddp.items()):
         cells += [f"{statistics.median(x['step_s'] for x in rs) * 1e3:.0f}" if rs else "–",
                   f"{statistics.median(x['comm_share'] for x in rs):.0%}" if rs else "–"]
     steps = {k: {n: x["step_s"] for n, x in v.items()} for k, v in by_round.items()}
-    out.append(f"| {m} | {w} | {' | '.join(cells)} | {spread(ratios(steps, 'gloo', 'diphoma'))} | "
-               f"{spread(ratios(steps, 'gloo', 'diphoma none'))} |")
+    ddp_out.append(f"| {m} | {w} | {' | '.join(cells)} | {spread(ratios(steps, 'gloo', 'diphoma'))} | "
+                   f"{spread(ratios(steps, 'gloo', 'diphoma none'))} |")
+out += (ddp_out + [""]) if ddp else kept["ddp"]
 
 # The Rust bench: "## round R world W protection P" then nccl-tests rows (size count k time ...).
 rust = defaultdict(dict)  # (world, bytes) -> round -> "rust integrity"/"rust none" -> seconds
@@ -69,11 +93,11 @@ ar = defaultdict(dict)
 for r in rows:
     if r["kind"] == "allreduce":
         ar[(r["world"], r["bytes"])].setdefault(r["round"], {})[name(r)] = r["median_s"]
-out += ["", "## all_reduce (float32, sum, in place): from Python and the Rust bench, µs", "",
-        "Timed alike (performance.md §1): k back-to-back operations per sample (≈20 ms), 20 samples, "
-        "each the slowest rank's mean, median. Overhead: Python diphoma / Rust at the same protection.", "",
-        "| world | bytes | gloo | diphoma | diphoma none | Rust integrity | Rust none | diphoma / gloo | diphoma none / gloo | overhead integrity | overhead none |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+ar_out = ["## all_reduce (float32, sum, in place): from Python and the Rust bench, µs", "", RUN, "",
+          "Timed alike (performance.md §1): k back-to-back operations per sample (≈20 ms), 20 samples, "
+          "each the slowest rank's mean, median. Overhead: Python diphoma / Rust at the same protection.", "",
+          "| world | bytes | gloo | diphoma | diphoma none | Rust integrity | Rust none | diphoma / gloo | diphoma none / gloo | overhead integrity | overhead none |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
 for (w, b) in sorted(set(ar) | set(rust)):
     by_round = defaultdict(dict)
     for src in (ar.get((w, b), {}), rust.get((w, b), {})):
@@ -82,10 +106,18 @@ for (w, b) in sorted(set(ar) | set(rust)):
     med = [statistics.median(v[n] for v in by_round.values() if n in v) * 1e6
            if any(n in v for v in by_round.values()) else float("nan")
            for n in ("gloo", "diphoma", "diphoma none", "rust integrity", "rust none")]
-    out.append(f"| {w} | {b} | " + " | ".join(f"{x:.0f}" for x in med) + " | "
-               + " | ".join(spread(ratios(by_round, a, c)) for a, c in
-                            (("gloo", "diphoma"), ("gloo", "diphoma none"),
-                             ("rust integrity", "diphoma"), ("rust none", "diphoma none"))) + " |")
-out += ["", "## The Rust bench's own tables", "", "```", open(rust_path).read().rstrip(), "```", ""]
+    ar_out.append(f"| {w} | {b} | " + " | ".join(f"{x:.0f}" for x in med) + " | "
+                  + " | ".join(spread(ratios(by_round, a, c)) for a, c in
+                               (("gloo", "diphoma"), ("gloo", "diphoma none"),
+                                ("rust integrity", "diphoma"), ("rust none", "diphoma none"))) + " |")
+ar_out += ["", "## The Rust bench's own tables", "", "```", open(rust_path).read().rstrip(), "```", ""]
+out += ar_out if ar else kept["allreduce"]
+tables = open(os.environ["OVERHEAD"]).read().strip() if os.environ.get("OVERHEAD") else ""
+out += (["", "## all_reduce beyond the ring (python/bench/overhead.py)", "", RUN, "",
+         "One process per rank runs each layer interleaved: the native ring call (the floor), the "
+         "process group with `asyncOp` false, `dist.all_reduce` (synchronous: on the caller's thread), "
+         "and `dist.all_reduce(async_op=True).wait()` (the group's thread). \"Outside the ring\": the "
+         "time per operation not spent in the native call.", "", tables, ""]
+        if tables else kept["overhead"])
 open(out_path, "w").write("\n".join(out))
 print("\n".join(out))

@@ -7,14 +7,21 @@
 #   communication share, ratio to gloo;
 # - torch.distributed.all_reduce from Python (gloo, diphoma integrity, diphoma none) against the
 #   Rust `diphoma-worker bench` (integrity, none) at the protocol's sizes, timed alike (the
-#   binding's overhead).
+#   binding's overhead);
+# - where all_reduce's time goes beyond the ring (python/bench/overhead.py: the native ring call,
+#   the process group, dist.all_reduce sync and async, interleaved; the time outside the ring).
 # Writes python/bench/RESULTS.md: medians over rounds, ratios as the median of the rounds'
-# ratios with their min–max, and the machine's load average before and after.
+# ratios with their min–max, and the machine's load average before and after. A part left out
+# of PARTS keeps its section of the previous RESULTS.md (each section states its own run).
 #
 # Setup (idempotent): the cached torch venv with torchvision (python/venv.sh test), the wheel
 # built --release and installed into it, `cargo build --release -p diphoma-worker`.
-# Env: ROUNDS (3) STEPS (10) WORLDS ("2 4") MODELS ("resnet18 resnet50")
-#      SIZES (1K,64K,1M,16M,64M) OUT (python/bench/RESULTS.md).
+# Env: PARTS ("ddp allreduce overhead") ROUNDS (3) STEPS (10: timed steps of each kind per run) WARMUP
+#      (2) WORLDS ("2 4") MODELS ("resnet18 resnet50") SIZES (1K,64K,1M,16M,64M)
+#      OUT (python/bench/RESULTS.md). The 1 MiB binding overhead alone, in a few minutes:
+#      PARTS=allreduce SIZES=1M ROUNDS=5 WORLDS=2 make bench-torch
+# Every rank runs with OMP_NUM_THREADS=1 unless it is set (python -m diphoma.run's default, as
+# torchrun's), the same for every backend.
 #
 # Horovod is not compared: `pip install horovod` (0.28.1, the newest release, an sdist of 2023)
 # in a throwaway venv with HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1
@@ -24,7 +31,8 @@
 set -euo pipefail
 repo="$(git rev-parse --show-toplevel)"
 cd "$repo"
-ROUNDS="${ROUNDS:-3}"; STEPS="${STEPS:-10}"; WORLDS="${WORLDS:-2 4}"
+PARTS="${PARTS:-ddp allreduce overhead}"; ROUNDS="${ROUNDS:-3}"; STEPS="${STEPS:-10}"; WARMUP="${WARMUP:-2}"
+WORLDS="${WORLDS:-2 4}"
 MODELS="${MODELS:-resnet18 resnet50}"; SIZES="${SIZES:-1K,64K,1M,16M,64M}"
 OUT="${OUT:-$repo/python/bench/RESULTS.md}"
 venv=$(bash python/venv.sh test)
@@ -32,8 +40,8 @@ target=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,s
 "$venv/bin/maturin" build --quiet --release -m python/Cargo.toml -o "$target/wheels-bench" >&2
 "$venv/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$target"/wheels-bench/diphoma-*.whl
 cargo build --release -p diphoma-worker
-rows=$(mktemp); rust=$(mktemp)
-trap 'rm -f "$rows" "$rust"' EXIT
+rows=$(mktemp); rust=$(mktemp); overhead=$(mktemp)
+trap 'rm -f "$rows" "$rust" "$overhead"' EXIT
 bytes=$(python3 -c 'import sys; m={"K":1<<10,"M":1<<20,"G":1<<30}; print(",".join(str(int(s[:-1])*m[s[-1]] if s[-1] in m else int(s)) for s in sys.argv[1].split(",")))' "$SIZES")
 contenders=(gloo diphoma:integrity diphoma:none)
 # launch ROUND CONTENDER WORLD ARGS…: one run of bench_torch.py under the standalone launcher.
@@ -48,15 +56,25 @@ for ((r = 0; r < ROUNDS; r++)); do
   order=("${contenders[@]:r%3}" "${contenders[@]:0:r%3}")   # rotate the order each round
   for w in $WORLDS; do
     echo "round $((r + 1))/$ROUNDS world $w: ${order[*]}" >&2
-    for model in $MODELS; do
-      for c in "${order[@]}"; do launch "$r" "$c" "$w" ddp "${c%%:*}" "$model" "$STEPS" "$rows"; done
-    done
-    for c in "${order[@]}"; do launch "$r" "$c" "$w" allreduce "${c%%:*}" "$bytes" "$rows"; done
-    for p in integrity none; do
-      echo "## round $r world $w protection $p" >>"$rust"
-      "$target/release/diphoma-worker" bench --world "$w" --sizes "$SIZES" --protection "$p" >>"$rust"
-    done
+    if [[ " $PARTS " == *" ddp "* ]]; then
+      for model in $MODELS; do
+        for c in "${order[@]}"; do launch "$r" "$c" "$w" ddp "${c%%:*}" "$model" "$STEPS" "$WARMUP" "$rows"; done
+      done
+    fi
+    if [[ " $PARTS " == *" allreduce "* ]]; then
+      for c in "${order[@]}"; do launch "$r" "$c" "$w" allreduce "${c%%:*}" "$bytes" "$rows"; done
+      for p in integrity none; do
+        echo "## round $r world $w protection $p" >>"$rust"
+        "$target/release/diphoma-worker" bench --world "$w" --sizes "$SIZES" --protection "$p" >>"$rust"
+      done
+    fi
+    if [[ " $PARTS " == *" overhead "* ]]; then
+      echo "### round $((r + 1)), world $w" >>"$overhead"
+      SIZES=$SIZES DIPHOMA_RING_PROTECTION=integrity PYTHONWARNINGS=ignore \
+        "$venv/bin/python" -m diphoma.run --nproc "$w" python/bench/overhead.py >>"$overhead"
+    fi
   done
 done
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
-"$venv/bin/python" python/bench/report.py "$rows" "$rust" "$OUT" "$load_before" "$load_after" "ROUNDS=$ROUNDS STEPS=$STEPS"
+OVERHEAD=$overhead "$venv/bin/python" python/bench/report.py "$rows" "$rust" "$OUT" "$load_before" "$load_after" \
+  "PARTS=\"$PARTS\" ROUNDS=$ROUNDS STEPS=$STEPS WARMUP=$WARMUP WORLDS=\"$WORLDS\" MODELS=\"$MODELS\" SIZES=$SIZES"

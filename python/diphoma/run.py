@@ -8,7 +8,8 @@ random per-job key to a private temporary file, and sets for every rank the ring
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``. When a rank fails, the others are
 stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and the launcher exits with the failed
 rank's code (128 + N for a rank killed by signal N); SIGINT/SIGTERM to the launcher stop every
-rank. The key file is removed on exit. ``DIPHOMA_RING_PROTECTION`` passes through from the
+rank. Like torchrun, it sets ``OMP_NUM_THREADS=1`` for every rank when there are several and the
+variable is not set, so N ranks' intra-op thread pools do not oversubscribe the cores. The key file is removed on exit. ``DIPHOMA_RING_PROTECTION`` passes through from the
 launcher's environment: ``none`` (allowed on this loopback-only ring), ``integrity`` (the
 default) or ``encryption``.
 
@@ -54,14 +55,24 @@ def free_ports(n):
             s.close()
 
 
+def base_env(nproc, base=None):
+    """The environment every rank starts from: ``base`` (default: the launcher's own), with
+    ``OMP_NUM_THREADS=1`` when ``nproc`` > 1 and it is not set (torchrun's default)."""
+    env = dict(os.environ if base is None else base)
+    if nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 def rank_envs(nproc, key_file, base=None):
-    """The environment of each of ``nproc`` ranks (``base``: the launcher's own)."""
+    """The environment of each of ``nproc`` ranks (``base``: the launcher's own, see
+    ``base_env``)."""
     ports = free_ports(nproc + 1)
     addresses = ",".join(f"{HOST}:{p}" for p in ports[1:])
     job_uid = f"standalone-{secrets.token_hex(8)}"
     envs = []
     for r in range(nproc):
-        env = dict(os.environ if base is None else base)
+        env = base_env(nproc, base)
         env.update(
             DIPHOMA_RANK=str(r),
             DIPHOMA_WORLD_SIZE=str(nproc),
@@ -196,7 +207,7 @@ def main(argv=None):
         if a.elastic:
             ring_dir = a.ring_dir or tmp
             os.makedirs(ring_dir, exist_ok=True)
-            ring = Elastic(ring_dir, key_file, command)
+            ring = Elastic(ring_dir, key_file, command, base_env(a.nproc))
             procs = ring.procs  # grows with the replacements
             for _ in range(a.nproc):
                 ring.spawn()

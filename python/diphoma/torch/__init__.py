@@ -4,11 +4,15 @@ An unchanged DDP script changes only ``dist.init_process_group(backend="diphoma"
 started by ``python -m diphoma.run`` (which also sets torch's ``RANK``/``WORLD_SIZE``/
 ``MASTER_ADDR``/``MASTER_PORT`` for the rendezvous). The process group is a Python subclass of
 ``torch.distributed.ProcessGroup``; each collective is checked at once (CPU tensors of a
-supported dtype, a supported op: otherwise ``diphoma.ConfigError`` naming what is wrong) and
-then runs on the group's background thread, in call order, returning an asynchronous ``Work``
-whose future completes when the ring is done (``wait()`` raises the collective's error, and a
-group whose collective failed refuses every later one with ``diphoma.RingChanged``). Contiguous tensors are reduced in place from
-their ``data_ptr()`` (no copy); non-contiguous ones go through a contiguous copy.
+supported dtype, a supported op: otherwise ``diphoma.ConfigError`` naming what is wrong). An
+asynchronous call (``async_op=True``, and every call of DDP's reducer) then runs on the group's
+background thread, in call order, returning a ``Work`` whose future completes when the ring is
+done. A synchronous call (torch passes ``opts.asyncOp = False``: ``dist.all_reduce(t)``) runs
+on the caller's thread when nothing is queued before it, so it costs no thread hop, and returns
+a completed ``Work``. Either way ``wait()`` raises the collective's error, and a group whose
+collective failed refuses every later one with ``diphoma.RingChanged``. Contiguous tensors are
+reduced in place from their ``data_ptr()`` (no copy); non-contiguous ones go through a
+contiguous copy.
 
 Rendezvous: ``diphoma.Follower.from_env()`` (standalone: the launcher's ``DIPHOMA_*``
 variables or its ring directory; in a worker pod: the contract's variables and the ring
@@ -73,7 +77,7 @@ def _check(t):
     """Raises ConfigError unless ``t`` is a CPU tensor of a supported dtype."""
     if not isinstance(t, torch.Tensor):
         raise ConfigError(f"diphoma: expected a tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ConfigError(
             f"diphoma: tensor on device {t.device} is not supported (CPU tensors only; no GPU path yet)"
         )
@@ -106,40 +110,60 @@ class _Work(dist.Work):
     ``wait()`` raises the collective's error. torch 2.15's DDP reducer crashes the interpreter
     (SIGSEGV in backward) on a future completed with an exception, so a failure reaches DDP
     as a completed bucket and then as the group's error: every later call raises
-    ``RingChanged`` (and ``diphoma.torch.elastic``'s ``State.commit`` checks it first)."""
+    ``RingChanged`` (and ``diphoma.torch.elastic``'s ``State.commit`` checks it first).
+
+    A collective that ran on the caller's thread returns its ``Work`` already completed
+    (``done(result)`` before it is handed out): its future is made only if ``get_future()`` is
+    called, as torch's own ``all_reduce(async_op=False)`` never does."""
 
     def __init__(self):
         super().__init__()
-        self.fut = Future()
+        self.fut = None  # made by the submitter (queued work) or by get_future() (completed)
+        self.result = None
+        self.completed = False
         self.error = None
 
+    def done(self, result):
+        """Completes a work that nobody can wait on yet (no future made)."""
+        self.result, self.completed = result, True
+
     def wait(self, timeout=None):
-        self.fut.wait()
+        if not self.completed:
+            self.fut.wait()
         if self.error is not None:
             raise self.error
         return True
 
     def is_completed(self):
-        return self.fut.done()
+        return self.completed or self.fut.done()
 
     def is_success(self):
-        return self.fut.done() and self.error is None
+        return self.is_completed() and self.error is None
 
     def get_future(self):
+        if self.fut is None:
+            self.fut = Future()
+            self.fut.set_result(self.result)
         return self.fut
 
 
 class ProcessGroupDiphoma(dist.ProcessGroup):
     """A ``torch.distributed`` process group over one ``diphoma.Ring``.
 
-    Collectives are validated on the caller's thread and run on one background thread in call
-    order (the ring needs every rank to issue the same collectives in the same order).
+    Collectives are validated on the caller's thread and run in call order (the ring needs every
+    rank to issue the same collectives in the same order): asynchronous ones on one background
+    thread, synchronous ones (``opts.asyncOp`` false) on the caller's thread once the background
+    thread has nothing left before them.
     """
 
     def __init__(self, ring, rank, size):
         super().__init__(rank, size)
         self.ring = ring
         self._queue = queue.SimpleQueue()
+        # Collectives submitted and not yet run (queued, or running inline): a synchronous call
+        # runs inline only at 0 (else it would overtake them).
+        self._queued = 0
+        self._count_lock = threading.Lock()
         self._stopped = False
         self.error = None  # the first collective that failed: the group is unusable after it
         self.blocked = CollectiveTime()  # the caller's waits for the ring (ElasticSampler's speed)
@@ -164,22 +188,42 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             if item is _STOP:
                 return
             job, work, result = item
-            try:
-                job()
-            except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                work.error = e
-                self.error = self.error or e
+            self._run(job, work)
             self.blocked.completed()
+            with self._count_lock:  # the ring is free: a synchronous call may run inline now
+                self._queued -= 1
             work.fut.set_result(result)
 
-    def _submit(self, job, result):
+    def _run(self, job, work):
+        """Runs ``job``; its error goes to ``work`` and becomes the group's."""
+        try:
+            job()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            work.error = e
+            self.error = self.error or e
+
+    def _submit(self, job, result, opts=None):
+        """Runs ``job`` in call order and returns its ``Work``: on the caller's thread when the
+        caller will wait for it at once (``opts.asyncOp`` false, as torch sets it for
+        ``async_op=False``) and nothing is queued before it; else on the background thread."""
         if self._stopped:
             raise ConfigError("diphoma: the process group is shut down")
         if self.error is not None:
             raise RingChanged(f"an earlier collective of this group failed: {self.error}")
         work = _Work()
         self.blocked.submitted()
-        self._queue.put((job, work, result))
+        with self._count_lock:
+            inline = self._queued == 0 and not getattr(opts, "asyncOp", True)
+            self._queued += 1
+            if not inline:
+                work.fut = Future()
+                self._queue.put((job, work, result))
+        if inline:
+            self._run(job, work)
+            self.blocked.completed()
+            with self._count_lock:
+                self._queued -= 1
+            work.done(result)
         return work
 
     def _reduce(self, native, t, op):
@@ -206,7 +250,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                 self._reduce(self.ring.allreduce, v.buf, op)
                 v.done()
 
-        return self._submit(job, tensors)
+        return self._submit(job, tensors, opts)
 
     def broadcast(self, tensors, opts=None):
         root = 0 if opts is None else opts.rootRank
@@ -219,7 +263,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                 self.ring.broadcast(v.buf.data_ptr(), v.buf.numel() * v.buf.element_size(), root)
                 v.done()
 
-        return self._submit(job, tensors)
+        return self._submit(job, tensors, opts)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         for outs, t in zip(output_tensors, input_tensors):
@@ -239,7 +283,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                 for r, o in enumerate(outs):
                     o.copy_(flat[r].view(o.shape))
 
-        return self._submit(job, output_tensors)
+        return self._submit(job, output_tensors, opts)
 
     def all_gather_single(self, output, input, opts=None):
         _check(output)
@@ -254,7 +298,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             self.ring.allgather(flat.data_ptr(), flat.numel() * flat.element_size())
             out.done()
 
-        return self._submit(job, output)
+        return self._submit(job, output, opts)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = _op_name(_reduce_opts(opts))
@@ -272,7 +316,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                 flat = torch.cat([t.reshape(-1) for t in ins])
                 self._scatter_into(flat, out, op)
 
-        return self._submit(job, output_tensors)
+        return self._submit(job, output_tensors, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
         op = _op_name(_reduce_opts(opts))
@@ -285,7 +329,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             # The ring leaves partial sums in the other chunks: work on a copy of the input.
             self._scatter_into(input.reshape(-1).clone(), output, op)
 
-        return self._submit(job, output)
+        return self._submit(job, output, opts)
 
     def _scatter_into(self, flat, out, op):
         """Reduce-scatters the contiguous ``flat`` (world equal chunks) and copies this rank's
@@ -304,7 +348,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def barrier(self, opts=None):
-        return self._submit(lambda: self.ring.barrier(), [])
+        return self._submit(lambda: self.ring.barrier(), [], opts)
 
     def getBackendName(self):
         return BACKEND
