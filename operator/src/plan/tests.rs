@@ -29,6 +29,7 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         now: t(100),
         refused: BTreeMap::new(),
         queue: Default::default(),
+        gang: Default::default(),
     }
 }
 
