@@ -34,7 +34,7 @@ fn main() -> Result<()> {
         OperatorMode::InProcess,
         tests![
             a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_appears,
-            two_gangs_competing_for_the_same_gpus_run_in_turn_never_both_half_placed,
+            two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed,
         ],
     )
 }
@@ -236,7 +236,7 @@ async fn a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_
     Ok(())
 }
 
-async fn two_gangs_competing_for_the_same_gpus_run_in_turn_never_both_half_placed(
+async fn two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed(
     ctx: Arc<Ctx>,
     ns: String,
 ) -> Result<()> {
@@ -264,7 +264,10 @@ async fn two_gangs_competing_for_the_same_gpus_run_in_turn_never_both_half_place
             if st.phase != Some(Phase::Running)
                 && order.len() == 1
                 && order[0].0 != job
-                && st.waiting.as_deref().is_some_and(|w| w.starts_with("gang of 3 waits: "))
+                && st
+                    .waiting
+                    .as_deref()
+                    .is_some_and(|w| w.starts_with("gang of 3 waits: "))
                 && now.get(job).is_some_and(|p| p.bound == 0)
             {
                 waited = st.waiting.clone();
@@ -290,7 +293,11 @@ async fn two_gangs_competing_for_the_same_gpus_run_in_turn_never_both_half_place
     ensure!(max_bound <= 4, "more workers bound than GPUs: {max_bound}");
     ensure!(order.len() == 2, "{order:?}");
     let waited = waited.ok_or_else(|| {
-        anyhow::anyhow!("{} was never seen waiting as a gang while {} ran", order[1].0, order[0].0)
+        anyhow::anyhow!(
+            "{} was never seen waiting as a gang while {} ran",
+            order[1].0,
+            order[0].0
+        )
     })?;
     println!(
         "\ntwo gangs of 3 on 4 GPUs: ring formed at {} after submission; the second waited \

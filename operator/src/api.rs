@@ -811,7 +811,9 @@ impl DiphomaJobSpec {
 
     /// The gang scheduler that places the workers (`spec.gang.scheduler`, `None` when absent).
     pub fn gang_scheduler(&self) -> GangScheduler {
-        self.gang.as_ref().map_or(GangScheduler::None, |g| g.scheduler)
+        self.gang
+            .as_ref()
+            .map_or(GangScheduler::None, |g| g.scheduler)
     }
 
     /// The ring's minimum size, at most `replicas`: `elastic.minReplicas`, or `replicas` for a

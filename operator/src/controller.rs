@@ -750,8 +750,8 @@ async fn apply(
     let now = std::time::Instant::now();
     let held = before.until.is_some_and(|until| now < until);
     let mut refusals = 0;
-    let gang = !plan.create.is_empty()
-        && job.spec.gang_scheduler() != crate::api::GangScheduler::None;
+    let gang =
+        !plan.create.is_empty() && job.spec.gang_scheduler() != crate::api::GangScheduler::None;
     let _gang_creation = match gang {
         true => Some(ctx.gang_creation.lock().await),
         false => None,

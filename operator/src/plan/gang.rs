@@ -244,7 +244,10 @@ mod tests {
         let j = gang_job(2, None);
         let p = build::worker_pod(&j, 1, 0).unwrap();
         let r = p.spec.unwrap().workload_ref.expect("workloadRef");
-        assert_eq!((r.name.as_str(), r.pod_group.as_str()), ("train", "workers"));
+        assert_eq!(
+            (r.name.as_str(), r.pod_group.as_str()),
+            ("train", "workers")
+        );
         let p = build::worker_pod(&basic(), 1, 0).unwrap();
         assert!(p.spec.unwrap().workload_ref.is_none());
     }
