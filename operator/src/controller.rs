@@ -97,6 +97,9 @@ pub struct Context {
     /// order they arrived, and two gangs placed turn about would each hold part of the room
     /// while waiting for the rest (until the gang plugin's timeout releases them both).
     pub gang_creation: tokio::sync::Mutex<()>,
+    /// Per job (`namespace/name`): the API server's message when it refused the job's Kueue
+    /// Workload at the last attempt ([`Observed::workload_refused`]).
+    pub workload_refused: Mutex<BTreeMap<String, String>>,
 }
 
 /// How long a reconcile waits for the watches to deliver its own writes
@@ -156,6 +159,7 @@ impl Context {
             resync: DEFAULT_RESYNC,
             gangs: None,
             gang_creation: tokio::sync::Mutex::new(()),
+            workload_refused: Mutex::default(),
         }
     }
 }
@@ -520,6 +524,10 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
             .lock()
             .expect("refused lock")
             .remove(&job_key(job));
+        ctx.workload_refused
+            .lock()
+            .expect("workload_refused lock")
+            .remove(&job_key(job));
         return Ok(Action::await_change()); // owner references clean up the children
     }
     // A job managed by another controller (spec.managedBy) is left alone: nothing created, no
@@ -537,6 +545,12 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
     let (mut obs, heartbeat_version) = observe(&ctx.caches, job)?; // from the caches
     // A queued job's Kueue Workload (an API read, only for a job with a queue).
     obs.queue = crate::queue::observe(&ctx.client, job).await?;
+    obs.workload_refused = ctx
+        .workload_refused
+        .lock()
+        .expect("workload_refused lock")
+        .get(&job_key(job))
+        .cloned();
     // Its gang Workload, from the store of their watch.
     obs.gang = crate::gang::observe(ctx.gangs.as_ref(), job);
     obs.heartbeat_changed = heartbeat_version.map(|v| {
@@ -567,7 +581,21 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
         tracing::warn!(job = %job.name_any(), ?late, "the watches did not deliver this reconcile's writes within {CATCH_UP:?}");
     }
     applied?;
-    crate::queue::apply(&ctx.client, job, &plan.queue).await?;
+    let queued = crate::queue::apply(&ctx.client, job, &plan.queue).await;
+    // A refused Workload shows in the job's status at the next reconcile (the retry).
+    {
+        let mut refusals = ctx.workload_refused.lock().expect("workload_refused lock");
+        match &queued {
+            Err(Error::Workload {
+                action: "create",
+                source: kube::Error::Api(s),
+                ..
+            }) => refusals.insert(job_key(job), s.message.clone()),
+            _ if plan.queue.create.is_some() => refusals.remove(&job_key(job)),
+            _ => None,
+        };
+    }
+    queued?;
     // The refused workers' back-off is a timer too.
     let held = ctx
         .refused
@@ -649,6 +677,7 @@ fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String
         refused: BTreeMap::new(),
         queue: Default::default(),
         gang: Default::default(),
+        workload_refused: None,
     };
     Ok((observed, version))
 }

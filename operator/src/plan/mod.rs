@@ -73,6 +73,10 @@ pub struct Observed {
     pub queue: queue::Queue,
     /// The job's gang object, for a job with `spec.gang`.
     pub gang: gang::Gang,
+    /// The API server's message when it refused to create the job's Kueue Workload at the
+    /// last attempt (a ResourceQuota on Workloads, Kueue's validating webhook): the job's
+    /// `Suspended` condition says so (reason `WorkloadRefused`) while it is retried.
+    pub workload_refused: Option<String>,
 }
 
 /// What the controller read about one node: its Lease in `kube-node-lease`, as this operator saw

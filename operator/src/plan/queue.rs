@@ -39,6 +39,8 @@ pub const QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
 pub const PRIORITY_CLASS_LABEL: &str = "kueue.x-k8s.io/priority-class";
 /// Kueue's API group and the version the operator reads and writes Workloads in.
 pub const KUEUE_API_VERSION: &str = "kueue.x-k8s.io/v1beta2";
+/// The hold's reason while the job has no Workload of its own yet (created, not yet seen).
+pub const NO_WORKLOAD_YET: &str = "WorkloadCreated";
 /// Name of the Workload's only podSet.
 pub const PODSET: &str = "workers";
 
@@ -167,7 +169,7 @@ pub fn hold(job: &DiphomaJob, q: &Queue) -> Option<Hold> {
     }
     let Some(w) = workload.as_ref().filter(|w| w.owned && !w.deleting) else {
         return h(
-            "WorkloadCreated",
+            NO_WORKLOAD_YET,
             format!("waiting for Kueue to admit the job's Workload in LocalQueue {queue}"),
         );
     };
@@ -589,6 +591,20 @@ mod tests {
         };
         assert!(hold(&j, &none).is_some());
         assert!(queue_plan(&j, &none, &[], None, t(0)).create.is_some());
+        // Its creation refused: the hold says so, with the API server's message.
+        let refused = crate::plan::Observed {
+            queue: none.clone(),
+            workload_refused: Some(
+                "exceeded quota: q, requested: count/workloads.kueue.x-k8s.io=1".into(),
+            ),
+            ..Default::default()
+        };
+        let h = crate::plan::lifecycle::held(&j, &refused).expect("held");
+        assert_eq!(h.reason, "WorkloadRefused");
+        assert!(
+            h.message
+                .ends_with("exceeded quota: q, requested: count/workloads.kueue.x-k8s.io=1")
+        );
 
         let pending = wl(
             &j,

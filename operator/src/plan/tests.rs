@@ -30,6 +30,7 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         refused: BTreeMap::new(),
         queue: Default::default(),
         gang: Default::default(),
+        workload_refused: None,
     }
 }
 
