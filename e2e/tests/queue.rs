@@ -48,6 +48,7 @@ fn main() -> Result<()> {
         two_jobs_behind_a_quota_for_one_run_one_after_the_other_never_over_quota,
         a_preempted_job_is_suspended_and_resumes_from_its_checkpoint_with_its_counters,
         a_refused_workload_shows_in_the_job_status_and_is_created_once_allowed,
+        suspending_an_admitted_job_releases_its_quota_to_the_next,
     ];
     let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
     let conclusion = libtest_mimic::run(&sequential_args(), trials);
@@ -536,6 +537,63 @@ async fn a_refused_workload_shows_in_the_job_status_and_is_created_once_allowed(
     println!(
         "\nrefused Workload, as the job's status said: {:?}",
         said.unwrap().2
+    );
+    Ok(())
+}
+
+async fn suspending_an_admitted_job_releases_its_quota_to_the_next(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    queues(&ctx, &ns)?;
+    apply(
+        &ctx,
+        &ns,
+        &training_job("first", 2, 1_000_000, queued("low")).build(),
+    )?;
+    let g1 = running_ring(&ctx, &ns, "first", 2, 0).await?.generation;
+    apply(
+        &ctx,
+        &ns,
+        &training_job("second", 2, 300, queued("low")).build(),
+    )?;
+    eventually(60, "second queued behind first", async || {
+        let st = status(&ctx, &ns, "second").await?;
+        Ok(condition(&st, "Suspended").is_some_and(|c| c.0 == "True" && c.1 == "Pending"))
+    })
+    .await?;
+    // The user suspends first: its Workload is deactivated, the quota goes to second.
+    let t0 = Instant::now();
+    jobs(&ctx, &ns)
+        .patch(
+            "first",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"runPolicy": {"suspend": true}}})),
+        )
+        .await?;
+    let st = finished(&ctx, &ns, "second", 150)
+        .await
+        .with_context(|| last_words(&ctx, &ns, "first"))?;
+    ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
+    let ran = t0.elapsed();
+    let w = workload(&ctx, &ns, "first").await?.context("no Workload")?;
+    ensure!(
+        w.data.pointer("/spec/active") == Some(&json!(false)),
+        "first's Workload still active: {:?}",
+        w.data.get("spec")
+    );
+    // Resumed: activated again, admitted, running.
+    jobs(&ctx, &ns)
+        .patch(
+            "first",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"runPolicy": {"suspend": false}}})),
+        )
+        .await?;
+    running_ring(&ctx, &ns, "first", 2, g1).await?;
+    println!(
+        "\nfirst suspended by its user → second (queued) succeeded {:.2} s later",
+        ran.as_secs_f64()
     );
     Ok(())
 }
