@@ -6,7 +6,10 @@
 # With OWNER_PID set, a watchdog stops the control plane as soon as that process is gone (a test
 # binary that panics or is killed never leaves etcd or the apiserver behind).
 # Optional: APISERVER_EXTRA_ARGS, KCM_CONTROLLERS, KCM_EXTRA_ARGS, NODE_MONITOR_PERIOD,
-# NODE_MONITOR_GRACE_PERIOD, SCHED_QPS/SCHED_BURST (the scheduler's client limits, default 50/100).
+# NODE_MONITOR_GRACE_PERIOD, SCHED_QPS/SCHED_BURST (the scheduler's client limits, default 50/100),
+# FEATURE_GATES (the API server's and the scheduler's; default: Kubernetes' gang scheduling,
+# KEP-4671, alpha in 1.35: GenericWorkload serves scheduling.k8s.io/v1alpha1 Workloads and the
+# pods' spec.workloadRef, GangScheduling enables the scheduler's plugin; "" for none).
 # Flags are taken from envtest, kwok's binary runtime and hack/local-up-cluster.sh
 # (../shared/control-plane/README.md §3); verified with the v1.35.4 binaries (e2e/cluster/README.md).
 set -euo pipefail
@@ -23,6 +26,15 @@ if [[ -n ${OWNER_PID:-} ]]; then
   echo $! >"$W/watchdog.pid"
 fi
 [[ -f "$P/operator.crt" ]] || "$HERE/gen-pki.sh" "$P"
+
+FEATURE_GATES=${FEATURE_GATES-GenericWorkload=true,GangScheduling=true}
+GATE_ARGS=()
+API_GATE_ARGS=()
+if [[ -n $FEATURE_GATES ]]; then
+  GATE_ARGS=(--feature-gates="$FEATURE_GATES")
+  # the alpha API group version the gates serve (off by default even with them on)
+  [[ $FEATURE_GATES == *GenericWorkload=true* ]] && API_GATE_ARGS=(--runtime-config=scheduling.k8s.io/v1alpha1=true)
+fi
 
 freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 ETCD_PORT=${ETCD_PORT:-$(freeport)}
@@ -116,6 +128,7 @@ wait_for etcd 30 curl -fsS "http://127.0.0.1:${ETCD_PORT}/health"
   --audit-log-path="$W/logs/audit.log" \
   --audit-log-format=json \
   --audit-log-mode=blocking \
+  "${GATE_ARGS[@]}" "${API_GATE_ARGS[@]}" \
   ${APISERVER_EXTRA_ARGS:-} \
   --v="${KLOG_V:-1}" >"$W/logs/kube-apiserver.log" 2>&1 &
 echo $! >"$W/kube-apiserver.pid"
@@ -154,6 +167,7 @@ leaderElection:
 CFG
 "$BIN/kube-scheduler" \
   --config="$W/kube-scheduler.yaml" \
+  "${GATE_ARGS[@]}" \
   --authentication-kubeconfig="$W/admin.kubeconfig" \
   --authorization-kubeconfig="$W/admin.kubeconfig" \
   --bind-address=127.0.0.1 \

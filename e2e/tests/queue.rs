@@ -47,6 +47,8 @@ fn main() -> Result<()> {
         a_job_managed_by_another_controller_is_left_alone_and_managed_by_is_immutable,
         two_jobs_behind_a_quota_for_one_run_one_after_the_other_never_over_quota,
         a_preempted_job_is_suspended_and_resumes_from_its_checkpoint_with_its_counters,
+        a_refused_workload_shows_in_the_job_status_and_is_created_once_allowed,
+        suspending_an_admitted_job_releases_its_quota_to_the_next,
     ];
     let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
     let conclusion = libtest_mimic::run(&sequential_args(), trials);
@@ -493,6 +495,105 @@ async fn a_preempted_job_is_suspended_and_resumes_from_its_checkpoint_with_its_c
          ring formed again {:.2} s (resumed from step {newest})",
         (t_suspended - t_high).as_secs_f64(),
         (t_resumed - t_high_done).as_secs_f64()
+    );
+    Ok(())
+}
+
+async fn a_refused_workload_shows_in_the_job_status_and_is_created_once_allowed(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    queues(&ctx, &ns)?;
+    // A ResourceQuota of no Kueue Workload: the API server refuses the job's.
+    let quota = json!({"apiVersion": "v1", "kind": "ResourceQuota",
+        "metadata": {"name": "no-workloads"},
+        "spec": {"hard": {"count/workloads.kueue.x-k8s.io": "0"}}});
+    apply(&ctx, &ns, &quota)?;
+    apply(
+        &ctx,
+        &ns,
+        &training_job("refused", 2, 300, queued("low")).build(),
+    )?;
+    let mut said = None;
+    eventually(60, "the refusal in the job's status", async || {
+        let st = status(&ctx, &ns, "refused").await?;
+        said = condition(&st, "Suspended").filter(|(s, reason, m)| {
+            s == "True" && reason == "WorkloadRefused" && m.contains("quota")
+        });
+        Ok(said.is_some())
+    })
+    .await
+    .with_context(|| last_words(&ctx, &ns, "refused"))?;
+    ensure!(
+        workload(&ctx, &ns, "refused").await?.is_none(),
+        "a Workload despite the quota"
+    );
+    // Allowed again: the Workload is created (the reconcile retries with back-off), the job runs.
+    Api::<k8s_openapi::api::core::v1::ResourceQuota>::namespaced(ctx.client.clone(), &ns)
+        .delete("no-workloads", &Default::default())
+        .await?;
+    let st = finished(&ctx, &ns, "refused", 150).await?;
+    ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
+    println!(
+        "\nrefused Workload, as the job's status said: {:?}",
+        said.unwrap().2
+    );
+    Ok(())
+}
+
+async fn suspending_an_admitted_job_releases_its_quota_to_the_next(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    queues(&ctx, &ns)?;
+    apply(
+        &ctx,
+        &ns,
+        &training_job("first", 2, 1_000_000, queued("low")).build(),
+    )?;
+    let g1 = running_ring(&ctx, &ns, "first", 2, 0).await?.generation;
+    apply(
+        &ctx,
+        &ns,
+        &training_job("second", 2, 300, queued("low")).build(),
+    )?;
+    eventually(60, "second queued behind first", async || {
+        let st = status(&ctx, &ns, "second").await?;
+        Ok(condition(&st, "Suspended").is_some_and(|c| c.0 == "True" && c.1 == "Pending"))
+    })
+    .await?;
+    // The user suspends first: its Workload is deactivated, the quota goes to second.
+    let t0 = Instant::now();
+    jobs(&ctx, &ns)
+        .patch(
+            "first",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"runPolicy": {"suspend": true}}})),
+        )
+        .await?;
+    let st = finished(&ctx, &ns, "second", 150)
+        .await
+        .with_context(|| last_words(&ctx, &ns, "first"))?;
+    ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
+    let ran = t0.elapsed();
+    let w = workload(&ctx, &ns, "first").await?.context("no Workload")?;
+    ensure!(
+        w.data.pointer("/spec/active") == Some(&json!(false)),
+        "first's Workload still active: {:?}",
+        w.data.get("spec")
+    );
+    // Resumed: activated again, admitted, running.
+    jobs(&ctx, &ns)
+        .patch(
+            "first",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"runPolicy": {"suspend": false}}})),
+        )
+        .await?;
+    running_ring(&ctx, &ns, "first", 2, g1).await?;
+    println!(
+        "\nfirst suspended by its user → second (queued) succeeded {:.2} s later",
+        ran.as_secs_f64()
     );
     Ok(())
 }

@@ -45,6 +45,12 @@ pub const CONTROLLER_NAME: &str = "diphoma.io/operator";
 /// creation (batch Job's `spec.managedBy` is immutable the same way).
 pub(crate) const MANAGED_BY_RULE: &str = "has(self.managedBy) == has(oldSelf.managedBy) && (!has(self.managedBy) || self.managedBy == oldSelf.managedBy)";
 
+const GANG_MESSAGE: &str = "spec.gang is immutable: the workers point at their gang from creation (delete and re-create the job to change it)";
+
+/// `spec.gang` may not be added, removed or changed.
+pub(crate) const GANG_RULE: &str =
+    "has(self.gang) == has(oldSelf.gang) && (!has(self.gang) || self.gang == oldSelf.gang)";
+
 const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers listen on it (delete and re-create the job to change it)";
 
 /// A distributed data-parallel training job: a ring of worker pods that the operator keeps alive,
@@ -119,6 +125,7 @@ const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers
 #[x_kube(validation = Rule::new("!has(self.elastic) || (self.elastic.minReplicas <= self.replicas && self.replicas <= self.elastic.maxReplicas)")
     .message("spec.replicas must lie within [spec.elastic.minReplicas, spec.elastic.maxReplicas]").field_path(".replicas"))]
 #[x_kube(validation = Rule::new(MANAGED_BY_RULE).message(MANAGED_BY_MESSAGE).field_path(".managedBy"))]
+#[x_kube(validation = Rule::new(GANG_RULE).message(GANG_MESSAGE).field_path(".gang"))]
 #[serde(rename_all = "camelCase")]
 pub struct DiphomaJobSpec {
     /// Desired number of workers in the ring (the `/scale` subresource points here).
@@ -175,6 +182,37 @@ pub struct DiphomaJobSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 63))]
     pub managed_by: Option<String>,
+    /// Gang scheduling of the workers: bound all together or not at all, at least
+    /// `elastic.minReplicas` of them (`replicas` when not elastic). Absent: scheduler `None`.
+    /// Immutable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gang: Option<Gang>,
+}
+
+/// Gang scheduling of the workers (`spec.gang`).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Gang {
+    /// Which gang scheduler places the workers. `None` (default): each worker is scheduled on
+    /// its own, so a ring that only partly fits holds the GPUs of the workers that did.
+    /// `Kubernetes`: the kube-scheduler's own gang scheduling (KEP-4671, alpha in Kubernetes
+    /// 1.35: feature gates `GenericWorkload` and `GangScheduling` on the API server and the
+    /// scheduler, API `scheduling.k8s.io/v1alpha1` enabled): the operator creates a
+    /// `scheduling.k8s.io/v1alpha1` `Workload` named after the job, with one pod group
+    /// `workers` whose gang policy's `minCount` is the ring's minimum, and each worker points
+    /// at it (`spec.workloadRef`); the scheduler then binds no worker until that many fit.
+    #[serde(default)]
+    pub scheduler: GangScheduler,
+}
+
+/// The gang scheduler of [`Gang`].
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum GangScheduler {
+    /// No gang scheduling.
+    #[default]
+    None,
+    /// Kubernetes' own gang scheduling (`scheduling.k8s.io/v1alpha1` `Workload`).
+    Kubernetes,
 }
 
 /// The split of each step's global batch over the workers (`spec.balance`).
@@ -471,7 +509,8 @@ pub struct DiphomaJobStatus {
     /// (`Pending`, `WorkersStarting`, `RingFormed`, `RingRepairing`, `RingScaling`, `Suspended`,
     /// `RingCompleted`, or the failure's: `NonRetryableExit`, `BackoffLimitExceeded`,
     /// `DeadlineExceeded`), or while too few workers are ready what keeps one from starting
-    /// (`CreateRefused`, `Unschedulable`, `ErrImagePull`, …), or `InvalidSpec` for a job the
+    /// (`CreateRefused`, `Unschedulable`, `ErrImagePull`, …, `GangWaiting` for a gang none of
+    /// whose workers is bound), or `InvalidSpec` for a job the
     /// operator cannot read; `Suspended`, `Complete` and `Failed` carry it when True, and
     /// otherwise `NotSuspended`, `NotCompleted` (`JobFailed` once the job failed), `NotFailed`.
     /// While the job runs, `Reporting` says whether the workers' reports reach the operator:
@@ -517,7 +556,10 @@ pub struct DiphomaJobStatus {
     /// says why: `2 of 4 workers ready; <pod>: <reason>: <message>`, the reason being
     /// `CreateRefused` (the API server's message, e.g. an exceeded quota), the scheduler's
     /// (`Unschedulable`) or the container's (`ErrImagePull`, …); a Warning event `WorkerBlocked`
-    /// names each such worker when this changes.
+    /// names each such worker when this changes. A gang-scheduled job (`spec.gang`) none of
+    /// whose workers is bound yet says why its gang waits, with the `Ready` and `Progressing`
+    /// conditions' reason `GangWaiting`: `gang of 3 waits: 2 of 3 workers can be placed, none is
+    /// bound; <pod>: Unschedulable: <the scheduler's message>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<String>,
     /// When the job's workers were started: first set when the job runs (not while it is
@@ -765,6 +807,19 @@ impl DiphomaJobSpec {
         self.managed_by
             .as_deref()
             .is_none_or(|m| m == CONTROLLER_NAME)
+    }
+
+    /// The gang scheduler that places the workers (`spec.gang.scheduler`, `None` when absent).
+    pub fn gang_scheduler(&self) -> GangScheduler {
+        self.gang
+            .as_ref()
+            .map_or(GangScheduler::None, |g| g.scheduler)
+    }
+
+    /// The ring's minimum size, at most `replicas`: `elastic.minReplicas`, or `replicas` for a
+    /// fixed-size job (the gang's `minCount`, Kueue's podSet `minCount`).
+    pub fn min_workers(&self) -> i32 {
+        self.bounds().0.min(self.replicas)
     }
 
     /// `(min, max)` ring size: the elastic bounds, or `(replicas, replicas)`.

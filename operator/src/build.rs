@@ -15,19 +15,23 @@ use diphoma_contract::{
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, ContainerPort, EnvVar, EnvVarSource, NodeSelectorRequirement,
     NodeSelectorTerm, ObjectFieldSelector, Pod, PodSpec, Secret, SecretVolumeSource, Service,
-    ServiceAccount, ServicePort, ServiceSpec, Toleration, Volume, VolumeMount,
+    ServiceAccount, ServicePort, ServiceSpec, Toleration, Volume, VolumeMount, WorkloadReference,
 };
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
     NetworkPolicySpec,
 };
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::api::scheduling::v1alpha1::{
+    GangSchedulingPolicy, PodGroup, PodGroupPolicy, TypedLocalObjectReference, Workload,
+    WorkloadSpec,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 
-use crate::api::DiphomaJob;
+use crate::api::{DiphomaJob, GangScheduler};
 
 /// `app.kubernetes.io/managed-by` value on everything the operator creates.
 pub const MANAGED_BY: &str = "diphoma-operator";
@@ -98,6 +102,41 @@ fn meta(job: &DiphomaJob, name: String) -> ObjectMeta {
     }
 }
 
+/// The name of the job's gang `Workload` (`scheduling.k8s.io/v1alpha1`): the job's own (a
+/// different API group and kind than Kueue's Workload, `diphomajob-<job>`).
+pub fn gang_workload_name(job: &str) -> String {
+    job.to_owned()
+}
+
+/// The only pod group of the job's gang `Workload`, which every worker names in
+/// `spec.workloadRef.podGroup`.
+pub const GANG_POD_GROUP: &str = "workers";
+
+/// The job's gang: a `scheduling.k8s.io/v1alpha1` `Workload` (KEP-4671, Kubernetes 1.35) owned
+/// by the job, with one pod group [`GANG_POD_GROUP`] whose gang policy's `minCount` is
+/// `min_count` (the ring's minimum): the kube-scheduler binds none of the workers that point at
+/// it until `min_count` of them can be placed. `spec.podGroups` is immutable: a new minimum
+/// takes a new Workload of the same name.
+pub fn gang_workload(job: &DiphomaJob, min_count: i32) -> Workload {
+    Workload {
+        metadata: meta(job, gang_workload_name(&job.name_any())),
+        spec: WorkloadSpec {
+            controller_ref: Some(TypedLocalObjectReference {
+                api_group: Some(DiphomaJob::group(&()).into_owned()),
+                kind: DiphomaJob::kind(&()).into_owned(),
+                name: job.name_any(),
+            }),
+            pod_groups: vec![PodGroup {
+                name: GANG_POD_GROUP.into(),
+                policy: PodGroupPolicy {
+                    gang: Some(GangSchedulingPolicy { min_count }),
+                    basic: None,
+                },
+            }],
+        },
+    }
+}
+
 /// Why a worker pod cannot be built from a job's template.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
@@ -151,6 +190,15 @@ pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Result<Pod, Bui
     pod_spec.hostname = Some(pod_name(&name, index, 0));
     pod_spec.subdomain = Some(name.clone());
     place(spec, &mut pod_spec);
+    // A gang-scheduled worker points at its gang (immutable on the pod, set at creation).
+    pod_spec.workload_ref = match spec.gang_scheduler() {
+        GangScheduler::Kubernetes => Some(WorkloadReference {
+            name: gang_workload_name(&name),
+            pod_group: GANG_POD_GROUP.into(),
+            pod_group_replica_key: None,
+        }),
+        GangScheduler::None => None,
+    };
     let mut meta = meta(job, pod_name(&name, index, attempt));
     let mut pod_labels = tpl_meta.labels.unwrap_or_default();
     pod_labels.extend(labels(job));

@@ -16,7 +16,9 @@
 //!
 //! API calls per reconcile:
 //! - reads: none (`observe` reads the caches);
-//! - writes (`apply`), only what the plan asks for, in this order: the static children
+//! - writes, only what the plan asks for, in this order: for a gang-scheduled job, its gang
+//!   Workload created, or deleted when its `minCount` is no longer the ring's minimum
+//!   ([`crate::gang`], read from the store of their watch); then (`apply`) the static children
 //!   (ServiceAccount, Role, RoleBinding, Service, NetworkPolicy by server-side apply; key Secret
 //!   and heartbeat ConfigMap created once) when [`Plan::apply_children`]; the status when it
 //!   differs; a failure annotation on each newly failed pod; an annotation, then a deletion, for
@@ -87,6 +89,17 @@ pub struct Context {
     pub caches: Arc<Caches>,
     /// The safety net: the longest a job goes without a reconcile ([`Options::resync`]).
     pub resync: Duration,
+    /// The gang Workloads (`scheduling.k8s.io/v1alpha1`) this operator created, as their watch
+    /// keeps them; none when the API server does not serve them ([`crate::gang`]).
+    pub gangs: Option<reflector::Store<k8s_openapi::api::scheduling::v1alpha1::Workload>>,
+    /// Held while a gang-scheduled job's workers are created, so that the workers of two gangs
+    /// are never created interleaved: the scheduler's queue takes pods of equal priority in the
+    /// order they arrived, and two gangs placed turn about would each hold part of the room
+    /// while waiting for the rest (until the gang plugin's timeout releases them both).
+    pub gang_creation: tokio::sync::Mutex<()>,
+    /// Per job (`namespace/name`): the API server's message when it refused the job's Kueue
+    /// Workload at the last attempt ([`Observed::workload_refused`]).
+    pub workload_refused: Mutex<BTreeMap<String, String>>,
 }
 
 /// How long a reconcile waits for the watches to deliver its own writes
@@ -144,6 +157,9 @@ impl Context {
             heartbeats: Mutex::default(),
             caches: Arc::new(Caches::unwatched()),
             resync: DEFAULT_RESYNC,
+            gangs: None,
+            gang_creation: tokio::sync::Mutex::new(()),
+            workload_refused: Mutex::default(),
         }
     }
 }
@@ -331,6 +347,22 @@ pub async fn run(
             crate::queue::owned_workloads(),
         );
     }
+    // Gang Workloads (`scheduling.k8s.io/v1alpha1`), when the API server serves them: kept in a
+    // store, so that a reconcile reads its job's without a request.
+    let gangs = if crate::gang::served(&client).await {
+        let (store, writer) = reflector::store();
+        let events = watcher(
+            Api::<k8s_openapi::api::scheduling::v1alpha1::Workload>::all(client.clone()),
+            crate::gang::owned_workloads(),
+        )
+        .modify(|w| w.managed_fields_mut().clear())
+        .reflect(writer)
+        .applied_objects();
+        controller = controller.owns_stream(events);
+        Some(store)
+    } else {
+        None
+    };
     if let Some(listener) = metrics_listener {
         tokio::spawn(crate::metrics::serve(
             listener,
@@ -382,6 +414,7 @@ pub async fn run(
         network_policy: opts.network_policy,
         caches,
         resync: opts.resync,
+        gangs,
         ..Context::new(client, metrics.clone())
     });
     let drive = controller
@@ -494,6 +527,10 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
             .lock()
             .expect("refused lock")
             .remove(&job_key(job));
+        ctx.workload_refused
+            .lock()
+            .expect("workload_refused lock")
+            .remove(&job_key(job));
         return Ok(Action::await_change()); // owner references clean up the children
     }
     // A job managed by another controller (spec.managedBy) is left alone: nothing created, no
@@ -511,6 +548,14 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
     let (mut obs, heartbeat_version) = observe(&ctx.caches, job)?; // from the caches
     // A queued job's Kueue Workload (an API read, only for a job with a queue).
     obs.queue = crate::queue::observe(&ctx.client, job).await?;
+    obs.workload_refused = ctx
+        .workload_refused
+        .lock()
+        .expect("workload_refused lock")
+        .get(&job_key(job))
+        .cloned();
+    // Its gang Workload, from the store of their watch.
+    obs.gang = crate::gang::observe(ctx.gangs.as_ref(), job);
     obs.heartbeat_changed = heartbeat_version.map(|v| {
         let mut seen = ctx.heartbeats.lock().expect("heartbeats lock");
         let entry = seen.entry(job_key(job)).or_insert((v.clone(), obs.now));
@@ -528,6 +573,8 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
         .unwrap_or_default();
     obs.refused = refusals.pods.clone();
     let plan = plan::plan(job, &obs); // pure
+    // The gang first: the workers wait for the Workload they point at.
+    crate::gang::apply(&ctx.client, job, &plan.gang).await?;
     let mut written = Written::default();
     let applied = apply(ctx, job, &plan, refusals, &mut written).await; // writes
     // Read-your-writes: the next reconcile of this job plans from what this one wrote.
@@ -537,7 +584,21 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
         tracing::warn!(job = %job.name_any(), ?late, "the watches did not deliver this reconcile's writes within {CATCH_UP:?}");
     }
     applied?;
-    crate::queue::apply(&ctx.client, job, &plan.queue).await?;
+    let queued = crate::queue::apply(&ctx.client, job, &plan.queue).await;
+    // A refused Workload shows in the job's status at the next reconcile (the retry).
+    {
+        let mut refusals = ctx.workload_refused.lock().expect("workload_refused lock");
+        match &queued {
+            Err(Error::Workload {
+                action: "create",
+                source: kube::Error::Api(s),
+                ..
+            }) => refusals.insert(job_key(job), s.message.clone()),
+            _ if plan.queue.create.is_some() => refusals.remove(&job_key(job)),
+            _ => None,
+        };
+    }
+    queued?;
     // The refused workers' back-off is a timer too.
     let held = ctx
         .refused
@@ -618,6 +679,8 @@ fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String
         now: jiff::Timestamp::now(),
         refused: BTreeMap::new(),
         queue: Default::default(),
+        gang: Default::default(),
+        workload_refused: None,
     };
     Ok((observed, version))
 }
@@ -719,6 +782,12 @@ async fn apply(
     let now = std::time::Instant::now();
     let held = before.until.is_some_and(|until| now < until);
     let mut refusals = 0;
+    let gang =
+        !plan.create.is_empty() && job.spec.gang_scheduler() != crate::api::GangScheduler::None;
+    let _gang_creation = match gang {
+        true => Some(ctx.gang_creation.lock().await),
+        false => None,
+    };
     for p in &plan.create {
         let pod = p.name_any();
         if let Some(message) = before.pods.get(&pod).filter(|_| held) {

@@ -94,6 +94,17 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    /// Creating or deleting the job's gang Workload (`scheduling.k8s.io/v1alpha1`) failed.
+    #[error("{action} gang Workload {name}: {source}")]
+    Gang {
+        /// `create`, `delete`.
+        action: &'static str,
+        /// The Workload.
+        name: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
     /// Deleting the job after `ttlSecondsAfterFinished` failed.
     #[error("delete the finished job: {source}")]
     DeleteJob {
@@ -105,7 +116,7 @@ pub enum Error {
 
 impl Error {
     /// Every value of [`Error::metric_label`] (metric label values are initialized from it).
-    pub const LABELS: [&'static str; 10] = [
+    pub const LABELS: [&'static str; 11] = [
         "observe",
         "ring",
         "apply_child",
@@ -116,6 +127,7 @@ impl Error {
         "publish_ring",
         "delete_job",
         "workload",
+        "gang",
     ];
 
     /// Bounded label for metrics and logs: the step that failed.
@@ -131,6 +143,7 @@ impl Error {
             Error::PublishRing { .. } => "publish_ring",
             Error::DeleteJob { .. } => "delete_job",
             Error::Workload { .. } => "workload",
+            Error::Gang { .. } => "gang",
         }
     }
 }
@@ -175,6 +188,11 @@ mod tests {
             },
             Error::DeleteJob { source: api() },
             Error::Workload {
+                action: "create",
+                name: "w".into(),
+                source: api(),
+            },
+            Error::Gang {
                 action: "create",
                 name: "w".into(),
                 source: api(),

@@ -16,6 +16,8 @@
 //!   listener is injected.
 //! - [`queue`]: Kueue I/O (a queued job's Workload, its WorkloadPriorityClass, the admitted
 //!   ResourceFlavors), carrying out what `plan::queue` decides. Decides nothing.
+//! - [`gang`]: gang scheduling I/O (the gang Workloads' watch and store, their creation and
+//!   deletion), carrying out what `plan::gang` decides. Decides nothing.
 //! - [`error`]: the reconcile errors, one variant per step, each with a bounded metric label.
 //!   Imported by `controller` and `metrics`, importing neither.
 //! - [`docs`]: the DiphomaJob reference (Markdown) generated from the CRD. Pure.
@@ -31,6 +33,7 @@ pub mod build;
 pub mod controller;
 pub mod docs;
 pub mod error;
+pub mod gang;
 pub mod metrics;
 pub mod plan;
 pub mod queue;

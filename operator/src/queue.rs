@@ -109,7 +109,8 @@ pub async fn observe(client: &Client, job: &DiphomaJob) -> Result<Queue, Error> 
     })
 }
 
-/// Carries out `plan` for `job`'s Workload: delete, create, patch its status.
+/// Carries out `plan` for `job`'s Workload: delete, create, set `spec.active`, patch its
+/// status.
 ///
 /// Errors: [`Error::Workload`] naming the action and the Workload.
 pub async fn apply(client: &Client, job: &DiphomaJob, plan: &QueuePlan) -> Result<(), Error> {
@@ -141,6 +142,20 @@ pub async fn apply(client: &Client, job: &DiphomaJob, plan: &QueuePlan) -> Resul
                 });
             }
         }
+    }
+    if let Some((name, active)) = &plan.set_active {
+        let body = serde_json::json!({"spec": {"active": active}});
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..Default::default()
+        };
+        api.patch(name, &params, &Patch::Merge(&body))
+            .await
+            .map_err(|source| Error::Workload {
+                action: "set spec.active of",
+                name: name.clone(),
+                source,
+            })?;
     }
     if let Some((name, status)) = &plan.patch_status {
         let body = serde_json::json!({"status": status});

@@ -71,7 +71,8 @@ pub struct Hold {
     pub message: String,
 }
 
-/// The hold on the job, if any: `runPolicy.suspend` first, then the queue's.
+/// The hold on the job, if any: `runPolicy.suspend` first, then the queue's, then the gang's
+/// (a gang scheduler asked for and not served).
 pub fn held(job: &DiphomaJob, obs: &Observed) -> Option<Hold> {
     if job.spec.run_policy.suspend {
         return Some(Hold {
@@ -79,7 +80,15 @@ pub fn held(job: &DiphomaJob, obs: &Observed) -> Option<Hold> {
             message: "the job is suspended".into(),
         });
     }
-    super::queue::hold(job, &obs.queue)
+    match (super::queue::hold(job, &obs.queue), &obs.workload_refused) {
+        // No Workload yet, and its creation was refused: the API server's word, not a wait.
+        (Some(h), Some(refusal)) if h.reason == super::queue::NO_WORKLOAD_YET => Some(Hold {
+            reason: "WorkloadRefused".into(),
+            message: format!("the API server refused the job's Kueue Workload: {refusal}"),
+        }),
+        (Some(h), _) => Some(h),
+        (None, _) => super::gang::hold(job, &obs.gang),
+    }
 }
 
 /// The terminal failure, if any: (reason, message). A deadline not yet reached sets

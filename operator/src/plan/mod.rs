@@ -27,6 +27,7 @@ use crate::api::{DiphomaJob, DiphomaJobStatus, Phase};
 use crate::build::{ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED};
 
 pub mod failures;
+pub mod gang;
 pub mod lifecycle;
 pub mod nodes;
 pub mod queue;
@@ -70,6 +71,12 @@ pub struct Observed {
     pub refused: BTreeMap<String, String>,
     /// The job's place in Kueue (its Workload), for a job labelled with a LocalQueue.
     pub queue: queue::Queue,
+    /// The job's gang object, for a job with `spec.gang`.
+    pub gang: gang::Gang,
+    /// The API server's message when it refused to create the job's Kueue Workload at the
+    /// last attempt (a ResourceQuota on Workloads, Kueue's validating webhook): the job's
+    /// `Suspended` condition says so (reason `WorkloadRefused`) while it is retried.
+    pub workload_refused: Option<String>,
 }
 
 /// What the controller read about one node: its Lease in `kube-node-lease`, as this operator saw
@@ -258,6 +265,8 @@ pub struct Plan {
     pub relabel: Vec<Relabel>,
     /// What to do with the job's Kueue Workload.
     pub queue: queue::QueuePlan,
+    /// What to do with the job's gang Workload (`scheduling.k8s.io`).
+    pub gang: gang::GangPlan,
 }
 
 impl Plan {
@@ -289,6 +298,7 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
     let admitted = queue::admitted_view(job, &obs.queue);
     decide(admitted.as_ref().unwrap_or(job), obs, &mut plan);
     plan.queue = queue::queue_plan(job, &obs.queue, &obs.pods, plan.status.phase, obs.now);
+    plan.gang = gang::gang_plan(job, &obs.gang, plan.status.phase);
     plan.events.extend(nodes::skew_events(&obs.nodes));
     plan.status.replicas = status::observed_replicas(obs, &plan);
     plan.look_again = look_again(job, obs, &plan);

@@ -39,6 +39,8 @@ pub const QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
 pub const PRIORITY_CLASS_LABEL: &str = "kueue.x-k8s.io/priority-class";
 /// Kueue's API group and the version the operator reads and writes Workloads in.
 pub const KUEUE_API_VERSION: &str = "kueue.x-k8s.io/v1beta2";
+/// The hold's reason while the job has no Workload of its own yet (created, not yet seen).
+pub const NO_WORKLOAD_YET: &str = "WorkloadCreated";
 /// Name of the Workload's only podSet.
 pub const PODSET: &str = "workers";
 
@@ -63,6 +65,9 @@ pub struct WorkloadView {
     pub admitted: Option<Admission>,
     /// `status.admission` is set (quota reserved, maybe not admitted yet, or evicted).
     pub quota_reserved: bool,
+    /// `spec.active` is false: deactivated (Kueue evicts it, `InactiveWorkload`, and keeps it
+    /// out of the queue).
+    pub inactive: bool,
 }
 
 /// What Kueue admitted the job's workers with.
@@ -109,6 +114,10 @@ pub struct QueuePlan {
     /// Patch the Workload's status (a JSON merge patch of `status`), e.g. clear the admission
     /// of an evicted Workload or mark it Finished.
     pub patch_status: Option<(String, Value)>,
+    /// Set the Workload's `spec.active` (Kueue's way for a user to stop an admitted
+    /// workload): false while the job is suspended (`runPolicy.suspend`), so that its quota
+    /// is released, true again when it is resumed.
+    pub set_active: Option<(String, bool)>,
 }
 
 /// The Workload's name: `diphomajob-<job>` (at most 51 + 11 characters, a DNS subdomain).
@@ -167,7 +176,7 @@ pub fn hold(job: &DiphomaJob, q: &Queue) -> Option<Hold> {
     }
     let Some(w) = workload.as_ref().filter(|w| w.owned && !w.deleting) else {
         return h(
-            "WorkloadCreated",
+            NO_WORKLOAD_YET,
             format!("waiting for Kueue to admit the job's Workload in LocalQueue {queue}"),
         );
     };
@@ -279,6 +288,12 @@ pub fn queue_plan(
             plan.delete = Some(w.name.clone());
         }
         return plan;
+    }
+    // A user's suspension deactivates the Workload (Kueue evicts it and releases its quota);
+    // resuming activates it again.
+    let suspended = job.spec.run_policy.suspend;
+    if suspended != w.inactive {
+        plan.set_active = Some((w.name.clone(), !suspended));
     }
     let evicted = find(&w.conditions, "Evicted").filter(|c| c.status == "True");
     if let Some(e) = evicted
@@ -510,6 +525,7 @@ pub fn view(object: &Value, job_uid: &str, flavors: &BTreeMap<String, Value>) ->
         conditions,
         admitted,
         quota_reserved: admission.is_some(),
+        inactive: object.pointer("/spec/active") == Some(&Value::Bool(false)),
     }
 }
 
@@ -589,6 +605,48 @@ mod tests {
         };
         assert!(hold(&j, &none).is_some());
         assert!(queue_plan(&j, &none, &[], None, t(0)).create.is_some());
+        // A user's suspension deactivates a matching Workload, a resumption activates it.
+        let mut suspended = j.clone();
+        suspended.spec.run_policy.suspend = true;
+        let mine = Queue::Queued {
+            queue: "team".into(),
+            workload: Some(Box::new(view(
+                &wl(&j, json!({})),
+                "uid-1",
+                &BTreeMap::new(),
+            ))),
+            priority: None,
+        };
+        assert_eq!(
+            queue_plan(&suspended, &mine, &[], None, t(0)).set_active,
+            Some(("diphomajob-train".into(), false))
+        );
+        assert_eq!(queue_plan(&j, &mine, &[], None, t(0)).set_active, None);
+        let mut off = wl(&j, json!({}));
+        off["spec"]["active"] = json!(false);
+        let inactive = Queue::Queued {
+            queue: "team".into(),
+            workload: Some(Box::new(view(&off, "uid-1", &BTreeMap::new()))),
+            priority: None,
+        };
+        assert_eq!(
+            queue_plan(&j, &inactive, &[], None, t(0)).set_active,
+            Some(("diphomajob-train".into(), true))
+        );
+        // Its creation refused: the hold says so, with the API server's message.
+        let refused = crate::plan::Observed {
+            queue: none.clone(),
+            workload_refused: Some(
+                "exceeded quota: q, requested: count/workloads.kueue.x-k8s.io=1".into(),
+            ),
+            ..Default::default()
+        };
+        let h = crate::plan::lifecycle::held(&j, &refused).expect("held");
+        assert_eq!(h.reason, "WorkloadRefused");
+        assert!(
+            h.message
+                .ends_with("exceeded quota: q, requested: count/workloads.kueue.x-k8s.io=1")
+        );
 
         let pending = wl(
             &j,

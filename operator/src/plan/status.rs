@@ -126,6 +126,11 @@ pub fn running(
         (true, Some(b)) => Some(format!("running with {ready} of {desired} workers; {b}")),
         (true, None) => None,
     };
+    // A gang bound all together or not at all says so while none of it is bound.
+    let gang = super::gang::waiting(job, &obs.pods).filter(|_| !ring.enough);
+    if gang.is_some() {
+        status.waiting = gang.clone();
+    }
     let unrepaired = ring.lost_member && plan.publish.is_none();
     let phase = if obs.ring.is_none() && plan.publish.is_none() {
         if obs.pods.is_empty() {
@@ -151,6 +156,7 @@ pub fn running(
                 status.ring.as_ref().map_or(0, |r| r.generation)
             ),
         ),
+        _ if gang.is_some() => ("GangWaiting", gang.clone().unwrap_or_default()),
         // What keeps the ring from forming names the conditions' reason.
         _ if !ring.enough && blocked.is_some() => (
             blocked.map_or("", |b| b.reason.as_str()),

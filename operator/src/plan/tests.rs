@@ -29,6 +29,8 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         now: t(100),
         refused: BTreeMap::new(),
         queue: Default::default(),
+        gang: Default::default(),
+        workload_refused: None,
     }
 }
 

@@ -1,0 +1,312 @@
+//! Gang scheduling on the local control plane, by the kube-scheduler's own gang scheduling
+//! (KEP-4671, alpha in v1.35: `e2e/cluster/start.sh` turns on the feature gates
+//! `GenericWorkload` and `GangScheduling` and serves `scheduling.k8s.io/v1alpha1`), with real
+//! `diphoma-worker train` workers under the in-process operator, on 2 nodes of 2 GPUs: a gang
+//! that does not fit binds no worker and says why, then starts when room appears; two gangs
+//! competing for the same GPUs run one after the other, never both half placed. Prints the time
+//! from room appearing to the ring formed.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Result, bail, ensure};
+use common::*;
+use diphoma_e2e::kit::JobManifest;
+use diphoma_e2e::kubelet::node::NodeConfig;
+use diphoma_operator::api::{DiphomaJob, DiphomaJobStatus, Phase};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::scheduling::v1alpha1::Workload;
+use kube::api::{DeleteParams, ListParams};
+use kube::{Api, ResourceExt};
+use serde_json::{Value, json};
+
+/// GPUs per node; 2 nodes.
+const GPUS_PER_NODE: u32 = 2;
+
+fn main() -> Result<()> {
+    let nodes = (0..2)
+        .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), GPUS_PER_NODE))
+        .collect();
+    run_tests(
+        nodes,
+        OperatorMode::InProcess,
+        tests![
+            a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_appears,
+            two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed,
+        ],
+    )
+}
+
+/// A digits training job of `replicas` workers (1 GPU each) for `steps` steps; `gang`: placed
+/// by Kubernetes' gang scheduling.
+fn training_job(name: &str, replicas: i32, steps: u64, gang: bool) -> JobManifest {
+    let extra = match gang {
+        true => json!({"spec": {"gang": {"scheduler": "Kubernetes"}}}),
+        false => json!({}),
+    };
+    let mut job = JobManifest {
+        detection_seconds: Some(4),
+        extra,
+        ..JobManifest::training(name, replicas, steps, 10)
+    };
+    job.args.extend(["--op-timeout-s".into(), "1".into()]);
+    job
+}
+
+fn apply(ctx: &Ctx, ns: &str, doc: &Value) -> Result<()> {
+    let out = kubectl_apply(ctx, ns, &doc.to_string())?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+async fn status(ctx: &Ctx, ns: &str, job: &str) -> Result<DiphomaJobStatus> {
+    Ok(job_status(&ctx.client, ns, job)
+        .await?
+        .status
+        .unwrap_or_default())
+}
+
+/// How a job's workers stand with the scheduler at one look.
+#[derive(Debug, Default, Clone, PartialEq)]
+struct Placement {
+    /// Live workers (not finished, not being deleted).
+    live: usize,
+    /// Live workers bound to a node.
+    bound: usize,
+    /// Some worker finished or is being deleted: the job winds down (or repairs), and its
+    /// workers leave one by one.
+    winding: bool,
+}
+
+impl Placement {
+    /// Bound, but fewer than a gang of `min`, while the job is not winding down.
+    fn partial(&self, min: usize) -> bool {
+        !self.winding && self.bound > 0 && self.bound < min
+    }
+}
+
+/// Each job's placement, by job name, from one list of the namespace's pods.
+async fn placements(ctx: &Ctx, ns: &str) -> Result<std::collections::BTreeMap<String, Placement>> {
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns)
+        .list(&ListParams::default().labels("diphoma.io/job-name"))
+        .await?
+        .items;
+    let mut by_job = std::collections::BTreeMap::<String, Placement>::new();
+    for p in &pods {
+        let job = p.labels()["diphoma.io/job-name"].clone();
+        let e = by_job.entry(job).or_default();
+        let done = matches!(phase(p), "Succeeded" | "Failed");
+        if done || p.metadata.deletion_timestamp.is_some() {
+            e.winding = true;
+            continue;
+        }
+        e.live += 1;
+        if p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some() {
+            e.bound += 1;
+        }
+    }
+    Ok(by_job)
+}
+
+/// Checks that no job of `gangs` (name, minimum) is bound partly at two looks in a row (the
+/// scheduler binds a gang's workers one API call after the other, a few milliseconds apart; a
+/// look may fall between them, two looks 200 ms apart do not). `last`: the previous look's
+/// partial jobs.
+fn never_half_placed(
+    now: &std::collections::BTreeMap<String, Placement>,
+    gangs: &[(&str, usize)],
+    last: &mut Vec<String>,
+) -> Result<()> {
+    let partial: Vec<String> = gangs
+        .iter()
+        .filter(|(j, min)| now.get(*j).is_some_and(|p| p.partial(*min)))
+        .map(|(j, _)| j.to_string())
+        .collect();
+    if let Some(j) = partial.iter().find(|j| last.contains(j)) {
+        bail!("{j} is half placed: {now:?}");
+    }
+    *last = partial;
+    Ok(())
+}
+
+async fn a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_appears(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    // A job without a gang holds 2 of the 4 GPUs.
+    start_job(&ctx, &ns, &training_job("blocker", 2, 1_000_000, false), 2).await?;
+    // A gang of 3 does not fit in the 2 left: none of its workers is bound, and it says why.
+    apply(&ctx, &ns, &training_job("gang", 3, 300, true).build())?;
+    let gangs = [("gang", 3)];
+    let mut last = vec![];
+    let mut said = None;
+    let waited = eventually(60, "gang waiting, with the reason", async || {
+        let now = placements(&ctx, &ns).await?;
+        never_half_placed(&now, &gangs, &mut last)?;
+        let p = now.get("gang").cloned().unwrap_or_default();
+        ensure!(p.bound == 0, "a worker of the gang is bound: {now:?}");
+        let st = status(&ctx, &ns, "gang").await?;
+        let ready = st.conditions.iter().find(|c| c.type_ == "Ready");
+        if p.live == 3
+            && ready.is_some_and(|c| c.reason == "GangWaiting")
+            && st.waiting.as_deref().is_some_and(|w| {
+                w.starts_with("gang of 3 waits: 2 of 3 workers can be placed, none is bound; ")
+                    && w.contains("Insufficient nvidia.com/gpu")
+            })
+        {
+            said = st.waiting;
+        }
+        Ok(said.is_some())
+    })
+    .await;
+    if let Err(e) = waited {
+        let st = status(&ctx, &ns, "gang").await?;
+        return Err(e.context(format!("gang: {st:?}")));
+    }
+    // It stays so: nothing is bound while it does not fit.
+    let until = Instant::now() + std::time::Duration::from_secs(5);
+    while Instant::now() < until {
+        let now = placements(&ctx, &ns).await?;
+        ensure!(
+            now.get("gang").is_some_and(|p| p.bound == 0),
+            "a worker of the gang is bound: {now:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    // The gang object: a Workload of one pod group, minCount 3, the workers pointing at it.
+    let w = Api::<Workload>::namespaced(ctx.client.clone(), &ns)
+        .get("gang")
+        .await?;
+    let group = &w.spec.pod_groups[0];
+    ensure!(
+        group.name == "workers" && group.policy.gang.as_ref().map(|g| g.min_count) == Some(3),
+        "{:?}",
+        w.spec
+    );
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default().labels("diphoma.io/job-name=gang"))
+        .await?;
+    ensure!(
+        pods.items.iter().all(|p| p
+            .spec
+            .as_ref()
+            .and_then(|s| s.workload_ref.as_ref())
+            .is_some_and(|r| r.name == "gang" && r.pod_group == "workers")),
+        "a worker without its workloadRef"
+    );
+    // Room appears: the blocker goes; the gang starts.
+    Api::<DiphomaJob>::namespaced(ctx.client.clone(), &ns)
+        .delete("blocker", &DeleteParams::foreground())
+        .await?;
+    // Room appears when the blocker's workers stop (a finished pod holds no GPU).
+    eventually(60, "the blocker's workers stopped", async || {
+        let now = placements(&ctx, &ns).await?;
+        never_half_placed(&now, &gangs, &mut last)?;
+        Ok(now.get("blocker").is_none_or(|p| p.live == 0))
+    })
+    .await?;
+    let room = Instant::now();
+    let mut bound = None;
+    eventually(90, "gang's ring formed", async || {
+        let now = placements(&ctx, &ns).await?;
+        never_half_placed(&now, &gangs, &mut last)?;
+        if bound.is_none() && now.get("gang").is_some_and(|p| p.bound == 3) {
+            bound = Some(Instant::now());
+        }
+        let st = status(&ctx, &ns, "gang").await?;
+        Ok(st.phase == Some(Phase::Running) || st.phase == Some(Phase::Succeeded))
+    })
+    .await?;
+    let formed = Instant::now();
+    let st = finished(&ctx, &ns, "gang", 90).await?;
+    ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
+    println!(
+        "\ngang of 3: room appeared → all 3 workers bound {:.2} s, → ring formed {:.2} s \
+         (this test's polls, 200 ms); it waited with: {}",
+        bound.map_or(f64::NAN, |b| (b - room).as_secs_f64()),
+        (formed - room).as_secs_f64(),
+        said.unwrap_or_default()
+    );
+    Ok(())
+}
+
+async fn two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    // Two gangs of 3 on 4 GPUs, submitted together: one runs, the other waits with no worker
+    // bound, then runs; neither ever holds part of the GPUs while waiting for the rest.
+    let t0 = Instant::now();
+    let both = json!({"apiVersion": "v1", "kind": "List", "items": [
+        training_job("left", 3, 2_000, true).build(),
+        training_job("right", 3, 2_000, true).build(),
+    ]});
+    apply(&ctx, &ns, &both)?;
+    let gangs = [("left", 3), ("right", 3)];
+    let mut last = vec![];
+    let mut order: Vec<(&str, std::time::Duration)> = vec![];
+    let mut max_bound = 0;
+    let mut waited = None;
+    let result = eventually(200, "both gangs Succeeded", async || {
+        let now = placements(&ctx, &ns).await?;
+        never_half_placed(&now, &gangs, &mut last)?;
+        max_bound = max_bound.max(now.values().map(|p| p.bound).sum::<usize>());
+        let mut done = 0;
+        for (job, _) in gangs {
+            let st = status(&ctx, &ns, job).await?;
+            // While the other runs, this one waits with none of its workers bound, and says so.
+            if st.phase != Some(Phase::Running)
+                && order.len() == 1
+                && order[0].0 != job
+                && st
+                    .waiting
+                    .as_deref()
+                    .is_some_and(|w| w.starts_with("gang of 3 waits: "))
+                && now.get(job).is_some_and(|p| p.bound == 0)
+            {
+                waited = st.waiting.clone();
+            }
+            if matches!(st.phase, Some(Phase::Running) | Some(Phase::Succeeded))
+                && !order.iter().any(|(j, _)| *j == job)
+            {
+                order.push((job, t0.elapsed()));
+            }
+            match st.phase {
+                Some(Phase::Failed) => bail!("{job} failed: {st:?}"),
+                Some(Phase::Succeeded) => done += 1,
+                _ => {}
+            }
+        }
+        Ok(done == 2)
+    })
+    .await;
+    if let Err(e) = result {
+        let pods = pod_states(&ctx.client, &ns).await?;
+        return Err(e.context(format!("pods: {pods:#?}")));
+    }
+    ensure!(max_bound <= 4, "more workers bound than GPUs: {max_bound}");
+    ensure!(order.len() == 2, "{order:?}");
+    let waited = waited.ok_or_else(|| {
+        anyhow::anyhow!(
+            "{} was never seen waiting as a gang while {} ran",
+            order[1].0,
+            order[0].0
+        )
+    })?;
+    println!(
+        "\ntwo gangs of 3 on 4 GPUs: ring formed at {} after submission; the second waited \
+         with: {waited}",
+        order
+            .iter()
+            .map(|(j, t)| format!("{j} {:.2} s", t.as_secs_f64()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}

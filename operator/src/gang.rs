@@ -1,0 +1,86 @@
+//! Gang scheduling I/O: watches the gang Workloads (`scheduling.k8s.io/v1alpha1`) this operator
+//! created into a store, reads a job's from it (no API request), and carries out what
+//! [`crate::plan::gang`] decided (create, delete). Decides nothing.
+
+use k8s_openapi::api::scheduling::v1alpha1::Workload;
+use kube::api::{DeleteParams, PostParams};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
+use kube::{Api, Client, ResourceExt};
+
+use crate::api::{DiphomaJob, GangScheduler};
+use crate::build;
+use crate::error::Error;
+use crate::plan::gang::{self, Gang, GangPlan};
+
+/// Whether the API server serves `scheduling.k8s.io/v1alpha1` Workloads (Kubernetes 1.35 with
+/// the feature gate `GenericWorkload` and `--runtime-config=scheduling.k8s.io/v1alpha1=true`):
+/// then the controller watches them, and jobs with `spec.gang.scheduler: Kubernetes` run.
+pub async fn served(client: &Client) -> bool {
+    client
+        .list_api_group_resources("scheduling.k8s.io/v1alpha1")
+        .await
+        .is_ok_and(|l| l.resources.iter().any(|r| r.name == "workloads"))
+}
+
+/// The watch configuration of the gang Workloads this operator created (label
+/// `app.kubernetes.io/managed-by=diphoma-operator`).
+pub fn owned_workloads() -> watcher::Config {
+    watcher::Config::default().labels(&format!(
+        "app.kubernetes.io/managed-by={}",
+        build::MANAGED_BY
+    ))
+}
+
+/// The job's gang as the store of watched gang Workloads shows it (`store`: none when the API
+/// server does not serve them). [`Gang::Off`] for a job that asks for no gang scheduler.
+pub fn observe(store: Option<&Store<Workload>>, job: &DiphomaJob) -> Gang {
+    if job.spec.gang_scheduler() == GangScheduler::None {
+        return Gang::Off;
+    }
+    let Some(store) = store else {
+        return Gang::Unserved;
+    };
+    let name = build::gang_workload_name(&job.name_any());
+    let key = ObjectRef::new(&name).within(&job.namespace().unwrap_or_default());
+    Gang::Observed(
+        store
+            .get(&key)
+            .map(|w| gang::view(&w, &job.uid().unwrap_or_default())),
+    )
+}
+
+/// Carries out `plan` for `job`'s gang Workload: delete, create. A Workload already gone or
+/// already created (the store had not shown it yet) is fine.
+///
+/// Errors: [`Error::Gang`] naming the action, the Workload and the API server's answer.
+pub async fn apply(client: &Client, job: &DiphomaJob, plan: &GangPlan) -> Result<(), Error> {
+    let api: Api<Workload> = Api::namespaced(client.clone(), &job.namespace().unwrap_or_default());
+    if let Some(name) = &plan.delete {
+        match api.delete(name, &DeleteParams::background()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(source) => {
+                return Err(Error::Gang {
+                    action: "delete",
+                    name: name.clone(),
+                    source,
+                });
+            }
+        }
+    }
+    if let Some(w) = &plan.create {
+        match api.create(&PostParams::default(), w).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(source) => {
+                return Err(Error::Gang {
+                    action: "create",
+                    name: w.name_any(),
+                    source,
+                });
+            }
+        }
+    }
+    Ok(())
+}
