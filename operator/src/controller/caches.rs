@@ -624,7 +624,8 @@ where
 /// What the operator never reads of a worker pod, dropped before the pod store keeps it (the store
 /// holds every worker pod: at 1,000 jobs, 4,000 of them, issue 14). The plan and the node → jobs
 /// map read a pod's metadata (labels, annotations, owners, deletion), its `spec.nodeName`, and of
-/// its status the phase, reason, message, conditions, pod IP and the container statuses' name,
+/// its status the phase, reason, message, conditions, pod IP, nominated node (a gang's worker held
+/// at the scheduler's Permit stage: `plan::gang::waiting`) and the container statuses' name,
 /// readiness, restarts and states; the rest (containers with their env, volumes, tolerations,
 /// the statuses' images and IDs, host and pod IP lists, QoS class, ...) is dropped.
 pub fn prune_pod(pod: &mut Pod) {
@@ -656,6 +657,7 @@ pub fn prune_pod(pod: &mut Pod) {
             message: st.message.take(),
             conditions: st.conditions.take(),
             pod_ip: st.pod_ip.take(),
+            nominated_node_name: st.nominated_node_name.take(),
             container_statuses: containers(st.container_statuses.take()),
             init_container_statuses: containers(st.init_container_statuses.take()),
             ..PodStatus::default()
@@ -838,6 +840,7 @@ mod tests {
                 "volumes": [{"name": "key", "secret": {"secretName": "train-key"}}],
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
             "status": {"phase": "Running", "podIP": "127.0.1.2", "hostIP": "127.0.0.1",
+                "nominatedNodeName": "n0",
                 "podIPs": [{"ip": "127.0.1.2"}], "qosClass": "Guaranteed",
                 "conditions": [{"type": "Ready", "status": "True"}],
                 "containerStatuses": [{"name": "worker", "ready": true, "restartCount": 0,
@@ -862,6 +865,7 @@ mod tests {
         assert!(spec.containers.is_empty() && spec.volumes.is_none() && spec.tolerations.is_none());
         let st = pod.status.as_ref().unwrap();
         assert!(st.pod_ips.is_none() && st.host_ip.is_none() && st.qos_class.is_none());
+        assert_eq!(st.nominated_node_name.as_deref(), Some("n0"));
         let c = &st.container_statuses.as_ref().unwrap()[0];
         assert!(c.image.is_empty() && c.container_id.is_none());
         let exit = c.last_state.as_ref().and_then(|s| s.terminated.as_ref());
