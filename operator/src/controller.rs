@@ -167,7 +167,6 @@ impl Context {
 /// The default [`Options::resync`]: 5 minutes (as controller-rs).
 pub const DEFAULT_RESYNC: Duration = Duration::from_secs(300);
 
-
 /// Leader election on a `coordination.k8s.io` Lease, so that several replicas are safe.
 #[derive(Debug, Clone)]
 pub struct LeaderElection {
