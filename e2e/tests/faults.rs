@@ -14,7 +14,7 @@ use anyhow::{Context, Result, ensure};
 use common::*;
 use diphoma_e2e::kit::{JobManifest, alive, pid_of, signal};
 use diphoma_e2e::kubelet::node::NodeConfig;
-use diphoma_operator::api::{DiphomaJob, DiphomaJobStatus, Phase};
+use diphoma_operator::api::{DiphomaJobStatus, Phase};
 use diphoma_worker::checkpoint::Checkpoint;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::events::v1::Event;
@@ -67,13 +67,7 @@ const DETECTION_SECONDS: u64 = 4;
 /// A digits training job `name` of `replicas` real workers (one GPU each) for `steps` steps,
 /// logging every step, with `extra` deep-merged into the manifest.
 fn training_job(name: &str, replicas: i32, steps: u64, extra: Value) -> JobManifest {
-    let mut job = JobManifest {
-        detection_seconds: Some(DETECTION_SECONDS),
-        extra,
-        ..JobManifest::training(name, replicas, steps, 1)
-    };
-    job.args.extend(["--op-timeout-s".into(), "1".into()]);
-    job
+    quick_job((name, replicas, steps), 1, DETECTION_SECONDS, extra)
 }
 
 /// The manifest fragment that gives a job checkpoints every `every` steps in a fresh host
@@ -118,10 +112,6 @@ fn checkpoint_at(dir: &Path, step: u64) -> Result<Checkpoint> {
 
 async fn submit(ctx: &Ctx, ns: &str, job: &JobManifest, replicas: usize) -> Result<u64> {
     Ok(start_job(ctx, ns, job, replicas).await?.generation)
-}
-
-fn jobs(ctx: &Ctx, ns: &str) -> Api<DiphomaJob> {
-    Api::namespaced(ctx.client.clone(), ns)
 }
 
 fn pods(ctx: &Ctx, ns: &str) -> Api<Pod> {

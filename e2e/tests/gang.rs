@@ -15,12 +15,12 @@ use anyhow::{Result, bail, ensure};
 use common::*;
 use diphoma_e2e::kit::JobManifest;
 use diphoma_e2e::kubelet::node::NodeConfig;
-use diphoma_operator::api::{DiphomaJob, DiphomaJobStatus, Phase};
+use diphoma_operator::api::{DiphomaJob, Phase};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::scheduling::v1alpha1::Workload;
 use kube::api::{DeleteParams, ListParams};
 use kube::{Api, ResourceExt};
-use serde_json::{Value, json};
+use serde_json::json;
 
 /// GPUs per node; 2 nodes.
 const GPUS_PER_NODE: u32 = 2;
@@ -46,30 +46,7 @@ fn training_job(name: &str, replicas: i32, steps: u64, gang: bool) -> JobManifes
         true => json!({"spec": {"gang": {"scheduler": "Kubernetes"}}}),
         false => json!({}),
     };
-    let mut job = JobManifest {
-        detection_seconds: Some(4),
-        extra,
-        ..JobManifest::training(name, replicas, steps, 10)
-    };
-    job.args.extend(["--op-timeout-s".into(), "1".into()]);
-    job
-}
-
-fn apply(ctx: &Ctx, ns: &str, doc: &Value) -> Result<()> {
-    let out = kubectl_apply(ctx, ns, &doc.to_string())?;
-    ensure!(
-        out.status.success(),
-        "apply: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(())
-}
-
-async fn status(ctx: &Ctx, ns: &str, job: &str) -> Result<DiphomaJobStatus> {
-    Ok(job_status(&ctx.client, ns, job)
-        .await?
-        .status
-        .unwrap_or_default())
+    quick_job((name, replicas, steps), 10, 4, extra)
 }
 
 /// How a job's workers stand with the scheduler at one look.
@@ -142,7 +119,7 @@ async fn a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_
     // A job without a gang holds 2 of the 4 GPUs.
     start_job(&ctx, &ns, &training_job("blocker", 2, 1_000_000, false), 2).await?;
     // A gang of 3 does not fit in the 2 left: none of its workers is bound, and it says why.
-    apply(&ctx, &ns, &training_job("gang", 3, 300, true).build())?;
+    apply_json(&ctx, &ns, &training_job("gang", 3, 300, true).build())?;
     let gangs = [("gang", 3)];
     let mut last = vec![];
     let mut said = None;
@@ -247,7 +224,7 @@ async fn two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed(
         training_job("left", 3, 2_000, true).build(),
         training_job("right", 3, 2_000, true).build(),
     ]});
-    apply(&ctx, &ns, &both)?;
+    apply_json(&ctx, &ns, &both)?;
     let gangs = [("left", 3), ("right", 3)];
     let mut last = vec![];
     let mut order: Vec<(&str, std::time::Duration)> = vec![];

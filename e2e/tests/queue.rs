@@ -15,7 +15,7 @@ use anyhow::{Context, Result, ensure};
 use common::*;
 use diphoma_e2e::kit::JobManifest;
 use diphoma_e2e::kubelet::node::NodeConfig;
-use diphoma_operator::api::{DiphomaJob, DiphomaJobStatus, Phase};
+use diphoma_operator::api::{DiphomaJobStatus, Phase};
 use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams};
 use kube::{Api, ResourceExt};
@@ -58,27 +58,7 @@ fn main() -> Result<()> {
 
 /// A digits training job of `replicas` workers (1 GPU each) for `steps` steps.
 fn training_job(name: &str, replicas: i32, steps: u64, extra: Value) -> JobManifest {
-    let mut job = JobManifest {
-        detection_seconds: Some(4),
-        extra,
-        ..JobManifest::training(name, replicas, steps, 10)
-    };
-    job.args.extend(["--op-timeout-s".into(), "1".into()]);
-    job
-}
-
-fn jobs(ctx: &Ctx, ns: &str) -> Api<DiphomaJob> {
-    Api::namespaced(ctx.client.clone(), ns)
-}
-
-fn apply(ctx: &Ctx, ns: &str, doc: &Value) -> Result<()> {
-    let out = kubectl_apply(ctx, ns, &doc.to_string())?;
-    ensure!(
-        out.status.success(),
-        "apply: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(())
+    quick_job((name, replicas, steps), 10, 4, extra)
 }
 
 fn kueue(kind: &str, plural: &str) -> ApiResource {
@@ -106,7 +86,7 @@ fn queues(ctx: &Ctx, ns: &str) -> Result<()> {
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
          "metadata": {"name": "high"}, "value": 1000},
     ]});
-    apply(ctx, ns, &docs)
+    apply_json(ctx, ns, &docs)
 }
 
 /// The manifest fragment that queues a job in LocalQueue `team`, with a priority class.
@@ -141,13 +121,6 @@ fn workload_condition(w: &DynamicObject, type_: &str) -> Option<(String, String)
                 c["message"].as_str().unwrap_or_default().to_owned(),
             )
         })
-}
-
-async fn status(ctx: &Ctx, ns: &str, job: &str) -> Result<DiphomaJobStatus> {
-    Ok(job_status(&ctx.client, ns, job)
-        .await?
-        .status
-        .unwrap_or_default())
 }
 
 fn condition(st: &DiphomaJobStatus, type_: &str) -> Option<(String, String, String)> {
@@ -211,7 +184,7 @@ async fn a_suspended_job_whose_deadline_is_shorter_than_its_suspension_still_run
     const DEADLINE: i64 = 4;
     let extra =
         json!({"spec": {"runPolicy": {"suspend": true, "activeDeadlineSeconds": DEADLINE}}});
-    apply(
+    apply_json(
         &ctx,
         &ns,
         &training_job("digits", 2, 100_000, extra).build(),
@@ -263,7 +236,7 @@ async fn a_job_managed_by_another_controller_is_left_alone_and_managed_by_is_imm
     ns: String,
 ) -> Result<()> {
     let other = json!({"spec": {"managedBy": "kueue.x-k8s.io/multikueue"}});
-    apply(&ctx, &ns, &training_job("remote", 2, 100, other).build())?;
+    apply_json(&ctx, &ns, &training_job("remote", 2, 100, other).build())?;
     // A job of this operator's, created after it: once it runs, the operator has seen both.
     start_job(&ctx, &ns, &training_job("local", 2, 100_000, json!({})), 2).await?;
     let remote = jobs(&ctx, &ns).get("remote").await?;
@@ -318,7 +291,7 @@ async fn two_jobs_behind_a_quota_for_one_run_one_after_the_other_never_over_quot
     let first = training_job("first", 2, 300, queued("low"));
     let second = training_job("second", 2, 300, queued("low"));
     let t0 = Instant::now();
-    apply(&ctx, &ns, &first.build())?;
+    apply_json(&ctx, &ns, &first.build())?;
     // Admission latency: the Workload admitted → the ring formed (this test's polls, 200 ms).
     let (mut admitted, mut formed) = (None, None);
     eventually(90, "first admitted and running", async || {
@@ -336,7 +309,7 @@ async fn two_jobs_behind_a_quota_for_one_run_one_after_the_other_never_over_quot
     })
     .await
     .with_context(|| format!("first: {:?}", last_words(&ctx, &ns, "first")))?;
-    apply(&ctx, &ns, &second.build())?;
+    apply_json(&ctx, &ns, &second.build())?;
     // The second waits, suspended, with Kueue's reason; the quota is never exceeded.
     let mut max_holders = 0;
     let mut waited_with = None;
@@ -396,7 +369,7 @@ async fn a_preempted_job_is_suspended_and_resumes_from_its_checkpoint_with_its_c
         "template": {"spec": {"volumes": [{"name": "ckpt", "hostPath": {"path": dir}}]}},
     }});
     let low = training_job("low", 2, 100_000, merge(queued("low"), ckpt));
-    apply(&ctx, &ns, &low.build())?;
+    apply_json(&ctx, &ns, &low.build())?;
     let g1 = running_ring(&ctx, &ns, "low", 2, 0).await?.generation;
     eventually(90, "a checkpoint of low", async || {
         let st = status(&ctx, &ns, "low").await?;
@@ -409,7 +382,7 @@ async fn a_preempted_job_is_suspended_and_resumes_from_its_checkpoint_with_its_c
     let before = status(&ctx, &ns, "low").await?;
     let high = training_job("high", 2, 200, queued("high"));
     let t_high = Instant::now();
-    apply(&ctx, &ns, &high.build())?;
+    apply_json(&ctx, &ns, &high.build())?;
     // Preempted: low is suspended with Kueue's reason, its workers go; high runs.
     let mut suspended = None;
     eventually(90, "low suspended by a preemption", async || {
@@ -508,8 +481,8 @@ async fn a_refused_workload_shows_in_the_job_status_and_is_created_once_allowed(
     let quota = json!({"apiVersion": "v1", "kind": "ResourceQuota",
         "metadata": {"name": "no-workloads"},
         "spec": {"hard": {"count/workloads.kueue.x-k8s.io": "0"}}});
-    apply(&ctx, &ns, &quota)?;
-    apply(
+    apply_json(&ctx, &ns, &quota)?;
+    apply_json(
         &ctx,
         &ns,
         &training_job("refused", 2, 300, queued("low")).build(),
@@ -546,13 +519,13 @@ async fn suspending_an_admitted_job_releases_its_quota_to_the_next(
     ns: String,
 ) -> Result<()> {
     queues(&ctx, &ns)?;
-    apply(
+    apply_json(
         &ctx,
         &ns,
         &training_job("first", 2, 1_000_000, queued("low")).build(),
     )?;
     let g1 = running_ring(&ctx, &ns, "first", 2, 0).await?.generation;
-    apply(
+    apply_json(
         &ctx,
         &ns,
         &training_job("second", 2, 300, queued("low")).build(),

@@ -1,5 +1,6 @@
 """Helpers of the diphoma Python tests: run a script under the standalone launcher."""
 
+import json
 import os
 import subprocess
 import sys
@@ -27,3 +28,17 @@ def check(proc):
     if proc.returncode != 0:
         pytest.fail(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def records(out):
+    """The JSON records the ranks of a test script wrote into directory ``out``, by file name
+    without ``.json`` (a record being replaced at that moment is skipped)."""
+    got = {}
+    for n in os.listdir(out):
+        if n.endswith(".json"):
+            try:
+                with open(os.path.join(out, n)) as f:
+                    got[n[: -len(".json")]] = json.load(f)
+            except (OSError, ValueError):
+                pass  # being replaced
+    return got

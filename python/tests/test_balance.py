@@ -38,7 +38,7 @@ import diphoma
 from diphoma import ConfigError
 from diphoma.torch import ElasticSampler
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, records
 
 sys.path.insert(0, SCRIPTS)
 import balance_train  # noqa: E402
@@ -100,18 +100,6 @@ def reference(steps, width=64, drop_one=False):
         (torch.nn.functional.mse_loss(model(x[idx]), y[idx], reduction="sum") / B).backward()
         opt.step()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def records(out):
-    got = {}
-    for n in os.listdir(out):
-        if n.endswith(".json"):
-            try:
-                with open(os.path.join(out, n)) as f:
-                    got[n[: -len(".json")]] = json.load(f)
-            except (OSError, ValueError):
-                pass  # being replaced
-    return got
 
 
 def start(tmp_path, steps, env, *flags, nice=0):

@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, records
 
 sys.path.insert(0, SCRIPTS)
 import elastic_train  # noqa: E402
@@ -49,18 +49,6 @@ def undisturbed(steps):
         (torch.nn.functional.mse_loss(model(x[idx]), y[idx], reduction="sum") / elastic_train.GLOBAL_BATCH).backward()
         opt.step()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def records(out):
-    got = {}
-    for n in os.listdir(out):
-        if n.endswith(".json"):
-            try:
-                with open(os.path.join(out, n)) as f:
-                    got[n[: -len(".json")]] = json.load(f)
-            except (OSError, ValueError):
-                pass  # being replaced
-    return got
 
 
 def run_and_kill(tmp_path, *flags):

@@ -411,6 +411,48 @@ pub fn kubectl_apply(ctx: &Ctx, ns: &str, yaml: &str) -> Result<std::process::Ou
     Ok(child.wait_with_output()?)
 }
 
+/// `kubectl apply` of the JSON document `doc` in `ns`; an error with kubectl's stderr if refused.
+pub fn apply_json(ctx: &Ctx, ns: &str, doc: &serde_json::Value) -> Result<()> {
+    let out = kubectl_apply(ctx, ns, &doc.to_string())?;
+    ensure!(
+        out.status.success(),
+        "apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+/// A digits job of `replicas` workers for `steps` steps, logging every `log_every`, as the fault,
+/// queue and gang tests run it: silence detected after `detection_seconds`, a collective given up
+/// after 1 s (`--op-timeout-s`), `extra` merged into the manifest.
+pub fn quick_job(
+    (name, replicas, steps): (&str, i32, u64),
+    log_every: u64,
+    detection_seconds: u64,
+    extra: serde_json::Value,
+) -> JobManifest {
+    let mut job = JobManifest {
+        detection_seconds: Some(detection_seconds),
+        extra,
+        ..JobManifest::training(name, replicas, steps, log_every)
+    };
+    job.args.extend(["--op-timeout-s".into(), "1".into()]);
+    job
+}
+
+/// The DiphomaJobs of `ns`.
+pub fn jobs(ctx: &Ctx, ns: &str) -> Api<DiphomaJob> {
+    Api::namespaced(ctx.client.clone(), ns)
+}
+
+/// The status of job `job` in `ns` (empty before the operator wrote one).
+pub async fn status(ctx: &Ctx, ns: &str, job: &str) -> Result<DiphomaJobStatus> {
+    Ok(job_status(&ctx.client, ns, job)
+        .await?
+        .status
+        .unwrap_or_default())
+}
+
 /// Applies `job` and waits for its first ring of `size` workers.
 pub async fn start_job(ctx: &Ctx, ns: &str, job: &JobManifest, size: usize) -> Result<Membership> {
     let out = kubectl_apply(ctx, ns, &job.to_string())?;
