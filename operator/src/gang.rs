@@ -10,7 +10,7 @@ use kube::{Api, Client, ResourceExt};
 
 use crate::api::{DiphomaJob, GangScheduler};
 use crate::build;
-use crate::error::Error;
+use crate::error::{Error, already_done};
 use crate::plan::gang::{self, Gang, GangPlan};
 
 /// Whether the API server serves `scheduling.k8s.io/v1alpha1` Workloads (Kubernetes 1.35 with
@@ -57,30 +57,20 @@ pub fn observe(store: Option<&Store<Workload>>, job: &DiphomaJob) -> Gang {
 pub async fn apply(client: &Client, job: &DiphomaJob, plan: &GangPlan) -> Result<(), Error> {
     let api: Api<Workload> = Api::namespaced(client.clone(), &job.namespace().unwrap_or_default());
     if let Some(name) = &plan.delete {
-        match api.delete(name, &DeleteParams::background()).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 404 => {}
-            Err(source) => {
-                return Err(Error::Gang {
-                    action: "delete",
-                    name: name.clone(),
-                    source,
-                });
-            }
-        }
+        let deleted = api.delete(name, &DeleteParams::background()).await;
+        already_done(deleted, 404).map_err(|source| Error::Gang {
+            action: "delete",
+            name: name.clone(),
+            source,
+        })?;
     }
     if let Some(w) = &plan.create {
-        match api.create(&PostParams::default(), w).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 409 => {}
-            Err(source) => {
-                return Err(Error::Gang {
-                    action: "create",
-                    name: w.name_any(),
-                    source,
-                });
-            }
-        }
+        let created = api.create(&PostParams::default(), w).await;
+        already_done(created, 409).map_err(|source| Error::Gang {
+            action: "create",
+            name: w.name_any(),
+            source,
+        })?;
     }
     Ok(())
 }

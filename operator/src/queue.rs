@@ -12,7 +12,7 @@ use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 
 use crate::api::{DiphomaJob, FIELD_MANAGER};
-use crate::error::Error;
+use crate::error::{Error, already_done};
 use crate::plan::queue::{self, Queue, QueuePlan, WorkloadView};
 
 fn resource(kind: &str, plural: &str) -> ApiResource {
@@ -117,31 +117,21 @@ pub async fn apply(client: &Client, job: &DiphomaJob, plan: &QueuePlan) -> Resul
     let ns = job.namespace().unwrap_or_default();
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &workloads());
     if let Some(name) = &plan.delete {
-        match api.delete(name, &DeleteParams::background()).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 404 => {}
-            Err(source) => {
-                return Err(Error::Workload {
-                    action: "delete",
-                    name: name.clone(),
-                    source,
-                });
-            }
-        }
+        let deleted = api.delete(name, &DeleteParams::background()).await;
+        already_done(deleted, 404).map_err(|source| Error::Workload {
+            action: "delete",
+            name: name.clone(),
+            source,
+        })?;
     }
     if let Some(object) = &plan.create {
         let w: DynamicObject = serde_json::from_value(object.clone()).expect("a Workload object");
-        match api.create(&PostParams::default(), &w).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 409 => {} // created meanwhile
-            Err(source) => {
-                return Err(Error::Workload {
-                    action: "create",
-                    name: w.name_any(),
-                    source,
-                });
-            }
-        }
+        let created = api.create(&PostParams::default(), &w).await; // 409: created meanwhile
+        already_done(created, 409).map_err(|source| Error::Workload {
+            action: "create",
+            name: w.name_any(),
+            source,
+        })?;
     }
     if let Some((name, active)) = &plan.set_active {
         let body = serde_json::json!({"spec": {"active": active}});
