@@ -24,7 +24,7 @@ use k8s_openapi::api::scheduling::v1alpha1::Workload;
 use kube::ResourceExt;
 
 use super::lifecycle::Hold;
-use super::workers::blocked;
+use super::workers::Blocked;
 use crate::api::{DiphomaJob, GangScheduler, Phase};
 use crate::build;
 
@@ -125,12 +125,14 @@ pub fn gang_plan(job: &DiphomaJob, gang: &Gang, phase: Option<Phase>) -> GangPla
 /// Why the gang waits, for `status.waiting`: none of the job's live workers is bound yet
 /// (a gang is bound all together or not at all), e.g. `gang of 3 waits: 2 of 3 workers can be
 /// placed, none is bound; train-worker-2: Unschedulable: 0/2 nodes are available: 2
-/// Insufficient nvidia.com/gpu.` (the first worker the scheduler found no room for, with its
-/// reason and message from the pod's `PodScheduled` condition). A worker the scheduler holds
+/// Insufficient nvidia.com/gpu.`, ending with `why`: the first of the job's workers that does
+/// not start ([`super::workers::Workers::blocked`]: the scheduler's reason, or the API server's
+/// refusal of a worker, e.g. an exceeded ResourceQuota, which keeps the gang from ever being
+/// complete); "waiting for the scheduler" when none says why. A worker the scheduler holds
 /// at its Permit stage has a `nominatedNodeName` and no node: it can be placed. None when the
 /// job asks for no gang, has no live worker, or has a bound one (a gang once bound replaces
 /// its lost members one by one).
-pub fn waiting(job: &DiphomaJob, pods: &[Pod]) -> Option<String> {
+pub fn waiting(job: &DiphomaJob, pods: &[Pod], why: Option<&Blocked>) -> Option<String> {
     if job.spec.gang_scheduler() == GangScheduler::None {
         return None;
     }
@@ -154,10 +156,10 @@ pub fn waiting(job: &DiphomaJob, pods: &[Pod]) -> Option<String> {
                 .is_some_and(|n| !n.is_empty())
         })
         .count();
-    let why = live
-        .iter()
-        .find_map(|p| blocked(p))
-        .map_or_else(|| "waiting for the scheduler".to_owned(), |b| b.to_string());
+    let why = why.map_or_else(
+        || "waiting for the scheduler".to_owned(),
+        ToString::to_string,
+    );
     Some(format!(
         "gang of {min} waits: {placeable} of {min} workers can be placed, none is bound; {why}"
     ))
@@ -270,8 +272,9 @@ mod tests {
             pod(1, held, None),
             pod(2, unschedulable, None),
         ];
+        let why = pods.iter().find_map(crate::plan::workers::blocked);
         assert_eq!(
-            waiting(&j, &pods).as_deref(),
+            waiting(&j, &pods, why.as_ref()).as_deref(),
             Some(
                 "gang of 3 waits: 2 of 3 workers can be placed, none is bound; train-worker-2: \
                  Unschedulable: 0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
@@ -280,8 +283,29 @@ mod tests {
         // One bound: the gang was placed (a repair replaces members one by one).
         let mut bound = pods.clone();
         bound[0] = pod(0, json!({"phase": "Running"}), Some("gpu-0"));
-        assert_eq!(waiting(&j, &bound), None);
+        assert_eq!(waiting(&j, &bound, why.as_ref()), None);
         // No gang asked for: nothing said here.
-        assert_eq!(waiting(&basic(), &pods), None);
+        assert_eq!(waiting(&basic(), &pods, why.as_ref()), None);
+        // A worker the API server refused (a ResourceQuota): the gang can never be complete, and
+        // says so rather than "waiting for the scheduler".
+        let refused = Blocked {
+            pod: "train-worker-2".into(),
+            reason: "CreateRefused".into(),
+            message: "exceeded quota: gpu".into(),
+        };
+        let waiting_one = [pod(0, json!({"phase": "Pending"}), None)];
+        assert_eq!(
+            waiting(&j, &waiting_one, Some(&refused)).as_deref(),
+            Some(
+                "gang of 3 waits: 0 of 3 workers can be placed, none is bound; train-worker-2: \
+                 CreateRefused: exceeded quota: gpu"
+            )
+        );
+        assert_eq!(
+            waiting(&j, &waiting_one, None).as_deref(),
+            Some(
+                "gang of 3 waits: 0 of 3 workers can be placed, none is bound; waiting for the scheduler"
+            )
+        );
     }
 }
