@@ -35,6 +35,7 @@ fn main() -> Result<()> {
         tests![
             a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_appears,
             two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed,
+            a_gang_being_repaired_gets_its_room_before_a_gang_that_waits,
         ],
     )
 }
@@ -285,5 +286,46 @@ async fn two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed(
             .collect::<Vec<_>>()
             .join(", ")
     );
+    Ok(())
+}
+
+/// A running gang of 3 on 4 GPUs loses a worker while a second gang of 3 waits: the scheduler
+/// would hold the waiting gang's workers in the freed GPUs (2 of the 3 it needs) and leave the
+/// replacement no room, each gang waiting on the other. The waiting gang yields (its workers
+/// deleted, `Suspended` with reason `GangYields`) until the repair is done; the ring re-forms,
+/// and the second gang runs once the first finishes. (Found by trying it as a user: before, the
+/// first job stayed `Repairing` for more than 6 minutes.)
+async fn a_gang_being_repaired_gets_its_room_before_a_gang_that_waits(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    apply_json(&ctx, &ns, &training_job("first", 3, 6_000, true).build())?;
+    let g1 = running_ring(&ctx, &ns, "first", 3, 0).await?;
+    apply_json(&ctx, &ns, &training_job("second", 3, 2_000, true).build())?;
+    eventually(60, "the second gang waiting", async || {
+        let st = status(&ctx, &ns, "second").await?;
+        Ok(st
+            .waiting
+            .as_deref()
+            .is_some_and(|w| w.starts_with("gang of 3 waits: ")))
+    })
+    .await?;
+    ensure!(
+        status(&ctx, &ns, "first").await?.completion_time.is_none(),
+        "the first job finished before its worker was deleted: give it more steps"
+    );
+    run_ok(
+        ctx.cp
+            .kubectl()
+            .args(["-n", &ns, "delete", "pod", "first-worker-1", "--wait=false"]),
+    )?;
+    let g2 = running_ring(&ctx, &ns, "first", 3, g1.generation).await?;
+    println!(
+        "\nrepaired at generation {} while the second gang waited",
+        g2.generation
+    );
+    finished(&ctx, &ns, "first", 240).await?;
+    let second = finished(&ctx, &ns, "second", 240).await?;
+    ensure!(second.phase == Some(Phase::Succeeded), "{second:?}");
     Ok(())
 }

@@ -100,6 +100,9 @@ pub struct Context {
     /// Per job (`namespace/name`): the API server's message when it refused the job's Kueue
     /// Workload at the last attempt ([`Observed::workload_refused`]).
     pub workload_refused: Mutex<BTreeMap<String, String>>,
+    /// The gang-scheduled jobs (`namespace/name`) being repaired, as their last reconcile saw
+    /// them ([`crate::plan::gang::repairing`]): gangs not yet placed yield to them.
+    pub gang_repairs: Mutex<BTreeSet<String>>,
 }
 
 /// How long a reconcile waits for the watches to deliver its own writes
@@ -160,6 +163,7 @@ impl Context {
             gangs: None,
             gang_creation: tokio::sync::Mutex::new(()),
             workload_refused: Mutex::default(),
+            gang_repairs: Mutex::default(),
         }
     }
 }
@@ -530,6 +534,10 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
             .lock()
             .expect("workload_refused lock")
             .remove(&job_key(job));
+        ctx.gang_repairs
+            .lock()
+            .expect("gang_repairs lock")
+            .remove(&job_key(job));
         return Ok(Action::await_change()); // owner references clean up the children
     }
     // A job managed by another controller (spec.managedBy) is left alone: nothing created, no
@@ -553,8 +561,19 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
         .expect("workload_refused lock")
         .get(&job_key(job))
         .cloned();
-    // Its gang Workload, from the store of their watch.
+    // Its gang Workload, from the store of their watch; whether it, or another gang, is being
+    // repaired.
     obs.gang = crate::gang::observe(ctx.gangs.as_ref(), job);
+    obs.gang_repairing = {
+        let mut repairs = ctx.gang_repairs.lock().expect("gang_repairs lock");
+        let key = job_key(job);
+        if plan::gang::repairing(job, &obs.pods) {
+            repairs.insert(key.clone());
+        } else {
+            repairs.remove(&key);
+        }
+        repairs.iter().find(|k| **k != key).cloned()
+    };
     obs.heartbeat_changed = heartbeat_version.map(|v| {
         let mut seen = ctx.heartbeats.lock().expect("heartbeats lock");
         let entry = seen.entry(job_key(job)).or_insert((v.clone(), obs.now));
@@ -680,6 +699,7 @@ fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String
         queue: Default::default(),
         gang: Default::default(),
         workload_refused: None,
+        gang_repairing: None,
     };
     Ok((observed, version))
 }

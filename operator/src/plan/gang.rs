@@ -83,11 +83,30 @@ pub struct GangPlan {
     pub delete: Option<String>,
 }
 
-/// The hold the gang puts on the job: Kubernetes' gang scheduling asked for, but not served by
-/// the API server (the workers would be placed one by one, which the job asked not to be).
-pub fn hold(job: &DiphomaJob, gang: &Gang) -> Option<Hold> {
-    (job.spec.gang_scheduler() == GangScheduler::Kubernetes && *gang == Gang::Unserved).then(|| {
-        Hold {
+/// [`Hold::reason`] of a gang that yields to another gang's repair ([`hold`]).
+pub const YIELDS: &str = "GangYields";
+
+/// How often a gang that waits (none of it bound) or yields looks whether another gang's repair
+/// started or ended (that job's pods are not this job's, so no event of its own reconciles it
+/// then). Reconciles read the caches: the look costs no API request.
+pub const YIELD_LOOK_AGAIN: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The hold the gang puts on the job:
+/// - Kubernetes' gang scheduling asked for, but not served by the API server (the workers would
+///   be placed one by one, which the job asked not to be): reason `GangSchedulerUnavailable`;
+/// - none of its workers bound while another gang job is being repaired
+///   ([`Observed::gang_repairing`](super::Observed)): reason [`YIELDS`]. Its waiting workers
+///   would otherwise be held by the scheduler in the room freed by the other's lost worker,
+///   waiting for room they may never get, while the other's replacement waits behind them: each
+///   gang waiting on the other (the gang plugin releases them after 5 minutes, and they take the
+///   room again). Its workers are deleted, as for a suspension, and created again once the
+///   repair is done: a running ring comes before one that has not started.
+pub fn hold(job: &DiphomaJob, obs: &super::Observed) -> Option<Hold> {
+    if job.spec.gang_scheduler() != GangScheduler::Kubernetes {
+        return None;
+    }
+    if obs.gang == Gang::Unserved {
+        return Some(Hold {
             reason: "GangSchedulerUnavailable".into(),
             message: "spec.gang.scheduler is Kubernetes, but the API server does not serve \
                       scheduling.k8s.io/v1alpha1 Workloads (feature gates GenericWorkload and \
@@ -95,8 +114,37 @@ pub fn hold(job: &DiphomaJob, gang: &Gang) -> Option<Hold> {
                       --runtime-config=scheduling.k8s.io/v1alpha1=true; the operator looks at \
                       start)"
                 .into(),
-        }
+        });
+    }
+    let other = obs.gang_repairing.as_ref()?;
+    (!live(&obs.pods).iter().any(|p| super::node_of(p).is_some())).then(|| Hold {
+        reason: YIELDS.into(),
+        message: format!(
+            "the gang yields the GPUs to the repair of gang {other}, whose replacement waits \
+             for room; it is placed again once that ring is whole"
+        ),
     })
+}
+
+/// Whether `job`'s gang was placed (a worker bound) and is now below its minimum with a live
+/// worker waiting for room: a repair that waiting gangs yield to ([`hold`]).
+pub fn repairing(job: &DiphomaJob, pods: &[Pod]) -> bool {
+    if job.spec.gang_scheduler() != GangScheduler::Kubernetes {
+        return false;
+    }
+    let live = live(pods);
+    let bound = live.iter().filter(|p| super::node_of(p).is_some()).count();
+    bound > 0 && (bound as i32) < job.spec.min_workers() && bound < live.len()
+}
+
+/// The job's live workers: not finished, not being deleted.
+fn live(pods: &[Pod]) -> Vec<&Pod> {
+    pods.iter()
+        .filter(|p| {
+            p.metadata.deletion_timestamp.is_none()
+                && !matches!(super::pod_phase(p), "Succeeded" | "Failed")
+        })
+        .collect()
 }
 
 /// What to do with the gang Workload: create it when missing (before the workers, which wait
@@ -136,13 +184,7 @@ pub fn waiting(job: &DiphomaJob, pods: &[Pod], why: Option<&Blocked>) -> Option<
     if job.spec.gang_scheduler() == GangScheduler::None {
         return None;
     }
-    let live: Vec<&Pod> = pods
-        .iter()
-        .filter(|p| {
-            p.metadata.deletion_timestamp.is_none()
-                && !matches!(super::pod_phase(p), "Succeeded" | "Failed")
-        })
-        .collect();
+    let live = live(pods);
     if live.is_empty() || live.iter().any(|p| super::node_of(p).is_some()) {
         return None;
     }
@@ -235,10 +277,14 @@ mod tests {
         other.metadata.owner_references.as_mut().unwrap()[0].uid = "old".into();
         let g = Gang::Observed(Some(view(&other, "uid-1")));
         assert_eq!(gang_plan(&j, &g, None), GangPlan::default());
-        let h = hold(&j, &Gang::Unserved).expect("held");
+        let with = |gang: Gang| super::super::Observed {
+            gang,
+            ..Default::default()
+        };
+        let h = hold(&j, &with(Gang::Unserved)).expect("held");
         assert_eq!(h.reason, "GangSchedulerUnavailable");
-        assert!(hold(&j, &g).is_none());
-        assert!(hold(&basic(), &Gang::Unserved).is_none());
+        assert!(hold(&j, &with(g)).is_none());
+        assert!(hold(&basic(), &with(Gang::Unserved)).is_none());
     }
 
     #[test]
@@ -307,5 +353,44 @@ mod tests {
                 "gang of 3 waits: 0 of 3 workers can be placed, none is bound; waiting for the scheduler"
             )
         );
+    }
+
+    /// A placed gang below its minimum with a worker waiting is being repaired; a gang with no
+    /// worker bound yields to it (deleted workers, `Suspended` with reason `GangYields`), and a
+    /// placed one does not.
+    #[test]
+    fn a_gang_not_yet_placed_yields_to_another_gangs_repair() {
+        let j = gang_job(3, None);
+        let pod = |i: i32, node: Option<&str>| {
+            let mut p = build::worker_pod(&j, i, 0).unwrap();
+            p.status = Some(serde_json::from_value(json!({"phase": "Pending"})).unwrap());
+            p.spec.as_mut().unwrap().node_name = node.map(str::to_owned);
+            p
+        };
+        // Two of three bound, the replacement waiting: a repair. All bound, or none: not one.
+        let repairing = [pod(0, Some("n0")), pod(1, Some("n1")), pod(2, None)];
+        assert!(super::repairing(&j, &repairing));
+        assert!(!super::repairing(&j, &repairing[..2])); // nothing waiting
+        assert!(!super::repairing(&j, &[pod(0, None), pod(1, None)]));
+        assert!(!super::repairing(&basic(), &repairing)); // no gang asked for
+        let waiting = super::super::Observed {
+            pods: vec![pod(0, None), pod(1, None)],
+            gang: Gang::Observed(None),
+            gang_repairing: Some("ns/other".into()),
+            ..Default::default()
+        };
+        let h = hold(&j, &waiting).expect("a waiting gang yields");
+        assert_eq!(h.reason, YIELDS);
+        assert!(h.message.contains("ns/other"), "{}", h.message);
+        let placed = super::super::Observed {
+            pods: repairing.to_vec(),
+            ..waiting.clone()
+        };
+        assert_eq!(hold(&j, &placed), None);
+        let nobody = super::super::Observed {
+            gang_repairing: None,
+            ..waiting
+        };
+        assert_eq!(hold(&j, &nobody), None);
     }
 }

@@ -72,7 +72,7 @@ pub struct Hold {
 }
 
 /// The hold on the job, if any: `runPolicy.suspend` first, then the queue's, then the gang's
-/// (a gang scheduler asked for and not served).
+/// (a gang scheduler asked for and not served, or a gang yielding to another's repair).
 pub fn held(job: &DiphomaJob, obs: &Observed) -> Option<Hold> {
     if job.spec.run_policy.suspend {
         return Some(Hold {
@@ -87,7 +87,7 @@ pub fn held(job: &DiphomaJob, obs: &Observed) -> Option<Hold> {
             message: format!("the API server refused the job's Kueue Workload: {refusal}"),
         }),
         (Some(h), _) => Some(h),
-        (None, _) => super::gang::hold(job, &obs.gang),
+        (None, _) => super::gang::hold(job, obs),
     }
 }
 

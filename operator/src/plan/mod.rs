@@ -77,6 +77,10 @@ pub struct Observed {
     /// last attempt (a ResourceQuota on Workloads, Kueue's validating webhook): the job's
     /// `Suspended` condition says so (reason `WorkloadRefused`) while it is retried.
     pub workload_refused: Option<String>,
+    /// Another gang-scheduled job of this operator (`namespace/name`) whose placed gang is below
+    /// its minimum with a worker waiting for room ([`gang::repairing`]): a gang of which no
+    /// worker is bound yields to it ([`gang::hold`]).
+    pub gang_repairing: Option<String>,
 }
 
 /// What the controller read about one node: its Lease in `kube-node-lease`, as this operator saw
@@ -299,6 +303,13 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
     decide(admitted.as_ref().unwrap_or(job), obs, &mut plan);
     plan.queue = queue::queue_plan(job, &obs.queue, &obs.pods, plan.status.phase, obs.now);
     plan.gang = gang::gang_plan(job, &obs.gang, plan.status.phase);
+    // A gang waiting, or yielding, looks again for another gang's repair starting or ending
+    // (the other job's pods are not this job's: no event of its own says so).
+    if gang::waiting(job, &obs.pods, None).is_some()
+        || lifecycle::held(job, obs).is_some_and(|h| h.reason == gang::YIELDS)
+    {
+        plan.due_in(gang::YIELD_LOOK_AGAIN);
+    }
     plan.events.extend(nodes::skew_events(&obs.nodes));
     plan.status.replicas = status::observed_replicas(obs, &plan);
     plan.look_again = look_again(job, obs, &plan);

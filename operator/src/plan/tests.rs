@@ -31,6 +31,7 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         queue: Default::default(),
         gang: Default::default(),
         workload_refused: None,
+        gang_repairing: None,
     }
 }
 
