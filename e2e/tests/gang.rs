@@ -18,7 +18,7 @@ use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_operator::api::{DiphomaJob, Phase};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::scheduling::v1alpha1::Workload;
-use kube::api::{DeleteParams, ListParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Api, ResourceExt};
 use serde_json::json;
 
@@ -121,6 +121,30 @@ async fn a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_
     start_job(&ctx, &ns, &training_job("blocker", 2, 1_000_000, false), 2).await?;
     // A gang of 3 does not fit in the 2 left: none of its workers is bound, and it says why.
     apply_json(&ctx, &ns, &training_job("gang", 3, 300, true).build())?;
+    // spec.gang is immutable: the gang cannot be dropped, nor one given to a running job; the
+    // default written explicitly is no change.
+    let patch = |job: &'static str, gang: serde_json::Value| {
+        let body = json!({"spec": {"gang": gang}});
+        let jobs: Api<DiphomaJob> = Api::namespaced(ctx.client.clone(), &ns);
+        async move {
+            jobs.patch(job, &PatchParams::default(), &Patch::Merge(&body))
+                .await
+        }
+    };
+    for (job, gang) in [
+        ("gang", json!({"scheduler": "None"})),
+        ("blocker", json!({"scheduler": "Kubernetes"})),
+    ] {
+        let err = patch(job, gang.clone()).await.err();
+        ensure!(
+            err.as_ref()
+                .is_some_and(|e| e.to_string().contains("spec.gang is immutable")),
+            "{job}: gang {gang} gave {err:?}"
+        );
+    }
+    patch("blocker", json!({"scheduler": "None"}))
+        .await
+        .map_err(|e| anyhow::anyhow!("blocker: the default gang written explicitly: {e}"))?;
     let gangs = [("gang", 3)];
     let mut last = vec![];
     let mut said = None;

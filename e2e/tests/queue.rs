@@ -280,6 +280,12 @@ async fn a_job_managed_by_another_controller_is_left_alone_and_managed_by_is_imm
             .with_context(|| format!("{job}: {patch} was accepted"))?;
         ensure!(err.to_string().contains("managedBy is immutable"), "{err}");
     }
+    // Writing the default explicitly (this operator's name) changes nothing, and is accepted.
+    let same = json!({"spec": {"managedBy": diphoma_operator::api::CONTROLLER_NAME}});
+    jobs(&ctx, &ns)
+        .patch("local", &PatchParams::default(), &Patch::Merge(&same))
+        .await
+        .context("managedBy: the default written explicitly was refused")?;
     Ok(())
 }
 

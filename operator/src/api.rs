@@ -41,15 +41,16 @@ const MANAGED_BY_MESSAGE: &str = "spec.managedBy is immutable: it names the cont
 /// `kubernetes.io/job-controller`); an absent `managedBy` means it too.
 pub const CONTROLLER_NAME: &str = "diphoma.io/operator";
 
-/// CEL transition rule on the spec: `managedBy` is neither added, removed nor changed after
-/// creation (batch Job's `spec.managedBy` is immutable the same way).
-pub(crate) const MANAGED_BY_RULE: &str = "has(self.managedBy) == has(oldSelf.managedBy) && (!has(self.managedBy) || self.managedBy == oldSelf.managedBy)";
+/// CEL transition rule on the spec: the controller `managedBy` names does not change after
+/// creation (batch Job's `spec.managedBy` is immutable the same way). An absent `managedBy` is
+/// [`CONTROLLER_NAME`], so writing that default explicitly (as a GitOps tool may) is no change.
+pub(crate) const MANAGED_BY_RULE: &str = "(has(self.managedBy) ? self.managedBy : 'diphoma.io/operator') == (has(oldSelf.managedBy) ? oldSelf.managedBy : 'diphoma.io/operator')";
 
 const GANG_MESSAGE: &str = "spec.gang is immutable: the workers point at their gang from creation (delete and re-create the job to change it)";
 
-/// `spec.gang` may not be added, removed or changed.
-pub(crate) const GANG_RULE: &str =
-    "has(self.gang) == has(oldSelf.gang) && (!has(self.gang) || self.gang == oldSelf.gang)";
+/// The gang scheduler of `spec.gang` does not change after creation; an absent `spec.gang` (or
+/// scheduler) is `None`, so writing that default explicitly is no change.
+pub(crate) const GANG_RULE: &str = "(has(self.gang) && has(self.gang.scheduler) ? self.gang.scheduler : 'None') == (has(oldSelf.gang) && has(oldSelf.gang.scheduler) ? oldSelf.gang.scheduler : 'None')";
 
 const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers listen on it (delete and re-create the job to change it)";
 
