@@ -40,6 +40,7 @@ fn main() -> Result<()> {
         OperatorMode::InProcess,
         tests![
             invalid_manifests_are_refused_with_the_field_named,
+            a_queued_job_on_a_cluster_without_kueue_says_kueue_is_not_installed,
             job_gets_gpu_pods_children_and_a_ring,
             lost_workers_are_replaced_at_a_new_generation_and_counted_once,
             restarted_operator_creates_no_duplicates,
@@ -2032,5 +2033,42 @@ async fn a_repair_writes_only_what_it_must(ctx: Arc<Ctx>, ns: String) -> Result<
             m.rank
         );
     }
+    Ok(())
+}
+
+/// A job labelled for a Kueue LocalQueue on a cluster without Kueue (this suite installs none):
+/// it runs no worker, and its status says that Kueue is not installed and what to do (it said
+/// "404 page not found": found by trying it as a user).
+async fn a_queued_job_on_a_cluster_without_kueue_says_kueue_is_not_installed(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let job = JobManifest {
+        extra: json!({"metadata": {"labels": {"kueue.x-k8s.io/queue-name": "team"}}}),
+        ..JobManifest::training("queued", 2, 100, 10)
+    };
+    apply_json(&ctx, &ns, &job.build())?;
+    let mut last = None;
+    eventually(
+        60,
+        "the job held, saying Kueue is not installed",
+        async || {
+            let st = status(&ctx, &ns, "queued").await?;
+            let said = st.conditions.iter().any(|c| {
+                c.type_ == "Suspended"
+                    && c.status == "True"
+                    && c.reason == "WorkloadRefused"
+                    && c.message.contains("Kueue is not installed")
+            });
+            last = Some(st);
+            Ok(said)
+        },
+    )
+    .await
+    .with_context(|| format!("status {last:?}"))?;
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+        .list(&ListParams::default().labels("diphoma.io/job-name=queued"))
+        .await?;
+    ensure!(pods.items.is_empty(), "workers of a queued job ran");
     Ok(())
 }

@@ -611,7 +611,7 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
                 action: "create",
                 source: kube::Error::Api(s),
                 ..
-            }) => refusals.insert(job_key(job), s.message.clone()),
+            }) => refusals.insert(job_key(job), crate::queue::refusal(s)),
             _ if plan.queue.create.is_some() => refusals.remove(&job_key(job)),
             _ => None,
         };

@@ -109,6 +109,17 @@ pub async fn observe(client: &Client, job: &DiphomaJob) -> Result<Queue, Error> 
     })
 }
 
+/// What the job's status says of the API server's refusal `e` of its Workload: its message,
+/// or, for a 404 (Kueue's CRDs are not installed: "404 page not found"), what to do about it.
+pub fn refusal(e: &kube::core::Status) -> String {
+    match e.code {
+        404 => "the API server does not serve kueue.x-k8s.io/v1beta2 Workloads (Kueue is not \
+                installed): install Kueue, or remove the label kueue.x-k8s.io/queue-name"
+            .to_owned(),
+        _ => e.message.clone(),
+    }
+}
+
 /// Carries out `plan` for `job`'s Workload: delete, create, set `spec.active`, patch its
 /// status.
 ///
