@@ -341,22 +341,25 @@ pub async fn run(
     if let Some(np) = streams.network_policies {
         controller = controller.owns_stream(np);
     }
-    // Kueue's Workloads, when the API server serves them.
-    if crate::queue::served(&client).await {
+    // Kueue's Workloads, when the API server serves them (a job labelled with a queue is held
+    // without them).
+    if caches::serves(&client, "kueue.x-k8s.io/v1beta2", "workloads").await {
         let ar = crate::queue::workloads();
         controller = controller.owns_with(
             Api::<DynamicObject>::all_with(client.clone(), &ar),
             ar,
-            crate::queue::owned_workloads(),
+            caches::owned(),
         );
     }
-    // Gang Workloads (`scheduling.k8s.io/v1alpha1`), when the API server serves them: kept in a
-    // store, so that a reconcile reads its job's without a request.
-    let gangs = if crate::gang::served(&client).await {
+    // Gang Workloads (`scheduling.k8s.io/v1alpha1`), when the API server serves them (Kubernetes
+    // 1.35 with the feature gate `GenericWorkload` and the API enabled; a job asking for a gang
+    // is held without them): kept in a store, so that a reconcile reads its job's without a
+    // request.
+    let gangs = if caches::serves(&client, "scheduling.k8s.io/v1alpha1", "workloads").await {
         let (store, writer) = reflector::store();
         let events = watcher(
             Api::<k8s_openapi::api::scheduling::v1alpha1::Workload>::all(client.clone()),
-            crate::gang::owned_workloads(),
+            caches::owned(),
         )
         .modify(|w| w.managed_fields_mut().clear())
         .reflect(writer)

@@ -1,36 +1,16 @@
-//! Gang scheduling I/O: watches the gang Workloads (`scheduling.k8s.io/v1alpha1`) this operator
-//! created into a store, reads a job's from it (no API request), and carries out what
+//! Gang scheduling I/O: reads a job's gang Workload (`scheduling.k8s.io/v1alpha1`) from the
+//! store the controller's watch keeps (no API request), and carries out what
 //! [`crate::plan::gang`] decided (create, delete). Decides nothing.
 
 use k8s_openapi::api::scheduling::v1alpha1::Workload;
 use kube::api::{DeleteParams, PostParams};
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 
 use crate::api::{DiphomaJob, GangScheduler};
 use crate::build;
 use crate::error::{Error, already_done};
 use crate::plan::gang::{self, Gang, GangPlan};
-
-/// Whether the API server serves `scheduling.k8s.io/v1alpha1` Workloads (Kubernetes 1.35 with
-/// the feature gate `GenericWorkload` and `--runtime-config=scheduling.k8s.io/v1alpha1=true`):
-/// then the controller watches them, and jobs with `spec.gang.scheduler: Kubernetes` run.
-pub async fn served(client: &Client) -> bool {
-    client
-        .list_api_group_resources("scheduling.k8s.io/v1alpha1")
-        .await
-        .is_ok_and(|l| l.resources.iter().any(|r| r.name == "workloads"))
-}
-
-/// The watch configuration of the gang Workloads this operator created (label
-/// `app.kubernetes.io/managed-by=diphoma-operator`).
-pub fn owned_workloads() -> watcher::Config {
-    watcher::Config::default().labels(&format!(
-        "app.kubernetes.io/managed-by={}",
-        build::MANAGED_BY
-    ))
-}
 
 /// The job's gang as the store of watched gang Workloads shows it (`store`: none when the API
 /// server does not serve them). [`Gang::Off`] for a job that asks for no gang scheduler.

@@ -8,7 +8,6 @@ use std::collections::BTreeMap;
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
 };
-use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 
 use crate::api::{DiphomaJob, FIELD_MANAGER};
@@ -25,25 +24,6 @@ fn resource(kind: &str, plural: &str) -> ApiResource {
 /// The Workload resource (`kueue.x-k8s.io/v1beta2`, `workloads`).
 pub fn workloads() -> ApiResource {
     resource("Workload", "workloads")
-}
-
-/// Whether the API server serves Kueue's Workloads (`kueue.x-k8s.io/v1beta2`): then the
-/// controller watches them. A job labelled with a queue is held without it.
-pub async fn served(client: &Client) -> bool {
-    client
-        .list_api_group_resources("kueue.x-k8s.io/v1beta2")
-        .await
-        .is_ok_and(|l| l.resources.iter().any(|r| r.name == "workloads"))
-}
-
-/// The watch configuration of the Workloads this operator created (label
-/// `app.kubernetes.io/managed-by=diphoma-operator`): the controller reconciles their owner
-/// job on every change (`Controller::owns_with`).
-pub fn owned_workloads() -> watcher::Config {
-    watcher::Config::default().labels(&format!(
-        "app.kubernetes.io/managed-by={}",
-        crate::build::MANAGED_BY
-    ))
 }
 
 /// The job's place in Kueue: [`Queue::NotQueued`] without [`queue::QUEUE_LABEL`]; else its

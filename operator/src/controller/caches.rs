@@ -495,8 +495,7 @@ impl Caches {
     /// Starts nothing: builds the watches that feed these caches from `writers` (children by
     /// label `app.kubernetes.io/managed-by`, node Leases and Nodes); polled by the controller.
     pub fn watches(self: &Arc<Self>, client: &Client, writers: Writers) -> Streams {
-        let owned = watcher::Config::default()
-            .labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"));
+        let owned = owned();
         let seen = &self.seen;
         let leases = watcher(
             Api::<Lease>::namespaced(client.clone(), "kube-node-lease"),
@@ -605,6 +604,22 @@ impl Caches {
         .flatten()
         .collect()
     }
+}
+
+/// The watch configuration of the objects this operator created: label
+/// `app.kubernetes.io/managed-by=diphoma-operator` (children, Kueue and gang Workloads).
+pub fn owned() -> watcher::Config {
+    watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"))
+}
+
+/// Whether the API server serves resource `plural` of `group_version` (e.g.
+/// `kueue.x-k8s.io/v1beta2` `workloads`: a CRD that may not be installed, or an alpha API behind
+/// a feature gate): then the controller watches it.
+pub async fn serves(client: &Client, group_version: &str, plural: &str) -> bool {
+    client
+        .list_api_group_resources(group_version)
+        .await
+        .is_ok_and(|l| l.resources.iter().any(|r| r.name == plural))
 }
 
 /// Whether `meta` names `uid` among its owners.
