@@ -53,7 +53,7 @@ bench: deps ## allreduce benchmark side by side with gloo and Open MPI (prints t
 bench-torch: deps ## DDP step time gloo vs diphoma with and without frame protection (ResNet-18/50, CPU, world 2 and 4, interleaved rounds), all_reduce from Python vs the Rust bench, and all_reduce's time beyond the ring; PARTS selects (e.g. PARTS=allreduce SIZES=1M ROUNDS=5 WORLDS=2); writes python/bench/RESULTS.md
 	bash python/bench/run.sh
 
-bench-balance: deps ## speed-weighted shares (4 ranks, one sharing its CPU with a burner; compute-dominated steps) vs equal vs ideal with a 15%-of-ideal verdict (~4 min), and periodic averaging H=1,4,16 vs every step on the 50 M synthetic model (16 steps, ~8 min); prints the report (worker/bench/BALANCE.md is a committed one)
+bench-balance: deps ## speed-weighted shares (4 ranks, one sharing its CPU with a burner; compute-dominated steps) vs equal vs ideal with a 15%-of-ideal verdict (~5 min), and periodic averaging H=1,4,16 vs every step on the 50 M synthetic model (16 steps, ~8 min); prints the report (worker/bench/BALANCE.md is a committed one)
 	bash worker/bench/balance.sh
 
 bench-repair: tools build ## ring repair on the local control plane: time-to-repair, node-loss detection, join time, repeated steps (median/min/max of 5 runs)

@@ -11,12 +11,12 @@
 # other load, moved by the scheduler onto CPU 0, slowed ranks 0–2 as much as the burner slowed
 # rank 3, and there was no slow rank to measure). Equal shares against speed-weighted shares,
 # ROUNDS rounds interleaved. The step is compute-dominated: a small model (BURN_PARAMS, 4 MB of
-# gradients) on a large global batch (BURN_BATCH samples, about 2 s of compute per step on
+# gradients) on a large global batch (BURN_BATCH samples, about 0.8 s of compute per step on
 # this 2-core machine), so the allreduce is a small part of each step (shown: "allreduce
-# share"; with last session's 2 M model at batch 64 it was most of the step). Throughput is
+# share": 4–5 % at 8192, 8–9 % at 4096, most of the step with a 2 M model at batch 64). Throughput is
 # the steady state: rank 0's progress lines are time-stamped as they arrive and samples/s is
 # taken from step WARMUP to the last step (the first steps run at equal shares until the first
-# rates are exchanged). About 4 minutes for part 1 at ROUNDS=2.
+# rates are exchanged). About 5 minutes for part 1 at ROUNDS=2.
 # Ideal: the sum of the ranks' measured compute rates (samples/s, the smoothed rates of the
 # speed-weighted run at its end): the throughput if no rank ever waited for another and the
 # allreduce were free. Also shown, "ideal + allreduce": that ideal with each step's measured
@@ -32,12 +32,12 @@
 # averaging did not break training, not what H costs in accuracy (worker/tests/balance.rs
 # checks that on digits: H = 8 reaches ≥ 95 %).
 #
-# Env: ROUNDS (2) BURN_PARAMS (1000000) BURN_BATCH (4096) BURN_STEPS (20) WARMUP (6)
+# Env: ROUNDS (2) BURN_PARAMS (1000000) BURN_BATCH (8192) BURN_STEPS (20) WARMUP (6)
 #      PARAMS (50000000) PBATCH (16) STEPS (16) RUN_TIMEOUT (s per run, 600) PARTS ("1 2":
 #      which parts to run). Needs two CPUs and taskset (util-linux).
 set -euo pipefail
 repo="$(git rev-parse --show-toplevel)"
-ROUNDS="${ROUNDS:-2}"; BURN_PARAMS="${BURN_PARAMS:-1000000}"; BURN_BATCH="${BURN_BATCH:-4096}"
+ROUNDS="${ROUNDS:-2}"; BURN_PARAMS="${BURN_PARAMS:-1000000}"; BURN_BATCH="${BURN_BATCH:-8192}"
 BURN_STEPS="${BURN_STEPS:-20}"; WARMUP="${WARMUP:-6}"
 PARAMS="${PARAMS:-50000000}"; PBATCH="${PBATCH:-16}"; STEPS="${STEPS:-16}"; RUN_TIMEOUT="${RUN_TIMEOUT:-600}"
 PARTS="${PARTS:-1 2}"
