@@ -361,12 +361,9 @@ async fn lost_workers_are_replaced_at_a_new_generation_and_counted_once(
         .collect();
     ensure!(listed == expected, "status.ring.members {listed:?}");
     // Each re-formation is its own event with its own note (not one series keeping the first).
-    let notes: Vec<String> = Api::<Event>::namespaced(ctx.client.clone(), &ns)
-        .list(&ListParams::default())
+    let notes: Vec<String> = events_of(&ctx, &ns, "RingReformed")
         .await?
-        .items
         .into_iter()
-        .filter(|e| e.reason.as_deref() == Some("RingReformed"))
         .filter_map(|e| e.note)
         .collect();
     for g in [g1.generation, g2.generation, g3.generation] {
@@ -1981,10 +1978,31 @@ async fn deleted_children_come_back_from_the_watch_alone(ctx: Arc<Ctx>, ns: Stri
 ///
 /// Events are facts, one per fact (not counted here). A count, not a timing.
 async fn a_repair_writes_only_what_it_must(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    let start = audit_offset(&ctx.cp);
     let g1 = start_job(&ctx, &ns, &probe_job("thrift", 4), 4).await?;
     // Steady: the first ring's labels and status written.
     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    // Forming the first ring: the workers are created with its ranks (no relabelling), and
+    // their creation is one event (it was 8 pod writes and 4 WorkerCreated events).
+    let requests = operator_requests(&ctx.cp, start)?;
+    let pod_writes: Vec<Request> = requests
+        .into_iter()
+        .filter(|r| r.namespace == ns && r.resource == "pods" && r.verb != "get")
+        .filter(|r| !matches!(r.verb.as_str(), "list" | "watch"))
+        .collect();
+    ensure!(
+        pod_writes.len() == 4,
+        "{} pod writes to form the first ring of 4 (4 creations):\n{}",
+        pod_writes.len(),
+        request_table(&pod_writes)
+    );
+    let created = events_of(&ctx, &ns, "WorkerCreated").await?;
+    ensure!(
+        created.len() == 1,
+        "{} WorkerCreated events for 4 workers created at once: {created:?}",
+        created.len()
+    );
     let from = audit_offset(&ctx.cp);
     pods.delete("thrift-worker-1", &DeleteParams::default())
         .await?;

@@ -835,15 +835,16 @@ async fn apply(
         }
     }
     // A refused creation is no WorkerCreated fact: its WorkerBlocked says what happened.
-    let events: Vec<plan::EventNote> = plan
-        .events
-        .iter()
-        .filter(|e| {
-            !(e.reason == "WorkerCreated"
-                && e.pod.as_ref().is_some_and(|p| refused.contains_key(p)))
-        })
-        .cloned()
-        .collect();
+    let events = plan::fold_created(
+        plan.events
+            .iter()
+            .filter(|e| {
+                !(e.reason == "WorkerCreated"
+                    && e.pod.as_ref().is_some_and(|p| refused.contains_key(p)))
+            })
+            .cloned()
+            .collect(),
+    );
     let (rounds, until) = match refusals {
         0 if held => (before.rounds, before.until),
         0 => (0, None),

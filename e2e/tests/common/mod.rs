@@ -659,6 +659,23 @@ pub struct Request {
     pub uri: String,
 }
 
+/// The events in namespace `ns` with reason `reason`, in no particular order.
+pub async fn events_of(
+    ctx: &Ctx,
+    ns: &str,
+    reason: &str,
+) -> Result<Vec<k8s_openapi::api::events::v1::Event>> {
+    Ok(
+        Api::<k8s_openapi::api::events::v1::Event>::namespaced(ctx.client.clone(), ns)
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .filter(|e| e.reason.as_deref() == Some(reason))
+            .collect(),
+    )
+}
+
 /// The audit log's length now: [`operator_requests`] from here reads what comes after.
 pub fn audit_offset(cp: &ControlPlane) -> u64 {
     std::fs::metadata(&cp.audit_log).map_or(0, |m| m.len())

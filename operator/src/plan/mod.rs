@@ -235,6 +235,31 @@ impl EventNote {
     }
 }
 
+/// `notes` with its `WorkerCreated` notes, when there are several, folded into one at the first
+/// one's place: "created workers a, b, c", about no single pod. A reconcile that creates a
+/// job's workers records one event, not one per worker (issue 14: 3 event writes fewer per job
+/// of 4).
+pub fn fold_created(notes: Vec<EventNote>) -> Vec<EventNote> {
+    let is_created = |e: &EventNote| e.reason == "WorkerCreated";
+    let created: Vec<&str> = notes
+        .iter()
+        .filter(|e| is_created(e))
+        .filter_map(|e| e.pod.as_deref())
+        .collect();
+    if created.len() < 2 {
+        return notes;
+    }
+    let folded = EventNote::normal(
+        "WorkerCreated",
+        "Create",
+        format!("created workers {}", created.join(", ")),
+    );
+    let first = notes.iter().position(is_created);
+    let mut out: Vec<EventNote> = notes.iter().filter(|e| !is_created(e)).cloned().collect();
+    out.insert(first.unwrap_or_default().min(out.len()), folded);
+    out
+}
+
 /// Everything one reconcile does, in order: apply the static children, patch the status,
 /// record failures on pods, delete pods, create pods, publish the ring, publish events.
 #[derive(Debug, Clone, Default)]

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use diphoma_contract::Member;
+use diphoma_contract::{LABEL_GENERATION, LABEL_RANK, Member};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::*;
@@ -141,6 +141,82 @@ fn first_ring_waits_for_starting_workers_then_forms() {
     assert_eq!(p.status.phase, Some(Phase::Running));
     assert_eq!(p.status.ring.as_ref().unwrap().generation, 1);
     assert!(p.create.is_empty() && p.delete.is_empty());
+}
+
+/// The workers created for the first ring carry the rank and generation it gives them, so
+/// forming it relabels none (issue 14); a worker the ring leaves out has its guess removed,
+/// and one created into a running ring is labelled only once it is a member.
+#[test]
+fn the_first_ring_relabels_no_worker_created_for_it() {
+    let j = basic();
+    let created = plan(&j, &obs(vec![], None)).create;
+    let labels = |p: &Pod| {
+        let l = p.labels();
+        (l.get(LABEL_RANK).cloned(), l.get(LABEL_GENERATION).cloned())
+    };
+    for (i, p) in created.iter().enumerate() {
+        assert_eq!(labels(p), (Some(i.to_string()), Some("1".into())));
+    }
+    let running = |p: &Pod| {
+        let mut p = p.clone();
+        p.status = pod(&j, build::replica_index(&p).unwrap(), "Running").status;
+        p
+    };
+    let pods: Vec<Pod> = created.iter().map(running).collect();
+    let p = plan(&j, &obs(pods.clone(), None));
+    assert_eq!(p.publish.as_ref().map(|m| m.generation), Some(1));
+    assert!(p.relabel.is_empty(), "{:?}", p.relabel);
+    // Worker 1 cannot be placed when an elastic ring of at least 3 forms: 2 and 3 move up a
+    // rank, worker 1's guess is removed.
+    let mut e = elastic(3);
+    e.status = None;
+    let mut pods = pods;
+    pods[1].status = Some(
+        serde_json::from_value(json!({"phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}))
+        .unwrap(),
+    );
+    let p = plan(&e, &obs(pods.clone(), None));
+    let relabel: Vec<(&str, Option<(u32, u64)>)> =
+        p.relabel.iter().map(|r| (r.pod.as_str(), r.rank)).collect();
+    assert_eq!(p.publish.map(|m| m.members.len()), Some(3));
+    assert_eq!(
+        relabel,
+        [
+            ("train-worker-1", None),
+            ("train-worker-2", Some((1, 1))),
+            ("train-worker-3", Some((2, 1)))
+        ]
+    );
+    // A replacement created into a running ring carries no rank until it is a member.
+    let j = with_status(basic(), Phase::Running);
+    let live: Vec<Pod> = [0, 2, 3].iter().map(|&i| pod(&j, i, "Running")).collect();
+    let p = plan(&j, &obs(live, Some(ring(&j, 3, &[0, 1, 2, 3]))));
+    assert_eq!(p.create.len(), 1);
+    assert_eq!(labels(&p.create[0]), (None, None));
+}
+
+#[test]
+fn several_workers_created_at_once_are_one_event() {
+    let created = |pod: &str| {
+        EventNote::normal("WorkerCreated", "Create", format!("created worker {pod}")).about(pod)
+    };
+    let other = EventNote::normal(
+        "RingReformed",
+        "Publish",
+        "generation 1 with 2 workers".into(),
+    );
+    let folded = fold_created(vec![created("a"), other.clone(), created("b")]);
+    assert_eq!(
+        folded,
+        [
+            EventNote::normal("WorkerCreated", "Create", "created workers a, b".into()),
+            other.clone()
+        ]
+    );
+    // One creation keeps its pod as the related object.
+    let one = vec![created("a"), other];
+    assert_eq!(fold_created(one.clone()), one);
 }
 
 #[test]
