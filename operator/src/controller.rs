@@ -232,6 +232,16 @@ const RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
 /// whose standby tries to acquire the Lease (a GET) every `RetryPeriod`, 2 s by default.
 const STANDBY_POLL: Duration = Duration::from_secs(2);
 
+/// The leader Lease's duration (s): a leader killed without releasing it is replaced by a standby
+/// within this plus [`STANDBY_POLL`]. client-go's `LeaseDuration` default, as kube-controller-manager's
+/// (kube-lease-manager's own default is 30 s); the holder renews it [`LEASE_GRACE_SECONDS`] before it
+/// ends, every 10 s.
+const LEASE_DURATION_SECONDS: u64 = 15;
+
+/// How long before the Lease ends its holder renews it (s): kube-lease-manager's default, as
+/// client-go's `LeaseDuration` − `RenewDeadline`.
+const LEASE_GRACE_SECONDS: u64 = 5;
+
 /// The task of a Lease manager: it keeps the Lease while the leadership watch is held, and
 /// releases it when the watch is dropped.
 type LeaseTask = tokio::task::JoinHandle<
@@ -261,6 +271,8 @@ async fn campaign(
             // Per identity: the Lease's server-side-apply conflicts are what keep two replicas
             // from both holding it.
             .with_field_manager(format!("{FIELD_MANAGER}-{}", le.identity))
+            .with_duration(LEASE_DURATION_SECONDS)
+            .with_grace(LEASE_GRACE_SECONDS)
             .build()
             .await
             .map_err(|source| RunError::Lease { lease, source })?;
