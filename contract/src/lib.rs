@@ -103,8 +103,8 @@ pub const LABEL_JOB_NAME: &str = "diphoma.io/job-name";
 pub const LABEL_REPLICA_INDEX: &str = "diphoma.io/replica-index";
 /// Label on a worker pod that is a ring member: its rank in the current generation (absent on a
 /// worker outside the ring; a worker created before the job's first ring carries the rank that
-/// ring will give it, so that forming it patches no pod). Kept up to date by the operator when the ring re-forms (a member
-/// whose rank does not change is not patched), so that
+/// ring will give it, so that forming it patches no pod). Kept up to date by the operator when
+/// the ring re-forms (a member whose rank does not change is not patched), so that
 /// `kubectl logs -l diphoma.io/job-name=J,diphoma.io/rank=0` finds rank 0.
 pub const LABEL_RANK: &str = "diphoma.io/rank";
 /// Label on a worker pod that is a ring member: the generation since which it holds its

@@ -170,12 +170,11 @@ pub fn rank_labels(ring: Option<&Membership>, pod: &str) -> Option<(u32, u64)> {
 /// ring's generation as [`LABEL_GENERATION`] (the generation since which it holds that rank); a
 /// member that keeps its rank keeps both labels, so a new generation patches only the members
 /// whose rank moved and the new ones (not every member); a pod outside the ring loses both.
+/// While no ring is in effect nothing changes (the workers carry [`prelabel`]'s guess).
 pub fn relabel(obs: &Observed, plan: &Plan) -> Vec<Relabel> {
-    // No ring in effect: the workers keep the labels of the first ring they await ([`prelabel`]).
     let Some(ring) = plan.publish.as_ref().or(obs.ring.as_ref()) else {
         return vec![];
     };
-    let ring = Some(ring);
     let deleting: BTreeSet<&str> = plan.delete.iter().map(|d| d.pod.as_str()).collect();
     obs.pods
         .iter()
@@ -183,7 +182,7 @@ pub fn relabel(obs: &Observed, plan: &Plan) -> Vec<Relabel> {
             p.metadata.deletion_timestamp.is_none() && !deleting.contains(p.name_any().as_str())
         })
         .filter_map(|p| {
-            let want = rank_labels(ring, &p.name_any());
+            let want = rank_labels(Some(ring), &p.name_any());
             let labels = p.labels();
             let (rank, generation) = (labels.get(LABEL_RANK), labels.get(LABEL_GENERATION));
             let same = match want {
