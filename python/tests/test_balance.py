@@ -222,7 +222,7 @@ def mean_shares(history, first, last):
 @pytest.mark.timeout(600)  # several runs of 4 processes on a loaded machine
 def test_a_rank_sharing_its_core_with_a_burner_gets_a_smaller_share(tmp_path):
     """Ranks 0–2 on CPU 0, rank 3 alone on CPU 1 (the fastest at first). Then a CPU burner on
-    CPU 1 (``taskset``): rank 3's share drops below every other rank's and the others' grow.
+    CPU 1 (``taskset``): rank 3's share drops below the others' mean and the others' grow.
     Priorities keep the rest of a shared machine's load out of the picture: the ranks run at
     ``nice -n -10`` (the other load, which the scheduler moves onto CPU 0, barely slows ranks
     0–2) and the burner at ``nice -n -19`` (it keeps most of CPU 1 even against rank 3's
@@ -263,8 +263,11 @@ def test_a_rank_sharing_its_core_with_a_burner_gets_a_smaller_share(tmp_path):
     print(f"mean shares without the burner (steps 20..{at}) {[round(x, 1) for x in before]}, with it "
           f"(steps {at + 30}..{end}) {[round(x, 1) for x in during]}; status {progress}")
     assert all(sum(sh) == B for _, sh in history)
+    # Rank 3's share drops while the others' grow. Against the others' mean, not each of them:
+    # ranks 0-2 time-share CPU 0 with whatever else runs, so their split among themselves
+    # wanders (seen: [7.3, 28.1, 18.2] against rank 3's 10.3 in a full `make test`).
     assert during[3] < before[3], (before, during)
-    assert all(x > during[3] for x in during[:3]), (before, during)
-    assert sum(during[:3]) > sum(before[:3])
+    assert during[3] < sum(during[:3]) / 3, (before, during)
+    assert sum(during[:3]) > sum(before[:3]), (before, during)
     # The job's status shows the spread.
     assert progress["step"] >= at + 30 and progress["minShare"] < progress["maxShare"], progress

@@ -277,7 +277,7 @@ fn logged_shares(line: &str) -> Option<(u64, Vec<usize>)> {
 /// CPU 1, at `nice -n -10`. After the split has settled, a CPU burner is started on CPU 1
 /// (`taskset`, stopped by its PID) at `nice -n -19`, so that it takes most of that core even
 /// against rank 3 and whatever else this shared machine runs: rank 3's mean share drops below
-/// every other rank's and the others' grow. (At equal priorities the machine's other load, which
+/// the others' mean and the others' grow. (At equal priorities the machine's other load, which
 /// the scheduler moves off the burner's core onto the others', slowed every rank alike at load
 /// 11-14; `python/tests/test_balance.py` uses the same priorities.) Shares are means over five
 /// logged re-splits: single re-splits are noisy on a shared 2-core machine.
@@ -377,11 +377,12 @@ fn a_rank_sharing_its_core_with_a_burner_gets_a_smaller_share() {
     drop(procs);
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(during.iter().sum::<usize>(), 5 * 64);
-    // Rank 3's share drops (so the others' grow in total: the batch is fixed) and it is now
-    // the smallest.
+    // Rank 3's share drops (so the others' grow in total: the batch is fixed) below the
+    // others' mean (not each of theirs: ranks 0-2 time-share CPU 0 with whatever else runs, so
+    // their split among themselves wanders, as python/tests/test_balance.py saw once).
     assert!(during[3] < before[3], "rank 3: {before:?} -> {during:?}");
     assert!(
-        during[..3].iter().all(|&x| x > during[3]),
+        3 * during[3] < during[..3].iter().sum::<usize>(),
         "{before:?} -> {during:?}"
     );
 }
