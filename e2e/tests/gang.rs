@@ -371,7 +371,7 @@ async fn a_gang_being_repaired_gets_its_room_before_a_gang_that_waits(
     )?;
     let g2 = match running_ring(&ctx, &ns, "first", 3, g1.generation).await {
         Ok(g) => g,
-        // Seen once in six runs (the replacement Unschedulable for 90 s with the second gang's
+        // Seen twice in eleven runs (the replacement Unschedulable for 90 s with the second gang's
         // workers gone): what holds the GPUs, cluster-wide, for the next look.
         Err(e) => return Err(e.context(cluster_pods(&ctx).await?)),
     };

@@ -7,8 +7,8 @@
   equal shares: the same parameters as one process training every global batch whole, also
   across a ring change (a rank killed with kill -9, a joiner started in its place).
 - A real slowdown: ranks 0–2 pinned to CPU 0, rank 3 to CPU 1; a CPU burner pinned to CPU 1 by
-  ``taskset`` (a real busy process, stopped by its PID) makes rank 3's share drop below every
-  other rank's while the others' grow, and rank 0's progress record (the job's status) shows
+  ``taskset`` (a real busy process, stopped by its PID) makes rank 3's share drop below the
+  others' mean while the others' grow, and rank 0's progress record (the job's status) shows
   the spread.
 
 Tolerance (equivalence): every step trains the same global batch of B = 64 samples and every
