@@ -158,10 +158,9 @@ pub fn ring_status(job: &str, m: &Membership, departed: Vec<String>, pods: &[Pod
     }
 }
 
-/// The rank and generation labels of worker `pod`: its rank in the ring in effect (published
-/// by this plan, else observed), none outside the ring.
-pub fn rank_labels(ring: Option<&Membership>, pod: &str) -> Option<(u32, u64)> {
-    let m = ring?;
+/// The rank and generation labels of worker `pod` in ring `m` (the one in effect: published by
+/// this plan, else observed), none outside it.
+pub fn rank_labels(m: &Membership, pod: &str) -> Option<(u32, u64)> {
     Some((m.rank_of(pod)? as u32, m.generation))
 }
 
@@ -182,7 +181,7 @@ pub fn relabel(obs: &Observed, plan: &Plan) -> Vec<Relabel> {
             p.metadata.deletion_timestamp.is_none() && !deleting.contains(p.name_any().as_str())
         })
         .filter_map(|p| {
-            let want = rank_labels(Some(ring), &p.name_any());
+            let want = rank_labels(ring, &p.name_any());
             let labels = p.labels();
             let (rank, generation) = (labels.get(LABEL_RANK), labels.get(LABEL_GENERATION));
             let same = match want {
