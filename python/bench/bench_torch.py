@@ -4,8 +4,11 @@
 DDP with BACKEND (gloo, diphoma) and DDP's defaults (25 MB buckets, the first 1 MB), a batch of
 2 synthetic 32×32 images per rank; after WARMUP warm-up steps of each kind, STEPS timed steps
 with gradient allreduce alternating with STEPS under ``no_sync()`` (the same compute, no
-communication), so load that comes and goes hits both alike; every step starts on a barrier.
-Rank 0 appends one JSON line to OUT: the median step time with and without communication (s);
+communication), STEPS of a second DDP model whose comm hook communicates nothing (DDP's own
+bucketing, copies and hooks: the step any backend's step contains) and STEPS of the backend's
+``all_reduce`` of buffers of DDP's bucket sizes one after another (the communication alone,
+outside backward), so load that comes and goes hits all alike; every step starts on a barrier.
+Rank 0 appends one JSON line to OUT: the median of each (s) and the bucket sizes (elements);
 the communication share is 1 − no_sync / step.
 
 ``allreduce BACKEND SIZES OUT``: ``torch.distributed.all_reduce`` (sum, in place) of float32
@@ -48,24 +51,57 @@ def timed(fns, n):
 
 
 def ddp(model_name, steps, warmup):
-    torch.manual_seed(0)
-    model = DDP(getattr(torchvision.models, model_name)(num_classes=10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    def build(hook=None):
+        torch.manual_seed(0)
+        model = DDP(getattr(torchvision.models, model_name)(num_classes=10))
+        if hook:
+            model.register_comm_hook(None, hook)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+    buckets = {}  # bucket index -> numel, in the order of the last no-comm step (DDP rebuilds them after the first)
+
+    def no_comm(state, bucket):
+        """A comm hook that communicates nothing: the bucket comes back as it went in."""
+        buckets[bucket.index()] = bucket.buffer().numel()
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    (model, opt), (bare, bare_opt) = build(), build(no_comm)
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
 
-    def step():
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    def stepper(m, o):
+        def step():
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+        return step
+
+    step, bare_step = stepper(model, opt), stepper(bare, bare_opt)
+
+    def hooked():
+        buckets.clear()
+        bare_step()
 
     def local():
         with model.no_sync():
             step()
 
-    timed([step, local], warmup)
-    with_comm, without = timed([step, local], steps)
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()))  # DDP's buckets hold every gradient
+
+    def allreduce_buckets():
+        """The backend's all_reduce of buffers of DDP's bucket sizes, one after another."""
+        offset = 0
+        for n in buckets.values():
+            dist.all_reduce(flat[offset:offset + n])
+            offset += n
+
+    fns = [step, local, hooked, allreduce_buckets]
+    timed(fns, warmup)
+    with_comm, without, no_comm_s, buckets_s = timed(fns, steps)
     return [{"kind": "ddp", "model": model_name, "step_s": with_comm, "compute_s": without,
-             "comm_share": max(0.0, 1 - without / with_comm), "steps": steps,
+             "comm_share": max(0.0, 1 - without / with_comm), "no_comm_s": no_comm_s,
+             "buckets_s": buckets_s, "buckets": list(buckets.values()), "steps": steps,
              "threads": torch.get_num_threads()}]
 
 
