@@ -4,7 +4,8 @@
 # - DDP step time on CPU with backend gloo against diphoma, the latter with the ring's default
 #   frame protection (integrity) and without it (none; gloo has none): torchvision ResNet-18
 #   and ResNet-50, synthetic 32×32 images, batch 2 per rank, world 2 and 4; step time,
-#   communication share, ratio to gloo;
+#   communication share, ratio to gloo; and where the step goes: DDP with a comm hook that
+#   communicates nothing, and the backend's all_reduce of DDP's buckets alone (their sum: the floor);
 # - torch.distributed.all_reduce from Python (gloo, diphoma integrity, diphoma none) against the
 #   Rust `diphoma-worker bench` (integrity, none) at the protocol's sizes, timed alike (the
 #   binding's overhead);
