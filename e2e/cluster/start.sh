@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # start.sh BIN_DIR [WORK_DIR]
 # Starts etcd + kube-apiserver + kube-controller-manager + kube-scheduler on 127.0.0.1 only,
-# with a throw-away PKI, and writes WORK_DIR/env (KUBECONFIG, ports) and one WORK_DIR/*.pid per process.
+# with a throw-away PKI, and writes WORK_DIR/env (KUBECONFIG, ports) and one WORK_DIR/*.pid per process
+# (for the controller-manager and the scheduler, that of the supervisor that restarts them).
 # Stop with: stop.sh WORK_DIR
 # With OWNER_PID set, a watchdog stops the control plane as soon as that process is gone (a test
 # binary that panics or is killed never leaves etcd or the apiserver behind).
@@ -91,6 +92,28 @@ wait_for() { # what timeout_s cmd...
   return 1
 }
 
+# supervise NAME CMD...: runs CMD in the background as a kubelet runs a control-plane static pod
+# (restartPolicy Always): started again 1 s after it exits, its output appended to logs/NAME.log
+# with a line saying so. NAME.pid is the supervisor's; SIGTERM stops it and its child. (Seen:
+# kube-scheduler v1.35.4's alpha GangScheduling plugin panics when a gang's pod waiting at Permit
+# is deleted while another pod of the gang reaches Permit; README "Gang scheduling".)
+supervise() {
+  local name=$1; shift
+  (
+    set +e
+    child=
+    trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null; wait "$child" 2>/dev/null; exit 0' TERM
+    while :; do
+      "$@" >>"$W/logs/$name.log" 2>&1 &
+      child=$!
+      wait "$child"
+      echo "--- $name exited with status $?; restarting it in 1 s (supervise, start.sh)" >>"$W/logs/$name.log"
+      sleep 1
+    done
+  ) </dev/null >/dev/null 2>&1 &
+  echo $! >"$W/$name.pid"
+}
+
 # --- etcd (same flags as kubernetes hack/lib/etcd.sh + envtest's --unsafe-no-fsync) ---
 "$BIN/etcd" \
   --name=default \
@@ -136,7 +159,7 @@ wait_for kube-apiserver 120 curl -fsS --cacert "$P/ca.crt" --cert "$P/admin.crt"
   "https://127.0.0.1:${API_PORT}/readyz"
 
 # --- kube-controller-manager (admin identity, like kwok; see recipe for least-privilege variant) ---
-"$BIN/kube-controller-manager" \
+supervise kube-controller-manager "$BIN/kube-controller-manager" \
   --kubeconfig="$W/admin.kubeconfig" \
   --authentication-kubeconfig="$W/admin.kubeconfig" \
   --authorization-kubeconfig="$W/admin.kubeconfig" \
@@ -151,8 +174,7 @@ wait_for kube-apiserver 120 curl -fsS --cacert "$P/ca.crt" --cert "$P/admin.crt"
   --root-ca-file="$P/ca.crt" \
   --use-service-account-credentials=false \
   ${KCM_EXTRA_ARGS:-} \
-  --v="${KLOG_V:-1}" >"$W/logs/kube-controller-manager.log" 2>&1 &
-echo $! >"$W/kube-controller-manager.pid"
+  --v="${KLOG_V:-1}"
 
 # --- kube-scheduler (kubeconfig must live in the config file when --config is used) ---
 cat >"$W/kube-scheduler.yaml" <<CFG
@@ -165,7 +187,7 @@ clientConnection:
 leaderElection:
   leaderElect: false
 CFG
-"$BIN/kube-scheduler" \
+supervise kube-scheduler "$BIN/kube-scheduler" \
   --config="$W/kube-scheduler.yaml" \
   "${GATE_ARGS[@]}" \
   --authentication-kubeconfig="$W/admin.kubeconfig" \
@@ -173,8 +195,7 @@ CFG
   --bind-address=127.0.0.1 \
   --secure-port="${SCHED_PORT}" \
   --cert-dir="$W/scheduler-certs" \
-  --v="${KLOG_V:-1}" >"$W/logs/kube-scheduler.log" 2>&1 &
-echo $! >"$W/kube-scheduler.pid"
+  --v="${KLOG_V:-1}"
 
 wait_for kube-controller-manager 60 curl -fsSk "https://127.0.0.1:${KCM_PORT}/healthz"
 wait_for kube-scheduler 60 curl -fsSk "https://127.0.0.1:${SCHED_PORT}/healthz"
