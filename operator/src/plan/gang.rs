@@ -126,6 +126,17 @@ pub fn hold(job: &DiphomaJob, obs: &super::Observed) -> Option<Hold> {
     })
 }
 
+/// Whether the scheduler holds `pod` at its Permit stage: a gang member placed (its
+/// `status.nominatedNodeName` set) and not bound, waiting for the rest of its gang.
+pub fn at_permit(pod: &Pod) -> bool {
+    super::node_of(pod).is_none()
+        && pod
+            .status
+            .as_ref()
+            .and_then(|s| s.nominated_node_name.as_deref())
+            .is_some_and(|n| !n.is_empty())
+}
+
 /// Whether `job`'s gang was placed (a worker bound) and is now below its minimum with a live
 /// worker waiting for room: a repair that waiting gangs yield to ([`hold`]).
 pub fn repairing(job: &DiphomaJob, pods: &[Pod]) -> bool {
@@ -189,15 +200,7 @@ pub fn waiting(job: &DiphomaJob, pods: &[Pod], why: Option<&Blocked>) -> Option<
         return None;
     }
     let min = job.spec.min_workers();
-    let placeable = live
-        .iter()
-        .filter(|p| {
-            p.status
-                .as_ref()
-                .and_then(|s| s.nominated_node_name.as_deref())
-                .is_some_and(|n| !n.is_empty())
-        })
-        .count();
+    let placeable = live.iter().filter(|p| at_permit(p)).count();
     let why = why.map_or_else(
         || "waiting for the scheduler".to_owned(),
         ToString::to_string,
@@ -392,5 +395,35 @@ mod tests {
             ..waiting
         };
         assert_eq!(hold(&j, &nobody), None);
+    }
+
+    /// A yielding gang's workers that the scheduler holds at Permit are deleted after the others:
+    /// kube-scheduler v1.35.4 panics when one is deleted while another of its gang reaches Permit
+    /// (README, "Gang scheduling"); the unplaced ones gone first, none is left to reach it.
+    #[test]
+    fn a_yielding_gang_deletes_its_workers_held_at_permit_last() {
+        let j = gang_job(3, None);
+        let pod = |i: i32, nominated: Option<&str>| {
+            let mut p = build::worker_pod(&j, i, 0).unwrap();
+            p.status = Some(
+                serde_json::from_value(json!({"phase": "Pending", "nominatedNodeName": nominated}))
+                    .unwrap(),
+            );
+            p
+        };
+        let obs = super::super::Observed {
+            pods: vec![pod(0, Some("n0")), pod(1, None), pod(2, Some("n1"))],
+            gang: Gang::Observed(None),
+            gang_repairing: Some("ns/other".into()),
+            ..Default::default()
+        };
+        assert!(at_permit(&obs.pods[0]) && !at_permit(&obs.pods[1]));
+        let order: Vec<String> = super::super::plan(&j, &obs)
+            .delete
+            .into_iter()
+            .map(|d| d.pod)
+            .collect();
+        let name = |i: usize| obs.pods[i].metadata.name.clone().unwrap();
+        assert_eq!(order, [name(1), name(0), name(2)]);
     }
 }
