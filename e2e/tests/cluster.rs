@@ -40,6 +40,7 @@ fn main() -> Result<()> {
             bad_requests_name_what_is_wrong,
             kubectl_logs_reaches_the_kubelet_over_tls_with_follow_tail_and_previous,
             failed_node_turns_notready_while_its_pods_stay_running,
+            a_scheduler_that_dies_is_restarted_and_places_the_next_pod,
         ],
     )
 }
@@ -783,6 +784,50 @@ async fn failed_node_turns_notready_while_its_pods_stay_running(
         proc_state(pid) == Some('T'),
         "process {pid} is not frozen: {:?}",
         proc_state(pid)
+    );
+    Ok(())
+}
+
+/// The kube-scheduler process of the local control plane: the one child of the supervisor whose
+/// id `start.sh` recorded (`kube-scheduler.pid`); none while it is being restarted.
+fn scheduler_process(ctx: &Ctx) -> Result<Option<u32>> {
+    let supervisor = std::fs::read_to_string(ctx.cp.dir.join("kube-scheduler.pid"))?;
+    let supervisor = supervisor.trim();
+    let children =
+        std::fs::read_to_string(format!("/proc/{supervisor}/task/{supervisor}/children"))
+            .with_context(|| format!("the scheduler's supervisor {supervisor}"))?;
+    Ok(children.split_whitespace().find_map(|c| c.parse().ok()))
+}
+
+/// A kube-scheduler that dies (as v1.35.4's does on a race of its alpha gang plugin: README, "Gang
+/// scheduling") is started again, as a kubelet restarts a static pod, and places the next pod.
+/// Before, nothing was scheduled after it: the gang test waited 90 s for a replacement.
+async fn a_scheduler_that_dies_is_restarted_and_places_the_next_pod(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let first = scheduler_process(&ctx)?.context("no kube-scheduler under its supervisor")?;
+    signal(first, libc::SIGKILL);
+    let mut again = None;
+    eventually(30, "a new kube-scheduler process", async || {
+        again = scheduler_process(&ctx)?.filter(|&p| p != first && alive(p));
+        Ok(again.is_some())
+    })
+    .await?;
+    let gpu = json!({"spec": {"containers": [{"resources": {"limits": {"nvidia.com/gpu": "1"}}}]}});
+    create(&ctx.client, &ns, &probe_pod("after", &["--env"], gpu)).await?;
+    wait_pod(&ctx.client, &ns, "after", 60, "Succeeded", |p| {
+        phase(p) == "Succeeded"
+    })
+    .await?;
+    let log = std::fs::read_to_string(ctx.cp.dir.join("logs/kube-scheduler.log"))?;
+    ensure!(
+        log.contains("--- kube-scheduler exited with status 137"),
+        "the restart is not in the scheduler's log"
+    );
+    println!(
+        "\nkube-scheduler {first} killed; {} placed the next pod",
+        again.unwrap_or_default()
     );
     Ok(())
 }
