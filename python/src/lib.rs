@@ -25,7 +25,7 @@ use diphoma_ring::k8s::{KubeRing, OP_TIMEOUT, WorkerEnv};
 use diphoma_ring::source::{
     Control, FixedRing, Generation, Progress, RingSource, standalone_config,
 };
-use diphoma_ring::{CommError, Communicator, Element, ReduceOp, bf16, f16};
+use diphoma_ring::{CommError, Communicator, Config, Element, ReduceOp, bf16, f16};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -131,16 +131,20 @@ pub struct Ring {
     rank: usize,
     world: usize,
     generation: u64,
+    /// The config this ring was joined with (key, protection, timeout, job UID): what
+    /// [`Ring::subring`] derives a sub-group's ring from.
+    config: Config,
 }
 
 impl Ring {
-    fn new(comm: Communicator) -> Ring {
+    fn new(comm: Communicator, config: Config) -> Ring {
         Ring {
             rank: comm.rank(),
             world: comm.world(),
             generation: comm.generation(),
             comm: Mutex::new(comm),
             failure: Mutex::default(),
+            config,
         }
     }
 
@@ -219,9 +223,54 @@ impl Ring {
                 .ok_or_else(|| ConfigError::new_err(format!("timeout {t} s is not positive")))?;
         }
         let comm = py
-            .detach(|| Communicator::bind_and_connect(cfg))
+            .detach(|| Communicator::bind_and_connect(cfg.clone()))
             .map_err(ring_err)?;
-        Ok(Ring::new(comm))
+        Ok(Ring::new(comm, cfg))
+    }
+
+    /// Joins the ring of a sub-group (`torch.distributed.new_group`) of this ring's members:
+    /// this member is `rank` of `addresses` ("IP:port", indexed by the sub-group's rank; this
+    /// member's entry is bound here). The sub-group's ring has this ring's key, protection,
+    /// timeout and generation, and the job UID `<job UID>/<tag>` (`tag`: unique per sub-group,
+    /// the same on every member), so its handshakes never match another group's. Its
+    /// collectives are bounded by the timeout (no liveness probes).
+    ///
+    /// Raises `ConfigError` naming a malformed address or rank, `RingError` when the ring
+    /// does not form.
+    fn subring(
+        &self,
+        py: Python<'_>,
+        rank: usize,
+        addresses: Vec<String>,
+        tag: &str,
+    ) -> PyResult<Ring> {
+        let addresses = addresses
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                a.parse()
+                    .map_err(|_| config_err(format!("addresses[{i}]: {a:?} is not IP:port")))
+            })
+            .collect::<PyResult<Vec<std::net::SocketAddr>>>()?;
+        let cfg = Config {
+            rank,
+            world: addresses.len(),
+            addresses,
+            job_uid: format!("{}/{tag}", self.config.job_uid),
+            liveness: None,
+            ..self.config.clone()
+        };
+        let comm = py
+            .detach(|| Communicator::bind_and_connect(cfg.clone()))
+            .map_err(ring_err)?;
+        Ok(Ring::new(comm, cfg))
+    }
+
+    /// The IP address this member's ring listens on ("127.0.0.1", a pod IP): where a
+    /// sub-group's ring binds too.
+    #[getter]
+    fn host(&self) -> String {
+        self.config.addresses[self.config.rank].ip().to_string()
     }
 
     /// True once a collective of this ring failed (it raised [`RingChanged`]).
@@ -476,13 +525,14 @@ impl Follower {
                     return Err(RingError::new_err("diphoma: no ring generation to join"));
                 };
                 let generation = g.config.generation;
+                let config = g.config.clone();
                 match Communicator::connect(g.config, g.listener) {
                     Ok(comm) => {
                         st.current = (generation, comm.rank());
                         st.source
                             .ring()
                             .connected(generation, comm.rank(), comm.abort_handle());
-                        return Ok(Ring::new(comm));
+                        return Ok(Ring::new(comm, config));
                     }
                     Err(e) => match st.source.ring().after_failure(&e) {
                         Some(next) => st.pending = Some(next),

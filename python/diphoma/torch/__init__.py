@@ -23,8 +23,11 @@ fixed across world sizes.
 
 import atexit
 import queue
+import secrets
+import socket
 import threading
 import weakref
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,25 +35,10 @@ from torch.futures import Future
 
 import diphoma
 from diphoma import ConfigError, Follower, RingChanged
+from diphoma.torch import _ops
+from diphoma.torch._p2p import StoreP2P
 
 BACKEND = "diphoma"
-
-_DTYPES = {
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-}
-# Average natively (an f32 scale in the ring); the others sum and divide here.
-_RING_AVERAGES = (torch.float32, torch.float16, torch.bfloat16)
-_OPS = (
-    (dist.ReduceOp.SUM, "sum"),
-    (dist.ReduceOp.AVG, "avg"),
-    (dist.ReduceOp.MAX, "max"),
-    (dist.ReduceOp.MIN, "min"),
-)
 
 
 # The process groups whose thread runs: stopped at exit, before the interpreter finalizes, so no
@@ -65,27 +53,28 @@ def _shutdown_all():
         pg.shutdown()
 
 
-def _op_name(op):
-    for known, name in _OPS:
-        if op == known:
-            return name
-    name = getattr(op, "op", op)  # a ReduceOp object prints as its address; its .op by name
-    raise ConfigError(f"diphoma: unsupported reduce op {name} (SUM, AVG, MAX, MIN)")
-
-
-def _check(t):
-    """Raises ConfigError unless ``t`` is a CPU tensor of a supported dtype."""
+def _check(t, what):
+    """Raises ConfigError naming collective ``what`` unless ``t`` is a CPU tensor."""
     if not isinstance(t, torch.Tensor):
-        raise ConfigError(f"diphoma: expected a tensor, got {type(t).__name__}")
+        raise ConfigError(f"diphoma: {what}: expected a tensor, got {type(t).__name__}")
     if not t.is_cpu:
         raise ConfigError(
-            f"diphoma: tensor on device {t.device} is not supported (CPU tensors only; no GPU path yet)"
+            f"diphoma: {what}: tensor on device {t.device} is not supported (CPU tensors only; no GPU path yet)"
         )
-    if t.dtype not in _DTYPES:
-        raise ConfigError(
-            f"diphoma: unsupported dtype {t.dtype} "
-            "(float32, float64, float16, bfloat16, int32, int64)"
-        )
+
+
+def _same_layout(what, tensors, like, count=None):
+    """Raises ConfigError naming ``what`` unless every tensor of ``tensors`` is a CPU tensor
+    with ``like``'s numel and dtype (and there are ``count`` of them, when given)."""
+    if count is not None and len(tensors) != count:
+        raise ConfigError(f"diphoma: {what} needs {count} tensors, got {len(tensors)}")
+    for o in tensors:
+        _check(o, what)
+        if o.numel() != like.numel() or o.dtype != like.dtype:
+            raise ConfigError(
+                f"diphoma: {what}: every tensor must have {like.numel()} elements of {like.dtype}, "
+                f"got {o.numel()} of {o.dtype}"
+            )
 
 
 def _reduce_opts(opts):
@@ -122,6 +111,10 @@ class _Work(dist.Work):
         self.result = None
         self.completed = False
         self.error = None
+        self.source = -1  # the sender, for a receive from any source
+
+    def _source_rank(self):
+        return self.source
 
     def done(self, result):
         """Completes a work that nobody can wait on yet (no future made)."""
@@ -156,9 +149,12 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
     thread has nothing left before them.
     """
 
-    def __init__(self, ring, rank, size):
+    def __init__(self, ring, rank, size, store=None, timeout=None):
         super().__init__(rank, size)
         self.ring = ring
+        self._timeout = timeout or timedelta(minutes=30)  # torch's default
+        self._p2p = StoreP2P(store if store is not None else dist.HashStore(), self._timeout)
+        self._coalesced = None  # the works since start_coalescing, while coalescing
         self._queue = queue.SimpleQueue()
         # Collectives submitted and not yet run (queued, or running inline): a synchronous call
         # runs inline only at 0 (else it would overtake them).
@@ -200,7 +196,8 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             job()
         except BaseException as e:  # noqa: BLE001 - handed to the waiter
             work.error = e
-            self.error = self.error or e
+            if not isinstance(e, ConfigError):  # a caller's mistake every rank saw leaves the ring in step
+                self.error = self.error or e
 
     def _submit(self, job, result, opts=None):
         """Runs ``job`` in call order and returns its ``Work``: on the caller's thread when the
@@ -218,6 +215,8 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             if not inline:
                 work.fut = Future()
                 self._queue.put((job, work, result))
+        if self._coalesced is not None:
+            self._coalesced.append(work)
         if inline:
             self._run(job, work)
             self.blocked.completed()
@@ -226,36 +225,74 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             work.done(result)
         return work
 
-    def _reduce(self, native, t, op):
-        """``native`` (the ring's allreduce or reduce_scatter) on the contiguous ``t`` with op
-        ``op``: averages of types the ring does not average are sums divided here."""
-        if op == "avg" and t.dtype not in _RING_AVERAGES:
-            native(t.data_ptr(), t.numel(), _DTYPES[t.dtype], "sum")
+    def _ring_reduce(self, native, t, ring_op):
+        """``native`` (the ring's allreduce or reduce_scatter) on the contiguous ``t`` of a
+        native dtype: averages of types the ring does not average are sums divided here."""
+        dtype = _ops.NATIVE[t.dtype]
+        if ring_op == "avg" and t.dtype not in _ops.RING_AVERAGES:
+            native(t.data_ptr(), t.numel(), dtype, "sum")
             if t.is_floating_point():
                 t.div_(self.size())
             else:
                 t.div_(self.size(), rounding_mode="trunc")
         else:
-            native(t.data_ptr(), t.numel(), _DTYPES[t.dtype], op)
+            native(t.data_ptr(), t.numel(), dtype, ring_op)
+
+    def _gathered(self, t):
+        """Every rank's copy of ``t``: a ``(world, *t.shape)`` tensor in rank order (one byte
+        all-gather; any dtype)."""
+        flat = torch.empty((self.size(), *t.shape), dtype=t.dtype)
+        flat[self.rank()].copy_(t)
+        self.ring.allgather(flat.data_ptr(), flat.numel() * flat.element_size())
+        return flat
+
+    def _allreduce_into(self, t, plan):
+        """All-reduces the contiguous ``t`` in place by ``plan`` (``_ops.plan_reduction``)."""
+        if plan.kind == "native":
+            self._ring_reduce(self.ring.allreduce, t, plan.ring_op)
+        elif plan.kind == "widen":
+            wide = t.to(torch.int32)
+            self._ring_reduce(self.ring.allreduce, wide, plan.ring_op)
+            t.copy_(wide)
+        else:
+            t.copy_(plan.local(self._gathered(t)))
+
+    def _scatter_into(self, flat, out, plan):
+        """Reduce-scatters the contiguous ``flat`` (world equal chunks) by ``plan`` and copies
+        this rank's reduced chunk into ``out``."""
+        mine = flat.view(self.size(), -1)[self.rank()]
+        if plan.kind == "native":
+            self._ring_reduce(self.ring.reduce_scatter, flat, plan.ring_op)
+        else:
+            self._allreduce_into(flat, plan)  # world times the bytes: rare dtypes and ops
+        out.copy_(mine.view(out.shape))
 
     # -- collectives -------------------------------------------------------------------
-    def allreduce(self, tensors, opts=None):
-        op = _op_name(_reduce_opts(opts))
+    def allreduce(self, tensors, opts=None, what="all_reduce"):
         for t in tensors:
-            _check(t)
+            _check(t, what)
+        plans = [_ops.plan_reduction(what, t.dtype, _reduce_opts(opts)) for t in tensors]
         views = [_InPlace(t) for t in tensors]
 
         def job():
-            for v in views:
-                self._reduce(self.ring.allreduce, v.buf, op)
+            for v, plan in zip(views, plans):
+                self._allreduce_into(v.buf, plan)
                 v.done()
 
         return self._submit(job, tensors, opts)
 
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts, what="all_reduce_coalesced")
+
+    def reduce(self, tensors, opts=None):
+        """``dist.reduce``: an all-reduce whose result torch reads on ``opts.rootRank`` only
+        (the other ranks' tensors hold it too, which torch leaves unspecified)."""
+        return self.allreduce(tensors, opts, what="reduce")
+
     def broadcast(self, tensors, opts=None):
         root = 0 if opts is None else opts.rootRank
         for t in tensors:
-            _check(t)
+            _check(t, "broadcast")
         views = [_InPlace(t) for t in tensors]
 
         def job():
@@ -267,29 +304,23 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         for outs, t in zip(output_tensors, input_tensors):
-            _check(t)
-            if len(outs) != self.size():
-                raise ConfigError(f"diphoma: allgather needs {self.size()} outputs, got {len(outs)}")
-            for o in outs:
-                _check(o)
-                if o.numel() != t.numel() or o.dtype != t.dtype:
-                    raise ConfigError("diphoma: allgather outputs must match the input's numel and dtype")
-        work = [(outs, torch.empty((self.size(), t.numel()), dtype=t.dtype), t) for outs, t in zip(output_tensors, input_tensors)]
+            _check(t, "all_gather")
+            _same_layout("all_gather", outs, t, self.size())
 
         def job():
-            for outs, flat, t in work:
-                flat[self.rank()].copy_(t.reshape(-1))
-                self.ring.allgather(flat.data_ptr(), flat.numel() * flat.element_size())
+            for outs, t in zip(output_tensors, input_tensors):
+                flat = self._gathered(t.reshape(-1))
                 for r, o in enumerate(outs):
                     o.copy_(flat[r].view(o.shape))
 
         return self._submit(job, output_tensors, opts)
 
     def all_gather_single(self, output, input, opts=None):
-        _check(output)
-        _check(input)
+        what = "all_gather_into_tensor"
+        _check(output, what)
+        _check(input, what)
         if output.numel() != input.numel() * self.size() or output.dtype != input.dtype:
-            raise ConfigError("diphoma: all_gather_into_tensor needs an output of world × the input's numel and dtype")
+            raise ConfigError(f"diphoma: {what} needs an output of world × the input's numel and dtype")
         out = _InPlace(output)
 
         def job():
@@ -300,47 +331,166 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
 
         return self._submit(job, output, opts)
 
-    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        op = _op_name(_reduce_opts(opts))
-        for out, ins in zip(output_tensors, input_tensors):
-            _check(out)
-            if len(ins) != self.size():
-                raise ConfigError(f"diphoma: reduce_scatter needs {self.size()} inputs, got {len(ins)}")
-            for t in ins:
-                _check(t)
-                if t.numel() != out.numel() or t.dtype != out.dtype:
-                    raise ConfigError("diphoma: reduce_scatter inputs must match the output's numel and dtype")
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        """The coalesced ``all_gather_into_tensor`` (FSDP, ``_coalescing_manager``): one
+        all-gather per pair, in order, as one work."""
+        what = "all_gather_into_tensor_coalesced"
+        for o, i in zip(outputs, inputs):
+            _check(o, what)
+            _check(i, what)
+            if o.numel() != i.numel() * self.size() or o.dtype != i.dtype:
+                raise ConfigError(f"diphoma: {what} needs outputs of world × their input's numel and dtype")
+        views = [_InPlace(o) for o in outputs]
 
         def job():
-            for out, ins in zip(output_tensors, input_tensors):
+            for v, i in zip(views, inputs):
+                flat = v.buf.view(self.size(), -1)
+                flat[self.rank()].copy_(i.reshape(-1))
+                self.ring.allgather(flat.data_ptr(), flat.numel() * flat.element_size())
+                v.done()
+
+        return self._submit(job, outputs, opts)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """``dist.gather``: every rank's input lands on ``opts.rootRank`` (one all-gather of the
+        inputs, read on the root)."""
+        root = opts.rootRank
+        (t,) = input_tensors
+        _check(t, "gather")
+        outs = output_tensors[0] if output_tensors else []
+        if self.rank() == root:
+            _same_layout("gather", outs, t, self.size())
+        elif outs:
+            raise ConfigError(f"diphoma: gather: only the destination rank {root} passes gather_list")
+
+        def job():
+            flat = self._gathered(t.reshape(-1))
+            for r, o in enumerate(outs):
+                o.copy_(flat[r].view(o.shape))
+
+        return self._submit(job, output_tensors, opts)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """``dist.scatter``: chunk ``r`` of ``opts.rootRank``'s list lands on rank ``r`` (one
+        broadcast of the whole list, each rank keeping its chunk)."""
+        root = opts.rootRank
+        (out,) = output_tensors
+        _check(out, "scatter")
+        ins = input_tensors[0] if input_tensors else []
+        if self.rank() == root:
+            _same_layout("scatter", ins, out, self.size())
+        elif ins:
+            raise ConfigError(f"diphoma: scatter: only the source rank {root} passes scatter_list")
+
+        def job():
+            flat = torch.empty((self.size(), out.numel()), dtype=out.dtype)
+            for r, t in enumerate(ins):
+                flat[r].copy_(t.reshape(-1))
+            self.ring.broadcast(flat.data_ptr(), flat.numel() * flat.element_size(), root)
+            out.copy_(flat[self.rank()].view(out.shape))
+
+        return self._submit(job, output_tensors, opts)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """``dist.all_to_all``: input ``j`` goes to rank ``j``, output ``j`` comes from rank
+        ``j`` (sizes may differ per pair)."""
+        what = "all_to_all"
+        for t in (*output_tensors, *input_tensors):
+            _check(t, what)
+        if len(output_tensors) != self.size() or len(input_tensors) != self.size():
+            raise ConfigError(f"diphoma: {what} needs {self.size()} input and output tensors")
+        dtype = input_tensors[0].dtype
+        if any(t.dtype != dtype for t in (*output_tensors, *input_tensors)):
+            raise ConfigError(f"diphoma: {what}: every tensor must have the dtype {dtype}")
+
+        def job():
+            flat_in = torch.cat([t.reshape(-1) for t in input_tensors])
+            got = self._exchange(what, flat_in, [t.numel() for t in input_tensors], [t.numel() for t in output_tensors])
+            for o, g in zip(output_tensors, got):
+                o.copy_(g.view(o.shape))
+
+        return self._submit(job, output_tensors, opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """``dist.all_to_all_single``: rows (dimension 0) of ``input`` split by
+        ``input_split_sizes`` (even when empty) go to the ranks in order; ``output`` receives
+        ``output_split_sizes[j]`` rows from rank ``j``."""
+        what = "all_to_all_single"
+        _check(output, what)
+        _check(input, what)
+        world = self.size()
+        if output.dtype != input.dtype:
+            raise ConfigError(f"diphoma: {what}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+        in_rows, out_rows = (input.shape[0] if input.dim() else 1), (output.shape[0] if output.dim() else 1)
+        row = input.numel() // in_rows if in_rows else 0
+        ins = (_ops.check_splits(what, input_split_sizes, in_rows, world, "input") if len(input_split_sizes)
+               else _ops.even_splits(what, in_rows, world, "input"))
+        outs = (_ops.check_splits(what, output_split_sizes, out_rows, world, "output") if len(output_split_sizes)
+                else _ops.even_splits(what, out_rows, world, "output"))
+        out_row = output.numel() // out_rows if out_rows else 0
+        if in_rows and out_rows and row != out_row:
+            raise ConfigError(f"diphoma: {what}: input rows of {row} elements, output rows of {out_row}")
+        out = _InPlace(output)
+
+        def job():
+            got = self._exchange(what, input.reshape(-1), [n * row for n in ins], [n * out_row for n in outs])
+            torch.cat(got, out=out.buf.view(-1))
+            out.done()
+
+        return self._submit(job, output, opts)
+
+    alltoall_base = all_to_all_single
+
+    def _exchange(self, what, flat_in, sends, receives):
+        """The all-to-all core, in elements: this rank sends ``sends[j]`` elements of the
+        contiguous ``flat_in`` (in rank order) to rank ``j`` and expects ``receives[j]`` from
+        it; returns the received pieces by source rank. One all-gather of every rank's counts
+        (a mismatch raises ``ConfigError`` naming the ranks on every rank), then one of the
+        inputs padded to the longest: ``world`` times the bytes of a point-to-point exchange."""
+        rank = self.rank()
+        counts = self._gathered(torch.tensor(sends, dtype=torch.int64)).tolist()
+        _ops.check_received(what, counts, rank, receives)
+        longest = max(sum(c) for c in counts)
+        padded = torch.zeros(longest, dtype=flat_in.dtype)
+        padded[: flat_in.numel()] = flat_in
+        every = self._gathered(padded)
+        return [every[j, start : start + n] for j, (start, n) in enumerate(_ops.alltoall_offsets(counts, rank))]
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        what = "reduce_scatter"
+        plans = []
+        for out, ins in zip(output_tensors, input_tensors):
+            _check(out, what)
+            _same_layout(what, ins, out, self.size())
+            plans.append(_ops.plan_reduction(what, out.dtype, _reduce_opts(opts)))
+
+        def job():
+            for out, ins, plan in zip(output_tensors, input_tensors, plans):
                 flat = torch.cat([t.reshape(-1) for t in ins])
-                self._scatter_into(flat, out, op)
+                self._scatter_into(flat, out, plan)
 
         return self._submit(job, output_tensors, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        op = _op_name(_reduce_opts(opts))
-        _check(output)
-        _check(input)
-        if input.numel() != output.numel() * self.size() or output.dtype != input.dtype:
-            raise ConfigError("diphoma: reduce_scatter_tensor needs an input of world × the output's numel and dtype")
+        return self.reduce_scatter_single_coalesced([output], [input], opts, "reduce_scatter_tensor")
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None, what="reduce_scatter_tensor_coalesced"):
+        """The coalesced ``reduce_scatter_tensor`` (FSDP, ``_coalescing_manager``): one
+        reduce-scatter per pair, in order, as one work."""
+        plans = []
+        for output, input in zip(outputs, inputs):
+            _check(output, what)
+            _check(input, what)
+            if input.numel() != output.numel() * self.size() or output.dtype != input.dtype:
+                raise ConfigError(f"diphoma: {what} needs an input of world × the output's numel and dtype")
+            plans.append(_ops.plan_reduction(what, output.dtype, _reduce_opts(opts)))
 
         def job():
-            # The ring leaves partial sums in the other chunks: work on a copy of the input.
-            self._scatter_into(input.reshape(-1).clone(), output, op)
+            for output, input, plan in zip(outputs, inputs, plans):
+                # The ring leaves partial sums in the other chunks: work on a copy of the input.
+                self._scatter_into(input.reshape(-1).clone(), output, plan)
 
-        return self._submit(job, output, opts)
-
-    def _scatter_into(self, flat, out, op):
-        """Reduce-scatters the contiguous ``flat`` (world equal chunks) and copies this rank's
-        reduced chunk into ``out``."""
-        mine = flat.view(self.size(), -1)[self.rank()]
-        if op == "avg" and flat.dtype not in _RING_AVERAGES:
-            self.ring.reduce_scatter(flat.data_ptr(), flat.numel(), _DTYPES[flat.dtype], "sum")
-            mine = mine / self.size() if flat.is_floating_point() else mine.div(self.size(), rounding_mode="trunc")
-        else:
-            self.ring.reduce_scatter(flat.data_ptr(), flat.numel(), _DTYPES[flat.dtype], op)
-        out.copy_(mine.view(out.shape))
+        return self._submit(job, outputs[0] if len(outputs) == 1 else outputs, opts)
 
     # Older torch releases call the tensor forms of all_gather_into_tensor and
     # reduce_scatter_tensor by these names.
@@ -349,6 +499,106 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         return self._submit(lambda: self.ring.barrier(), [], opts)
+
+    # -- point to point, over torch's store ---------------------------------------------
+    def send(self, tensors, dst, tag=0):
+        """``dist.send``/``isend``: the bytes of each tensor under a key of this (source,
+        destination, tag) and the next sequence number in torch's store (the rendezvous
+        store); returns a completed work. Matched in order with the destination's ``recv``."""
+        for t in tensors:
+            _check(t, "send")
+        for t in tensors:
+            self._p2p.send(t, self.rank(), dst, tag)
+        w = _Work()
+        w.done(tensors)
+        return w
+
+    def recv(self, tensors, src, tag=0):
+        """``dist.recv``/``irecv``: waits (up to the group's timeout) for the matching
+        ``send`` of rank ``src`` on a thread of its own; the work completes when every tensor
+        is filled. A size or dtype that differs from the sent one raises ``ConfigError``
+        naming both."""
+        return self._recv(tensors, lambda t: self._p2p.recv(t, src, self.rank(), tag))
+
+    def recv_anysource(self, tensors, tag=0):
+        """``dist.recv(src=None)``: the first matching ``send`` of any rank; the work's
+        ``_source_rank()`` names it."""
+        others = [r for r in range(self.size()) if r != self.rank()]
+        return self._recv(tensors, lambda t: self._p2p.recv_any(t, others, self.rank(), tag))
+
+    recvAnysource = recv_anysource
+
+    def _recv(self, tensors, take):
+        for t in tensors:
+            _check(t, "recv")
+        work = _Work()
+        work.fut = Future()
+        views = [_InPlace(t) for t in tensors]
+        # The sequence numbers are taken now, in call order; the waits may overlap.
+        takes = [take(v.buf) for v in views]
+
+        def run():
+            try:
+                for v, wait in zip(views, takes):
+                    work.source = wait()
+                    v.done()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                work.error = e
+            work.fut.set_result(tensors)
+
+        threading.Thread(target=run, name="diphoma-recv", daemon=True).start()
+        return work
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """``dist.monitored_barrier``: as gloo's, every rank checks in with rank 0 through the
+        store; rank 0 raises naming the first rank (every rank, with ``wait_all_ranks``) that
+        did not arrive within ``timeout``, and the others raise if rank 0 does not release
+        them within it."""
+        seconds = (timeout or self._timeout).total_seconds()
+        self._p2p.monitored_barrier(self.rank(), self.size(), seconds, wait_all_ranks)
+
+    # -- coalescing (torch's _coalescing_manager with a device) ---------------------------
+    def start_coalescing(self, device):
+        self._coalesced = []
+
+    def end_coalescing(self, device):
+        """Waits for the works issued since ``start_coalescing`` and returns one completed
+        work (they ran in call order already)."""
+        works, self._coalesced = self._coalesced or [], None
+        for w in works:
+            w.wait()
+        w = _Work()
+        w.done([])
+        return w
+
+    # -- what torch asks a group's backend (batch_isend_irecv, FSDP2, DeviceMesh) ----------
+    def _get_backend(self, device):
+        """This group is its own (CPU) backend: torch's ``group._get_backend(device)`` returns
+        it, and its answers below are a plain backend's."""
+        return self
+
+    @property
+    def _device_types(self):
+        """The devices this group serves, which torch's ``monitored_barrier`` and default-device
+        choices read: the CPU, once torch has registered the group. Empty before, while torch
+        builds it, so that its flight recorder (which needs a C++ backend to file entries
+        under) leaves this group alone, as it does every Python group."""
+        return [torch.device("cpu")] if self in dist.distributed_c10d._world.pg_map else []
+
+    # torch names every group (``group_name``: destroy_process_group looks it up); a group
+    # without registered backends keeps the name itself.
+    def setGroupName(self, name):
+        self._group_name = name
+
+    def getGroupName(self):
+        return getattr(self, "_group_name", "")
+
+    supports_coalescing = False  # batch_isend_irecv: one call per operation
+    supports_splitting = False  # new_group/DeviceMesh: a new ring per sub-group (_subring)
+    _supports_time_estimate = False
+
+    def supports_tensor_alloc(self, device):
+        return False
 
     def getBackendName(self):
         return BACKEND
@@ -362,12 +612,15 @@ _HANDOFF = []
 
 
 def _create(store, rank, size, timeout):
-    """The backend's constructor (``Backend.register_backend``): takes the ring the elastic
-    runner just joined, else joins the first generation of the membership source the
-    environment describes (``diphoma.Follower.from_env``: the launcher's variables, its ring
-    directory, or a worker pod's contract), bounding the join and each collective by
-    ``init_process_group``'s ``timeout``; torch's store is used only by torch's own
-    rendezvous."""
+    """The backend's constructor (``Backend.register_backend``). For the default group: takes
+    the ring the elastic runner just joined, else joins the first generation of the membership
+    source the environment describes (``diphoma.Follower.from_env``: the launcher's variables,
+    its ring directory, or a worker pod's contract), bounding the join and each collective by
+    ``init_process_group``'s ``timeout``. For a sub-group (``new_group``, ``DeviceMesh``): a
+    ring of its members only (``_subring``). torch's ``store`` (this group's prefix) carries
+    the sub-group's addresses and the point-to-point messages."""
+    if dist.is_initialized() and not _HANDOFF:
+        return ProcessGroupDiphoma(_subring(store, rank, size), rank, size, store, timeout)
     if _HANDOFF:
         ring = _HANDOFF.pop()
     else:
@@ -379,7 +632,28 @@ def _create(store, rank, size, timeout):
             f"diphoma: torch rank {rank}/world {size} differ from the ring's "
             f"DIPHOMA_RANK {ring.rank}/DIPHOMA_WORLD_SIZE {ring.world}"
         )
-    return ProcessGroupDiphoma(ring, rank, size)
+    return ProcessGroupDiphoma(ring, rank, size, store, timeout)
+
+
+def _subring(store, rank, size):
+    """The ring of a sub-group whose member ``rank`` of ``size`` this process is: every member
+    binds a free port on its ring host and posts it in the group's ``store``; the group's rank 0
+    posts a random tag that keeps the sub-ring's handshakes apart from every other group's
+    (``diphoma.Ring.subring``). Raises ``ConfigError`` when the default group is not a
+    ``"diphoma"`` group or its store is a ``HashStore`` (``diphoma.torch.elastic.run``)."""
+    parent = dist.distributed_c10d._get_default_group()
+    if not isinstance(parent, ProcessGroupDiphoma):
+        raise ConfigError('diphoma: new_group(backend="diphoma") needs a "diphoma" default process group')
+    parent._p2p._usable("new_group")
+    if rank == 0:
+        store.set("diphoma/tag", secrets.token_hex(8))
+    host = parent.ring.host
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    store.set(f"diphoma/address/{rank}", f"{host}:{port}")
+    addresses = [store.get(f"diphoma/address/{r}").decode() for r in range(size)]
+    return parent.ring.subring(rank, addresses, store.get("diphoma/tag").decode())
 
 
 if BACKEND not in dist.Backend.backend_list:
