@@ -13,15 +13,26 @@ worker's functions), used by ``diphoma.torch.ElasticSampler``.
 
 Exceptions: ``ConfigError`` (a ``ValueError``: a bad argument or environment variable, named in
 the message; nothing was sent), ``RingError`` (a ``RuntimeError``: the ring could not be joined)
-and its subclass ``RingChanged`` (a collective of an established ring failed: a member was
-lost or a newer generation published; the ring must re-form).
+and its subclasses ``RingChanged`` (a collective of an established ring failed: a member was
+lost or a newer generation published; the ring must re-form) and ``CollectiveMismatch`` (the
+ranks called different collectives or sizes: the script's mistake, never re-formed for).
 """
 
 import time
 
-from diphoma._native import ConfigError, Follower, Ring, RingChanged, RingError, Speed, membership_json, split
+from diphoma._native import (
+    CollectiveMismatch,
+    ConfigError,
+    Follower,
+    Ring,
+    RingChanged,
+    RingError,
+    Speed,
+    membership_json,
+    split,
+)
 
-for _e in (ConfigError, RingError, RingChanged):
+for _e in (ConfigError, RingError, RingChanged, CollectiveMismatch):
     _e.__module__ = __name__  # shown as diphoma.ConfigError in tracebacks
 
 # The follower of the process group in use (set by the torch backend and the elastic runner),
@@ -75,4 +86,4 @@ def report(step=None, loss=None, samples=None, test_accuracy=None, total_steps=N
         follower.publish(p["step"], p["total_steps"], p["loss"], _samples_per_second(), p["last_checkpoint"])
 
 
-__all__ = ["ConfigError", "Follower", "Ring", "RingChanged", "RingError", "Speed", "membership_json", "report", "split"]
+__all__ = ["CollectiveMismatch", "ConfigError", "Follower", "Ring", "RingChanged", "RingError", "Speed", "membership_json", "report", "split"]

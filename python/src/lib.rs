@@ -25,7 +25,7 @@ use diphoma_ring::k8s::{KubeRing, OP_TIMEOUT, WorkerEnv};
 use diphoma_ring::source::{
     Control, FixedRing, Generation, Progress, RingSource, standalone_config,
 };
-use diphoma_ring::{CommError, Communicator, Config, Element, ReduceOp, bf16, f16};
+use diphoma_ring::{CommError, Communicator, Config, Element, ProtocolError, ReduceOp, bf16, f16};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -43,6 +43,14 @@ pyo3::create_exception!(
     "A collective of an established ring failed (a member was lost, hung, or a newer generation \
      was published): the ring must re-form at the next generation. \
      `diphoma.torch.elastic.run` catches it, rolls the state back and re-forms the ring."
+);
+pyo3::create_exception!(
+    _native,
+    CollectiveMismatch,
+    RingError,
+    "The ranks called different collectives, or the same one with different sizes or dtypes: \
+     a mistake in the training script, not a ring fault, so the ring is not re-formed for it \
+     (it is unusable afterwards). The message names what this rank received and expected."
 );
 pyo3::create_exception!(
     _native,
@@ -161,6 +169,15 @@ impl Ring {
         })
         .map_err(|e| match e {
             CommError::Config(m) => ConfigError::new_err(m),
+            CommError::Protocol(ProtocolError::OutOfStep { len, want_len, .. }) => {
+                CollectiveMismatch::new_err(format!(
+                    "diphoma: ring generation {} (rank {} of {}): the ranks called different \
+                     collectives or sizes: this rank expected a frame of {want_len} bytes from \
+                     its peer and received one of {len} (check that every rank calls the same \
+                     collectives, in the same order, with tensors of the same size and dtype)",
+                    self.generation, self.rank, self.world
+                ))
+            }
             e => {
                 let msg = format!(
                     "diphoma: ring generation {} (rank {} of {}) failed: {e}; the ring must re-form",
@@ -735,6 +752,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ENV_BALANCE_EVERY", diphoma_contract::ENV_BALANCE_EVERY)?;
     m.add("RingError", m.py().get_type::<RingError>())?;
     m.add("RingChanged", m.py().get_type::<RingChanged>())?;
+    m.add(
+        "CollectiveMismatch",
+        m.py().get_type::<CollectiveMismatch>(),
+    )?;
     m.add("ConfigError", m.py().get_type::<ConfigError>())?;
     Ok(())
 }

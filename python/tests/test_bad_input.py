@@ -14,7 +14,7 @@ import torch.distributed as dist
 import diphoma
 import diphoma.torch  # noqa: F401
 from diphoma.run import free_ports, rank_envs
-from conftest import launch
+from conftest import check, launch
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +39,33 @@ def test_device_tensor_is_refused_by_name(world_one):
         dist.broadcast(torch.ones(4, device="meta"), src=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.bool, torch.int16])
-def test_unsupported_dtype_is_refused_by_name(world_one, dtype):
-    with pytest.raises(diphoma.ConfigError, match=f"unsupported dtype {dtype}"):
-        dist.all_reduce(torch.zeros(4, dtype=dtype))
+def test_reduction_without_a_definition_is_refused_by_name(world_one):
+    """What neither the ring nor a local reduction defines raises ConfigError at once, naming
+    the collective and the op or dtype (they used to fail in torch with "No backend type
+    associated with device type cpu", or hang)."""
+    with pytest.raises(diphoma.ConfigError, match="all_reduce: reduce op BAND needs an integer or bool tensor, got torch.float32"):
+        dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND)
+    with pytest.raises(diphoma.ConfigError, match="reduce_scatter_tensor: reduce op MAX has no order on complex"):
+        dist.reduce_scatter_tensor(torch.empty(2, dtype=torch.complex64), torch.ones(2, dtype=torch.complex64), op=dist.ReduceOp.MAX)
+    with pytest.raises(diphoma.ConfigError, match="reduce: unsupported dtype torch.float8_e4m3fn"):
+        dist.reduce(torch.zeros(4, dtype=torch.float8_e4m3fn), dst=0)
+    premul = dist._make_nccl_premul_sum(2.0)
+    with pytest.raises(diphoma.ConfigError, match="all_reduce: unsupported reduce op PREMUL_SUM"):
+        dist.all_reduce(torch.ones(4), op=premul)
 
 
-@pytest.mark.parametrize("op", [dist.ReduceOp.PRODUCT, dist.ReduceOp.BAND, dist.ReduceOp.BXOR])
-def test_unsupported_op_is_refused_by_name(world_one, op):
-    with pytest.raises(diphoma.ConfigError, match=f"unsupported reduce op {op}"):
-        dist.all_reduce(torch.ones(4), op=op)
+def test_p2p_and_sub_groups_without_a_shared_store_are_refused_at_once():
+    """A group whose store is process-local (a HashStore, as diphoma.torch.elastic.run uses)
+    cannot carry messages between ranks: send, recv, monitored_barrier and new_group raise
+    ConfigError at once instead of waiting for the timeout."""
+    from diphoma.torch._p2p import StoreP2P
+    from datetime import timedelta
+
+    p2p = StoreP2P(dist.PrefixStore("g", dist.HashStore()), timedelta(minutes=30))
+    for call in (lambda: p2p.send(torch.ones(1), 0, 1, 0), lambda: p2p.recv(torch.ones(1), 1, 0, 0),
+                 lambda: p2p.monitored_barrier(0, 2, 1.0, False)):
+        with pytest.raises(diphoma.ConfigError, match="needs a store shared by the ranks"):
+            call()
 
 
 def test_group_still_works_after_refusals(world_one):
@@ -131,3 +148,14 @@ def test_ddp_backward_through_a_lost_peer_raises_instead_of_crashing():
     p = launch(2, "ddp_peer_lost.py", timeout=120)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "RingChanged: " in p.stdout and "failed" in p.stdout, p.stdout
+
+
+def test_ranks_calling_different_sizes_get_a_collective_mismatch_not_ring_changed():
+    """A size mismatch across ranks is the script's mistake: every rank raises
+    CollectiveMismatch naming the sizes it saw (not RingChanged, which would drive a re-form),
+    and the group keeps refusing with the same class."""
+    p = check(launch(2, "mismatch.py", timeout=60))
+    assert "rank 0: first: CollectiveMismatch: " in p.stdout and "expected a frame of 16 bytes from its peer and received one of 20" in p.stdout, p.stdout
+    assert "rank 1: first: CollectiveMismatch: " in p.stdout and "expected a frame of 20 bytes from its peer and received one of 16" in p.stdout, p.stdout
+    assert "rank 0: next: CollectiveMismatch: an earlier collective" in p.stdout, p.stdout
+    assert not issubclass(diphoma.CollectiveMismatch, diphoma.RingChanged)

@@ -206,7 +206,8 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         if self._stopped:
             raise ConfigError("diphoma: the process group is shut down")
         if self.error is not None:
-            raise RingChanged(f"an earlier collective of this group failed: {self.error}")
+            cls = type(self.error) if isinstance(self.error, diphoma.RingError) else RingChanged
+            raise cls(f"an earlier collective of this group failed: {self.error}")
         work = _Work()
         self.blocked.submitted()
         with self._count_lock:

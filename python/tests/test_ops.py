@@ -1,0 +1,68 @@
+"""Every c10d operation the libraries call, against gloo in the same run (scripts/ops_vs_gloo.py),
+the named failures of monitored_barrier, and the pure decisions of ``diphoma.torch._ops``."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import diphoma
+from diphoma.torch import _ops
+from conftest import check, launch
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_operation_matches_gloo(world):
+    """all_reduce, reduce, reduce_scatter_tensor over every dtype and op; broadcast, gather,
+    scatter, all_gather, all_to_all(_single, uneven) over every dtype; point to point, object
+    collectives, coalescing, monitored_barrier, new_group and DeviceMesh sub-groups, and a
+    second init_process_group: each against a gloo group of the same ranks."""
+    p = check(launch(world, "ops_vs_gloo.py", timeout=200))
+    assert "ops ok" in p.stdout, p.stdout
+    counts = eval(p.stdout.split("ops ok: ", 1)[1].splitlines()[0])  # noqa: S307 - our own dict
+    assert counts["gloo"] > 300, counts  # most cases are compared against gloo itself
+
+
+def test_monitored_barrier_names_the_missing_rank():
+    p = check(launch(3, "monitored_barrier.py", timeout=100))
+    assert "rank 0: diphoma: monitored_barrier: rank 2 failed to pass monitored_barrier in 2 s" in p.stdout, p.stdout
+    assert "rank 1: diphoma: monitored_barrier: rank 0 did not release rank 1 within 2 s" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize(
+    "dtype,op,kind,ring_op",
+    [
+        (torch.float32, dist.ReduceOp.AVG, "native", "avg"),
+        (torch.int64, dist.ReduceOp.MAX, "native", "max"),
+        (torch.uint8, dist.ReduceOp.SUM, "widen", "sum"),
+        (torch.bool, dist.ReduceOp.SUM, "widen", "max"),  # logical or, as NCCL maps it
+        (torch.bool, dist.ReduceOp.MIN, "widen", "min"),
+        (torch.float32, dist.ReduceOp.PRODUCT, "gather", None),
+        (torch.int8, dist.ReduceOp.BXOR, "gather", None),
+        (torch.complex64, dist.ReduceOp.SUM, "gather", None),
+    ],
+)
+def test_reduction_plans(dtype, op, kind, ring_op):
+    plan = _ops.plan_reduction("all_reduce", dtype, op)
+    assert (plan.kind, plan.ring_op) == (kind, ring_op)
+
+
+def test_local_reductions_wrap_and_truncate_as_the_ring():
+    stacked = torch.tensor([[200, 3], [100, 250]], dtype=torch.uint8)
+    assert torch.equal(_ops.local_reduce(dist.ReduceOp.SUM, stacked), torch.tensor([44, 253], dtype=torch.uint8))
+    assert torch.equal(_ops.local_reduce(dist.ReduceOp.PRODUCT, stacked), torch.tensor([32, 238], dtype=torch.uint8))
+    ints = torch.tensor([[-3], [0]], dtype=torch.int32)
+    assert torch.equal(_ops.local_reduce(dist.ReduceOp.AVG, ints), torch.tensor([-1], dtype=torch.int32))
+    flags = torch.tensor([[True, False], [True, True]])
+    assert torch.equal(_ops.local_reduce(dist.ReduceOp.PRODUCT, flags), torch.tensor([True, False]))
+
+
+def test_alltoall_layout_and_mismatches():
+    sent = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]  # sent[j][i]: rows j sends to i
+    assert _ops.alltoall_offsets(sent, 1) == [(1, 2), (4, 5), (7, 8)]
+    _ops.check_received("all_to_all_single", sent, 1, [2, 5, 8])
+    with pytest.raises(diphoma.ConfigError, match="rank 2 sends 8 rows, rank 1 expects 9"):
+        _ops.check_received("all_to_all_single", sent, 1, [2, 5, 9])
+    with pytest.raises(diphoma.ConfigError, match="input split sizes \\[1, 1\\] must be 3 non-negative counts adding up to 4 rows"):
+        _ops.check_splits("all_to_all_single", [1, 1], 4, 3, "input")
+    with pytest.raises(diphoma.ConfigError, match="the output's 5 rows do not split evenly over 2 ranks"):
+        _ops.even_splits("all_to_all_single", 5, 2, "output")
