@@ -8,12 +8,15 @@
 # manifests/examples/pytorch-resnet50.yaml and make bench-torch) with numpy and pillow, its
 # import-time dependencies, added once with --no-deps: the newest torchvision on PyPI, 0.29,
 # is built for torch 2.14, and its models (plain Python) run on 2.15; --no-deps keeps pip from
-# replacing torch.
+# replacing torch. Accelerate and PyTorch Lightning are added once too (python/tests/test_libraries.py).
 set -euo pipefail
 TORCH_VERSION=2.15.0
 MATURIN_VERSION=1.16.0
 PYTEST_VERSION=9.2.0
 VISION=("torchvision==0.29.2" "numpy==2.4.6" "pillow==13.0.0")
+# The libraries python/tests/test_libraries.py runs unchanged on the backend (their own
+# dependencies from PyPI; torch stays at TORCH_VERSION, which they accept).
+LIBS=("accelerate==1.15.0" "pytorch-lightning==2.6.6")
 root=${DIPHOMA_PYTHON_CACHE:-$HOME/.cache/diphoma/python}
 case "${1:-}" in
   build) venv=$root/maturin-$MATURIN_VERSION; pkgs=("maturin==$MATURIN_VERSION") ;;
@@ -32,5 +35,10 @@ if [[ $1 == test && ! -f $venv/.vision-0.29.2 ]]; then
   echo "adding ${VISION[*]} to $venv" >&2
   "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "${VISION[@]}" >&2
   touch "$venv/.vision-0.29.2"
+fi
+if [[ $1 == test && ! -f $venv/.libs-accelerate-1.15.0-lightning-2.6.6 ]]; then
+  echo "adding ${LIBS[*]} to $venv" >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check "${LIBS[@]}" "torch==$TORCH_VERSION" >&2
+  touch "$venv/.libs-accelerate-1.15.0-lightning-2.6.6"
 fi
 echo "$venv"

@@ -64,9 +64,26 @@ def base_env(nproc, base=None):
     return env
 
 
-def rank_envs(nproc, key_file, base=None):
+def torchrun_env(rank, world, master_port, restart=0, run_id="none", max_restarts=0):
+    """What torchrun sets for rank ``rank`` of ``world`` on one node (``GROUP_RANK`` 0, role
+    ``default``), restarted ``restart`` times: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_NAME``, ``ROLE_RANK``,
+    ``ROLE_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``,
+    ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+    (as strings)."""
+    env = dict(
+        RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world, GROUP_RANK=0,
+        GROUP_WORLD_SIZE=1, ROLE_NAME="default", ROLE_RANK=rank, ROLE_WORLD_SIZE=world,
+        MASTER_ADDR=HOST, MASTER_PORT=master_port, TORCHELASTIC_RESTART_COUNT=restart,
+        TORCHELASTIC_MAX_RESTARTS=max_restarts, TORCHELASTIC_RUN_ID=run_id,
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=1,
+    )
+    return {k: str(v) for k, v in env.items()}
+
+
+def rank_envs(nproc, key_file, base=None, restart=0, run_id="none", max_restarts=0):
     """The environment of each of ``nproc`` ranks (``base``: the launcher's own, see
-    ``base_env``)."""
+    ``base_env``): the ring's ``DIPHOMA_*`` variables and torchrun's (``torchrun_env``)."""
     ports = free_ports(nproc + 1)
     addresses = ",".join(f"{HOST}:{p}" for p in ports[1:])
     job_uid = f"standalone-{secrets.token_hex(8)}"
@@ -79,12 +96,7 @@ def rank_envs(nproc, key_file, base=None):
             DIPHOMA_RING_ADDRESSES=addresses,
             DIPHOMA_JOB_UID=job_uid,
             DIPHOMA_KEY_FILE=key_file,
-            RANK=str(r),
-            WORLD_SIZE=str(nproc),
-            LOCAL_RANK=str(r),
-            LOCAL_WORLD_SIZE=str(nproc),
-            MASTER_ADDR=HOST,
-            MASTER_PORT=str(ports[0]),
+            **torchrun_env(r, nproc, ports[0], restart, run_id, max_restarts),
         )
         envs.append(env)
     return envs
@@ -109,17 +121,80 @@ def stop(procs, grace):
             p.wait()
 
 
-def supervise(procs, grace):
-    """Waits for every rank; on the first failure stops the others. Returns the exit code."""
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed:
-            stop(procs, grace)
-            return exit_code(failed[0])
-        if all(c == 0 for c in codes):
+def run_fixed(a, key_file, log_dir):
+    """Runs ``a.nproc`` ranks of one fixed ring with torch's
+    ``torch.distributed.elastic.multiprocessing`` (as torchrun's local agent): every line of
+    their output prefixed ``[rankN]:`` (``--local-ranks-filter`` keeps some), copies in
+    ``log_dir`` (``--redirects``, ``--tee``), each rank's uncaught exception in its error file.
+    When a rank fails, the others are stopped (SIGTERM, SIGKILL after ``a.grace`` s); the whole
+    ring is started again, on new ports, up to ``a.max_restarts`` times
+    (``TORCHELASTIC_RESTART_COUNT`` counts them). Returns the exit code: 0, or the first failed
+    rank's (128 + N for a signal), after printing torch's failure summary naming the root-cause
+    rank, its exit code and its traceback."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    entry, args = command(a)
+    ranks = set(range(a.nproc)) if a.local_ranks_filter is None else a.local_ranks_filter
+    run_id = a.run_id or secrets.token_hex(4)
+    specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.from_str(a.redirects),
+                             tee=Std.ALL if a.tee == "0" and a.redirects == "0" else Std.from_str(a.tee),
+                             local_ranks_filter=ranks)
+    for restart in range(a.max_restarts + 1):
+        envs = rank_envs(a.nproc, key_file, base_env(a.nproc), restart, run_id, a.max_restarts)
+        ctx = start_processes(name="diphoma", entrypoint=entry, args={r: args for r in range(a.nproc)},
+                              envs={r: envs[r] for r in range(a.nproc)}, logs_specs=specs,
+                              log_line_prefixes={r: f"[rank{r}]:" for r in range(a.nproc)})
+        try:
+            result = ctx.wait(period=0.05)
+        finally:
+            ctx.close(signal.SIGTERM, timeout=max(1, int(a.grace)))
+        if not result.is_failed():
             return 0
-        time.sleep(0.05)
+        root = root_cause(result.failures)
+        if restart < a.max_restarts:
+            print(f"diphoma.run: rank {root.local_rank} failed (exit {exit_code(root.exitcode)}); "
+                  f"restarting every rank ({restart + 1} of {a.max_restarts})", file=sys.stderr, flush=True)
+    # torch's summary names the earliest failure among equal timestamps first: put ours first.
+    failures = {root.local_rank: root, **result.failures}
+    print(ChildFailedError(name=a.script, failures=failures).format_msg(), file=sys.stderr, flush=True)
+    print(f"diphoma.run: root cause: rank {root.local_rank}, exit {exit_code(root.exitcode)}: {failure_text(root)[0]}",
+          file=sys.stderr, flush=True)
+    return exit_code(root.exitcode)
+
+
+def failure_text(f):
+    """(the last line, the whole text) of a ``ProcessFailure``'s message: the exception and its
+    traceback from the rank's error file, else torch's words for a signal or an exit code."""
+    m = f.message
+    if isinstance(m, dict):  # what ErrorHandler.record_exception writes
+        return m.get("message", ""), m.get("message", "") + "\n" + m.get("extraInfo", {}).get("py_callstack", "")
+    return (m.strip().splitlines() or [""])[-1], m
+
+
+def root_cause(failures):
+    """The failure that started it, of torch's ``ProcessFailure``s by local rank: the earliest
+    of those that are not consequences, else the earliest of all. A consequence is a rank whose
+    recorded exception is its ring losing a peer (``RingChanged``, ``RingError``), or one the
+    launcher stopped (SIGTERM) before it recorded any; a rank that recorded another exception
+    is a cause even when it was stopped while it exited."""
+    def consequence(f):
+        if isinstance(f.message, dict):
+            return f.message.get("message", "").split(":")[0] in ("RingChanged", "RingError")
+        return f.exitcode == -signal.SIGTERM
+
+    causes = [f for f in failures.values() if not consequence(f)] or list(failures.values())
+    return min(causes, key=lambda f: (f.timestamp, f.local_rank))
+
+
+def command(a):
+    """The program every rank runs and its arguments: ``python -m diphoma._boot [--backend B]
+    (-m MODULE | SCRIPT) ARGS`` (``diphoma._boot``), or ``SCRIPT ARGS`` itself with
+    ``--no-python``."""
+    if a.no_python:
+        return a.script, tuple(a.args)
+    boot = ["-u", "-m", "diphoma._boot", *(["--backend", a.backend] if a.backend else []), *(["-m"] if a.module else [])]
+    return sys.executable, (*boot, a.script, *a.args)
 
 
 def write_atomic(path, text):
@@ -178,19 +253,47 @@ class Elastic:
             time.sleep(0.05)
 
 
-def main(argv=None):
+def parse(argv):
+    """The launcher's arguments (torchrun's names where they mean the same; see ``main``)."""
     ap = argparse.ArgumentParser(prog="python -m diphoma.run", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nproc", type=int, default=1, help="number of ranks (default 1)")
+    ap.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", type=int, default=1, help="number of ranks (default 1)")
+    ap.add_argument("--nnodes", default="1", help="must be 1 (standalone: one node; a DiphomaJob spans nodes)")
+    ap.add_argument("--node-rank", "--node_rank", type=int, default=0, help="must be 0")
+    ap.add_argument("--standalone", action="store_true", help="accepted for torchrun's command lines (always standalone)")
+    ap.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                    help="restart every rank this many times after a failure (fixed ring)")
+    ap.add_argument("--run-id", "--run_id", help="TORCHELASTIC_RUN_ID (default: random)")
+    ap.add_argument("--log-dir", "--log_dir", help="where each rank's stdout, stderr and error file go (default: a temporary directory)")
+    ap.add_argument("-r", "--redirects", default="0", help="redirect std streams to files in --log-dir: 0 none, 1 stdout, 2 stderr, 3 both")
+    ap.add_argument("-t", "--tee", default="0", help="also copy std streams to the console (same codes as --redirects)")
+    ap.add_argument("--local-ranks-filter", "--local_ranks_filter", type=lambda v: {int(r) for r in v.split(",") if r},
+                    help="show only these ranks' output on the console, e.g. 0 or 0,2")
+    ap.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a Python module (python -m)")
+    ap.add_argument("--no-python", "--no_python", action="store_true", help="run SCRIPT as a program, not through python")
+    ap.add_argument("--backend", help="initialise the default process group with this backend (env://) before the "
+                    "script runs, for libraries that pick their own (Accelerate picks gloo on CPU)")
     ap.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("--elastic", action="store_true",
                     help="follow a ring directory: a rank that dies is dropped and the others re-form")
     ap.add_argument("--replace", action="store_true", help="with --elastic: start a new rank for each lost one")
     ap.add_argument("--ring-dir", help="with --elastic: the ring directory (default: a temporary one)")
-    ap.add_argument("script", help="the training script")
+    ap.add_argument("script", help="the training script (a module with -m, a program with --no-python)")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = ap.parse_args(argv)
     if a.nproc < 1:
         ap.error("--nproc must be at least 1")
+    if a.nnodes not in ("1", "1:1") or a.node_rank != 0:
+        ap.error(f"--nnodes {a.nnodes} --node-rank {a.node_rank}: this launcher runs one node; "
+                 "to train across nodes, submit a DiphomaJob (see README.md, PyTorch)")
+    if a.no_python and (a.module or a.backend):
+        ap.error("--no-python runs a program: it takes neither -m nor --backend")
+    if a.elastic and (a.max_restarts or a.module or a.no_python or a.backend):
+        ap.error("--elastic re-forms in place: it takes neither --max-restarts, -m, --no-python nor --backend")
+    return a
+
+
+def main(argv=None):
+    a = parse(argv)
     tmp = tempfile.mkdtemp(prefix="diphoma-run-")
     procs = []
 
@@ -203,19 +306,17 @@ def main(argv=None):
         fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(secrets.token_bytes(32))
+        if not a.elastic:
+            return run_fixed(a, key_file, a.log_dir or os.path.join(tmp, "logs"))
         command = [sys.executable, a.script, *a.args]
-        if a.elastic:
-            ring_dir = a.ring_dir or tmp
-            os.makedirs(ring_dir, exist_ok=True)
-            ring = Elastic(ring_dir, key_file, command, base_env(a.nproc))
-            procs = ring.procs  # grows with the replacements
-            for _ in range(a.nproc):
-                ring.spawn()
-            ring.publish()
-            return ring.supervise(a.replace)
-        for env in rank_envs(a.nproc, key_file):
-            procs.append(subprocess.Popen(command, env=env))
-        return supervise(procs, a.grace)
+        ring_dir = a.ring_dir or tmp
+        os.makedirs(ring_dir, exist_ok=True)
+        ring = Elastic(ring_dir, key_file, command, base_env(a.nproc))
+        procs = ring.procs  # grows with the replacements
+        for _ in range(a.nproc):
+            ring.spawn()
+        ring.publish()
+        return ring.supervise(a.replace)
     except KeyboardInterrupt:
         stop(procs, a.grace)
         return 130

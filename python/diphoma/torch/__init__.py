@@ -3,8 +3,12 @@
 An unchanged DDP script changes only ``dist.init_process_group(backend="diphoma")`` and is
 started by ``python -m diphoma.run`` (which also sets torch's ``RANK``/``WORLD_SIZE``/
 ``MASTER_ADDR``/``MASTER_PORT`` for the rendezvous). The process group is a Python subclass of
-``torch.distributed.ProcessGroup``; each collective is checked at once (CPU tensors of a
-supported dtype, a supported op: otherwise ``diphoma.ConfigError`` naming what is wrong). An
+``torch.distributed.ProcessGroup`` that serves every c10d operation torch's API and the
+libraries on top call (``diphoma.torch._ops`` says how each dtype and op maps onto the ring;
+point to point and ``monitored_barrier`` go through torch's store, ``diphoma.torch._p2p``;
+``new_group``/``DeviceMesh`` sub-groups get rings of their own members, ``_subring``). Each
+call is checked at once (CPU tensors, a dtype and op some path defines: otherwise
+``diphoma.ConfigError`` naming the operation and what is wrong). An
 asynchronous call (``async_op=True``, and every call of DDP's reducer) then runs on the group's
 background thread, in call order, returning a ``Work`` whose future completes when the ring is
 done. A synchronous call (torch passes ``opts.asyncOp = False``: ``dist.all_reduce(t)``) runs
@@ -352,17 +356,24 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
 
         return self._submit(job, outputs, opts)
 
+    def _root_list(self, what, lists, like, root, name):
+        """The tensor list only rank ``root`` passes (``name``: ``gather_list``,
+        ``scatter_list``; torch hands it as ``[list]`` there and ``[]`` elsewhere), checked
+        against ``like``; empty on the other ranks."""
+        items = lists[0] if lists else []
+        if self.rank() == root:
+            _same_layout(what, items, like, self.size())
+        elif items:
+            raise ConfigError(f"diphoma: {what}: only rank {root} passes {name}")
+        return items
+
     def gather(self, output_tensors, input_tensors, opts=None):
         """``dist.gather``: every rank's input lands on ``opts.rootRank`` (one all-gather of the
         inputs, read on the root)."""
         root = opts.rootRank
         (t,) = input_tensors
         _check(t, "gather")
-        outs = output_tensors[0] if output_tensors else []
-        if self.rank() == root:
-            _same_layout("gather", outs, t, self.size())
-        elif outs:
-            raise ConfigError(f"diphoma: gather: only the destination rank {root} passes gather_list")
+        outs = self._root_list("gather", output_tensors, t, root, "gather_list")
 
         def job():
             flat = self._gathered(t.reshape(-1))
@@ -377,11 +388,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         root = opts.rootRank
         (out,) = output_tensors
         _check(out, "scatter")
-        ins = input_tensors[0] if input_tensors else []
-        if self.rank() == root:
-            _same_layout("scatter", ins, out, self.size())
-        elif ins:
-            raise ConfigError(f"diphoma: scatter: only the source rank {root} passes scatter_list")
+        ins = self._root_list("scatter", input_tensors, out, root, "scatter_list")
 
         def job():
             flat = torch.empty((self.size(), out.numel()), dtype=out.dtype)
@@ -625,7 +632,15 @@ def _create(store, rank, size, timeout):
     if _HANDOFF:
         ring = _HANDOFF.pop()
     else:
-        follower = Follower.from_env(timeout=timeout.total_seconds())
+        try:
+            follower = Follower.from_env(timeout=timeout.total_seconds())
+        except ConfigError as e:
+            if "DIPHOMA_RANK is not set" not in str(e):
+                raise
+            raise ConfigError(
+                f"{e}: start it with python -m diphoma.run, which takes torchrun's flags and sets the "
+                "ring's variables with torchrun's (not torchrun, mp.spawn or plain python), or run it in a DiphomaJob"
+            ) from None
         ring = follower.connect()
         diphoma._set_follower(follower)
     if (ring.rank, ring.world) != (rank, size):

@@ -1,0 +1,53 @@
+"""How ``python -m diphoma.run`` starts a Python rank: ``python -m diphoma._boot [--backend B]
+(-m MODULE | SCRIPT) [ARGS…]`` runs the script (or module) as ``__main__``, as ``python SCRIPT``
+or ``python -m MODULE`` would, with two additions of torchrun's machinery:
+
+- an exception that ends the rank is recorded in ``TORCHELASTIC_ERROR_FILE`` (torch's
+  ``torch.distributed.elastic.multiprocessing.errors.ErrorHandler``, what ``@record`` does), so
+  the launcher's failure summary names the root-cause rank with its traceback, for unchanged
+  scripts too;
+- with ``--backend B``, the default process group is initialised with backend ``B`` (``env://``)
+  before the script runs, for libraries that choose their own CPU backend and keep a group
+  that exists (Hugging Face Accelerate picks gloo on CPU unless one is initialised).
+"""
+
+import os
+import runpy
+import sys
+
+
+def main(argv):
+    backend = None
+    if argv[:1] == ["--backend"]:
+        backend, argv = argv[1], argv[2:]
+    module = argv[0] == "-m"
+    if module:
+        argv = argv[1:]
+    if not argv:
+        sys.exit("diphoma._boot: no script or module to run")
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    handler = ErrorHandler()
+    handler.initialize()
+    try:
+        if backend:
+            import torch.distributed as dist
+
+            if backend == "diphoma":
+                import diphoma.torch  # noqa: F401  (registers it)
+            dist.init_process_group(backend=backend)
+        sys.argv = list(argv)
+        if module:
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as e:
+        handler.record_exception(e)
+        raise
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
