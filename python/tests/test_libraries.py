@@ -1,6 +1,6 @@
 """The libraries users train with, unchanged, on the "diphoma" backend: torch's own DCP
-(resharded 4 -> 2), PyTorch Lightning's DDPStrategy against gloo, and Hugging Face Accelerate's
-packaged distributed test scripts."""
+(resharded 4 -> 2) and FSDP2 (against gloo), PyTorch Lightning's DDPStrategy against gloo, and
+Hugging Face Accelerate's packaged distributed test scripts."""
 
 import os
 import subprocess
@@ -47,3 +47,17 @@ def test_accelerates_own_test_scripts(module):
                        capture_output=True, text=True, timeout=240, env=env)
     check(p)
     assert f"accelerate ok: accelerate.test_utils.scripts.{module}" in p.stdout, p.stdout[-3000:]
+
+
+def test_fsdp2_trains_as_with_gloo(tmp_path):
+    """FSDP2 (``fully_shard`` per layer, CPU): all-gathers of the shards, reduce-scatters of the
+    gradients and the DTensor state dict on the diphoma backend give gloo's losses and weights
+    (world 2: the reduction of two shards is the same sum in either order)."""
+    got = {}
+    for backend in ("diphoma", "gloo"):
+        out = str(tmp_path / f"{backend}.pt")
+        check(launch(2, "fsdp2.py", backend, out, timeout=200))
+        got[backend] = torch.load(out)
+    assert got["diphoma"]["losses"] == got["gloo"]["losses"], got
+    for k, v in got["gloo"]["state"].items():
+        torch.testing.assert_close(got["diphoma"]["state"][k], v, rtol=0, atol=0)
