@@ -146,7 +146,7 @@ def run_fixed(a, key_file, log_dir):
                               envs={r: envs[r] for r in range(a.nproc)}, logs_specs=specs,
                               log_line_prefixes={r: f"[rank{r}]:" for r in range(a.nproc)})
         try:
-            result = ctx.wait(period=0.05)
+            result = settle(ctx, a.grace)
         finally:
             ctx.close(signal.SIGTERM, timeout=max(1, int(a.grace)))
         if not result.is_failed():
@@ -163,12 +163,31 @@ def run_fixed(a, key_file, log_dir):
     return exit_code(root.exitcode)
 
 
+def settle(ctx, grace):
+    """Waits until every rank of ``ctx`` (torch's ``SubprocessContext``) exited 0 or one
+    failed; then gives the others up to ``grace`` s to exit by themselves (a rank that raised
+    may still be writing its traceback; its ring peers fail at once) before torch's ``wait``
+    records the failures and stops what still runs. Returns torch's ``RunProcsResult``."""
+    procs = [h.proc for h in ctx.subprocess_handlers.values()]
+    while True:
+        codes = [p.poll() for p in procs]
+        if None not in codes or any(c not in (None, 0) for c in codes):
+            break
+        time.sleep(0.05)
+    deadline = time.monotonic() + grace
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ctx.wait(0)
+
+
 def failure_text(f):
     """(the last line, the whole text) of a ``ProcessFailure``'s message: the exception and its
     traceback from the rank's error file, else torch's words for a signal or an exit code."""
     m = f.message
     if isinstance(m, dict):  # what ErrorHandler.record_exception writes
         return m.get("message", ""), m.get("message", "") + "\n" + m.get("extraInfo", {}).get("py_callstack", "")
+    if f.exitcode > 0 and m.startswith("To enable traceback"):  # torch's words for "no error file"
+        m = f"exited with code {f.exitcode} without an uncaught exception (sys.exit, os._exit)"
     return (m.strip().splitlines() or [""])[-1], m
 
 

@@ -159,3 +159,10 @@ def test_ranks_calling_different_sizes_get_a_collective_mismatch_not_ring_change
     assert "rank 1: first: CollectiveMismatch: " in p.stdout and "expected a frame of 20 bytes from its peer and received one of 16" in p.stdout, p.stdout
     assert "rank 0: next: CollectiveMismatch: an earlier collective" in p.stdout, p.stdout
     assert not issubclass(diphoma.CollectiveMismatch, diphoma.RingChanged)
+
+
+def test_a_sparse_tensor_and_a_src_outside_the_group_are_named(world_one):
+    with pytest.raises(diphoma.ConfigError, match="all_reduce: torch.sparse_coo tensors are not supported"):
+        dist.all_reduce(torch.ones(3).to_sparse())
+    with pytest.raises(diphoma.ConfigError, match="broadcast: src rank 7 is not in the group \\(ranks 0 to 0\\)"):
+        dist.broadcast(torch.ones(2), src=7)

@@ -22,6 +22,14 @@ def test_every_operation_matches_gloo(world):
     assert counts["gloo"] > 300, counts  # most cases are compared against gloo itself
 
 
+def test_a_message_sent_before_leaving_arrives_with_the_views_elements():
+    """The sender hosts the store and exits right after a blocking send of a strided view: the
+    group's shutdown waits until the message was received, and the receiver gets the view's
+    elements, not the memory after its first one."""
+    p = check(launch(2, "send_then_exit.py", timeout=100))
+    assert "received [1.0, 5.0, 9.0]" in p.stdout, p.stdout
+
+
 def test_monitored_barrier_names_the_missing_rank():
     p = check(launch(3, "monitored_barrier.py", timeout=100))
     assert "rank 0: diphoma: monitored_barrier: rank 2 failed to pass monitored_barrier in 2 s" in p.stdout, p.stdout

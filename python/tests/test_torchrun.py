@@ -35,13 +35,22 @@ def test_a_failing_rank_is_named_with_its_traceback(tmp_path):
     root cause is rank 1 with its exception and traceback (from its error file, written for an
     unchanged script), not a rank that only lost its peer."""
     p = run("--nproc", "3", "--log-dir", str(tmp_path), script("raise_on_rank.py"), "1")
-    assert p.returncode != 0, p.stdout
+    assert p.returncode == 1, (p.returncode, p.stderr[-3000:])  # rank 1's own code: it had time to exit
     root = p.stderr.split("Root Cause (first observed failure):", 1)[1]
     assert "rank      : 1 (local_rank: 1)" in root and "ValueError: bad batch on rank 1" in root, p.stderr[-3000:]
     assert 'raise_on_rank.py", line' in root, root
     assert "diphoma.run: root cause: rank 1" in p.stderr and "ValueError: bad batch on rank 1" in p.stderr
     errors = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "error.json"]
     assert any("bad batch on rank 1" in open(e).read() for e in errors), errors
+
+
+def test_a_rank_that_exits_first_is_the_root_cause_with_its_code():
+    """Rank 1 calls sys.exit(3); rank 0's all_reduce then fails with RingChanged. The root cause
+    is rank 1 with exit 3, and so is the launcher's exit code (the others get time to exit by
+    themselves before they are stopped, so no rank is blamed for a SIGTERM)."""
+    p = run("--nproc", "2", script("exit_early.py"))
+    assert p.returncode == 3, (p.returncode, p.stderr[-3000:])
+    assert "diphoma.run: root cause: rank 1, exit 3" in p.stderr, p.stderr[-3000:]
 
 
 def test_max_restarts_resumes_an_unchanged_torchrun_script_from_its_snapshot(tmp_path):

@@ -48,6 +48,9 @@ BACKEND = "diphoma"
 # The process groups whose thread runs: stopped at exit, before the interpreter finalizes, so no
 # thread is inside torch's C++ (completing a future) when daemon threads are torn down.
 _LIVE = weakref.WeakSet()
+# How long a group that is shut down waits at most for its sent messages to be received (they
+# live in rank 0's store, which may be this process: see diphoma.torch._p2p).
+_FLUSH_SECONDS = 30
 _STOP = object()
 
 
@@ -61,6 +64,8 @@ def _check(t, what):
     """Raises ConfigError naming collective ``what`` unless ``t`` is a CPU tensor."""
     if not isinstance(t, torch.Tensor):
         raise ConfigError(f"diphoma: {what}: expected a tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ConfigError(f"diphoma: {what}: {t.layout} tensors are not supported (dense tensors only)")
     if not t.is_cpu:
         raise ConfigError(
             f"diphoma: {what}: tensor on device {t.device} is not supported (CPU tensors only; no GPU path yet)"
@@ -179,6 +184,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             self._queue.put(_STOP)
             self._thread.join()
             self.ring = None
+            self._p2p.flush(min(self._timeout.total_seconds(), _FLUSH_SECONDS))
         _LIVE.discard(self)
 
     # -- machinery ---------------------------------------------------------------------
@@ -296,6 +302,8 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         root = 0 if opts is None else opts.rootRank
+        if not 0 <= root < self.size():
+            raise ConfigError(f"diphoma: broadcast: src rank {root} is not in the group (ranks 0 to {self.size() - 1})")
         for t in tensors:
             _check(t, "broadcast")
         views = [_InPlace(t) for t in tensors]
@@ -516,7 +524,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         for t in tensors:
             _check(t, "send")
         for t in tensors:
-            self._p2p.send(t, self.rank(), dst, tag)
+            self._p2p.send(t.contiguous(), self.rank(), dst, tag)
         w = _Work()
         w.done(tensors)
         return w

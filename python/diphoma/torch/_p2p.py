@@ -17,6 +17,7 @@ waiting forever.
 import ctypes
 import threading
 import time
+import warnings
 
 import torch.distributed as dist
 
@@ -57,6 +58,7 @@ class StoreP2P:
         self.store, self.timeout = store, timeout
         self._lock = threading.Lock()
         self._sent, self._taken = {}, {}  # (peer, tag) -> messages sent / receives issued
+        self._posted = []  # keys sent and perhaps not yet received (see flush)
         self._barriers = 0
         self._local = isinstance(_root_store(store), dist.HashStore)
 
@@ -77,8 +79,32 @@ class StoreP2P:
     def send(self, t, src, dst, tag):
         """Posts the contiguous ``t`` from ``src`` to ``dst`` (returns at once)."""
         self._usable("send")
-        n = self._next(self._sent, dst, tag)
-        self.store.set(f"p2p/{src}-{dst}/{tag}/{n}", _payload(t))
+        key = f"p2p/{src}-{dst}/{tag}/{self._next(self._sent, dst, tag)}"
+        self.store.set(key, _payload(t))
+        with self._lock:
+            self._posted.append(key)
+            if len(self._posted) >= 1024:  # keep only what may still be unreceived
+                self._posted = [k for k in self._posted if self.store.check([k])]
+
+    def flush(self, seconds):
+        """Waits up to ``seconds`` until every message this process sent has been received
+        (its key deleted): a rank that sends and then leaves must not take its messages with
+        it when it hosts the store. Returns the keys still unreceived (warned about)."""
+        if self._local:
+            return []
+        deadline = time.monotonic() + seconds
+        pending = list(self._posted)
+        try:
+            while pending and time.monotonic() < deadline:
+                pending = [k for k in pending if self.store.check([k])]
+                if pending:
+                    time.sleep(0.01)
+        except (RuntimeError, dist.DistError):
+            return []  # the store is gone already: nothing left to wait for
+        self._posted = pending
+        if pending:
+            warnings.warn(f"diphoma: {len(pending)} sent messages were not received within {seconds:g} s: {pending[:4]}")
+        return pending
 
     def recv(self, t, src, dst, tag):
         """Takes the next sequence number of ``src``'s messages to ``dst`` now and returns the
