@@ -15,8 +15,9 @@ MATURIN_VERSION=1.16.0
 PYTEST_VERSION=9.2.0
 VISION=("torchvision==0.29.2" "numpy==2.4.6" "pillow==13.0.0")
 # The libraries python/tests/test_libraries.py runs unchanged on the backend (their own
-# dependencies from PyPI; torch stays at TORCH_VERSION, which they accept).
-LIBS=("accelerate==1.15.0" "pytorch-lightning==2.6.6")
+# dependencies from PyPI; torch stays at TORCH_VERSION, which they accept), and the wheel's own
+# dependency prometheus-client (python/install.sh installs the wheel with --no-deps).
+LIBS=("accelerate==1.15.0" "pytorch-lightning==2.6.6" "prometheus-client==0.26.0")
 root=${DIPHOMA_PYTHON_CACHE:-$HOME/.cache/diphoma/python}
 case "${1:-}" in
   build) venv=$root/maturin-$MATURIN_VERSION; pkgs=("maturin==$MATURIN_VERSION") ;;
@@ -36,9 +37,9 @@ if [[ $1 == test && ! -f $venv/.vision-0.29.2 ]]; then
   "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "${VISION[@]}" >&2
   touch "$venv/.vision-0.29.2"
 fi
-if [[ $1 == test && ! -f $venv/.libs-accelerate-1.15.0-lightning-2.6.6 ]]; then
+if [[ $1 == test && ! -f $venv/.libs-accelerate-1.15.0-lightning-2.6.6-prometheus-0.26.0 ]]; then
   echo "adding ${LIBS[*]} to $venv" >&2
   "$venv/bin/pip" install -q --disable-pip-version-check "${LIBS[@]}" "torch==$TORCH_VERSION" >&2
-  touch "$venv/.libs-accelerate-1.15.0-lightning-2.6.6"
+  touch "$venv/.libs-accelerate-1.15.0-lightning-2.6.6-prometheus-0.26.0"
 fi
 echo "$venv"

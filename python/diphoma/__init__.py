@@ -8,6 +8,7 @@ membership sources (the fixed standalone ring, the ring directory of ``python -m
 ``torch.distributed`` backend ``"diphoma"``; ``diphoma.torch.elastic`` re-forms the ring without
 restarting the process; ``python -m diphoma.run --nproc N script.py`` starts N ranks on
 127.0.0.1. ``diphoma.report`` publishes training progress on the Rust worker's heartbeat path.
+``diphoma.metrics`` serves the Rust worker's Prometheus metrics from Python workers.
 ``diphoma.split`` and ``diphoma.Speed`` are the contract's speed-weighted shares (the Rust
 worker's functions), used by ``diphoma.torch.ElasticSampler``.
 
@@ -31,6 +32,8 @@ from diphoma._native import (
     membership_json,
     split,
 )
+
+from diphoma import metrics  # noqa: E402  (after the native module)
 
 for _e in (ConfigError, RingError, RingChanged, CollectiveMismatch):
     _e.__module__ = __name__  # shown as diphoma.ConfigError in tracebacks
@@ -73,6 +76,9 @@ def report(step=None, loss=None, samples=None, test_accuracy=None, total_steps=N
     if samples is not None:
         p["since"] = p["since"] or time.monotonic()
         p["samples"] += int(samples)
+    metrics.STEP.set(p["step"])
+    metrics.LOSS.set(p["loss"])
+    metrics.SAMPLES_PER_SECOND.set(_samples_per_second())
     follower = _current["follower"]
     if test_accuracy is not None:
         if not 0.0 <= test_accuracy <= 1.0:

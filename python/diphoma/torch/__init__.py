@@ -30,6 +30,7 @@ import queue
 import secrets
 import socket
 import threading
+import time
 import weakref
 from datetime import timedelta
 
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 import diphoma
-from diphoma import ConfigError, Follower, RingChanged
+from diphoma import ConfigError, Follower, RingChanged, metrics
 from diphoma.torch import _ops
 from diphoma.torch._p2p import StoreP2P
 
@@ -284,11 +285,15 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             _check(t, what)
         plans = [_ops.plan_reduction(what, t.dtype, _reduce_opts(opts)) for t in tensors]
         views = [_InPlace(t) for t in tensors]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
         def job():
+            t0 = time.perf_counter()
             for v, plan in zip(views, plans):
                 self._allreduce_into(v.buf, plan)
                 v.done()
+            metrics.ALLREDUCE_SECONDS.observe(time.perf_counter() - t0)
+            metrics.ALLREDUCE_BYTES.inc(nbytes)
 
         return self._submit(job, tensors, opts)
 
@@ -656,6 +661,8 @@ def _create(store, rank, size, timeout):
             f"diphoma: torch rank {rank}/world {size} differ from the ring's "
             f"DIPHOMA_RANK {ring.rank}/DIPHOMA_WORLD_SIZE {ring.world}"
         )
+    metrics.RING_GENERATION.set(ring.generation)
+    metrics.serve_if_configured(ring.host)
     return ProcessGroupDiphoma(ring, rank, size, store, timeout)
 
 

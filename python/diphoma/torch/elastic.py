@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 import diphoma
 import diphoma.torch as backend
-from diphoma import RingChanged, RingError
+from diphoma import RingChanged, RingError, metrics
 from diphoma.torch import checkpoint
 
 
@@ -198,8 +198,10 @@ def run(func):
                 if not (isinstance(e, RingChanged) or ring.failed):
                     raise
                 state.restore()
-                if not isinstance(e, _Switch) and not follower.failed(ring):
-                    raise RingError("diphoma: the ring could not re-form") from e
+                if not isinstance(e, _Switch):
+                    if not follower.failed(ring):
+                        raise RingError("diphoma: the ring could not re-form") from e
+                    metrics.REPAIRS.inc()
             finally:
                 dist.destroy_process_group()
 

@@ -53,8 +53,8 @@ estimate (``diphoma.Speed``, an exponential moving average of weight 0.3):
   the exchanges still happen at the same point on every rank, and in steady state one share is
   asked for per training step, so each measured interval is still one step (timed against the
   size of the share asked for, which differs only around a re-split).
-- Not reached from Python: the Rust worker's ``diphoma_worker_batch_share`` gauge (the binding
-  serves no ``/metrics``); the job's status and the progress records are.
+- This rank's share is the ``diphoma_worker_batch_share`` gauge (``diphoma.metrics``), as the
+  Rust worker's.
 
 The split reaches the job's status as the Rust worker's does: rank 0's progress records carry
 every rank's share (``status.progress.minBatchShare``/``maxBatchShare``).
@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 
 import diphoma
-from diphoma import ConfigError
+from diphoma import ConfigError, metrics
 from diphoma._native import DEFAULT_BALANCE_EVERY, ENV_BALANCE_EVERY, ENV_SPEED_WEIGHTED, Speed, split
 
 
@@ -227,6 +227,7 @@ class ElasticSampler(torch.utils.data.Sampler):
             self.shares = split(self.global_batch, self.rates)
         else:
             self.shares = split(self.global_batch, [1.0] * world)
+        metrics.BATCH_SHARE.set(self.shares[rank])
         follower = diphoma._current["follower"]
         if follower is not None:
             follower.set_shares(self.shares)
