@@ -245,11 +245,16 @@ class Elastic:
         self.procs.append(subprocess.Popen(self.command, env=env))
         self.members.append([name, port, self.procs[-1]])
 
-    def publish(self):
-        """Writes the next generation: every member still listed, in rank order."""
+    def publish(self, why=None):
+        """Writes the next generation: every member still listed, in rank order; announces it
+        on stderr with ``why`` (what changed) after the first."""
         self.generation += 1
         doc = membership_json(self.generation, self.job_uid, [(n, HOST, port) for n, port, _ in self.members])
         write_atomic(os.path.join(self.ring_dir, "membership.json"), doc)
+        if why:
+            names = ", ".join(n for n, _, _ in self.members)
+            print(f"diphoma.run: {why}; published generation {self.generation}: world {len(self.members)} ({names})",
+                  file=sys.stderr, flush=True)
 
     def supervise(self, replace):
         """Publishes a generation without each rank that fails (and, with ``replace``, one
@@ -259,14 +264,15 @@ class Elastic:
             failed = [m for m in self.members if m[2].poll() not in (None, 0)]
             if failed:
                 code = exit_code(failed[-1][2].returncode)
+                lost = ", ".join(f"{m[0]} (rank {self.members.index(m)}, exit {exit_code(m[2].returncode)})" for m in failed)
                 self.members = [m for m in self.members if m not in failed]
                 if not self.members:
                     return code
-                self.publish()
+                self.publish(f"lost {lost}")
                 if replace:
                     for _ in failed:
                         self.spawn()
-                    self.publish()
+                    self.publish(f"started {', '.join(m[0] for m in self.members[-len(failed):])}")
             if all(m[2].poll() == 0 for m in self.members):
                 return 0
             time.sleep(0.05)

@@ -89,6 +89,9 @@ def test_survivors_go_on_at_the_next_generation(tmp_path):
     assert code == 0, output[-6000:]
     check_survivors(before, after)
     assert {r["world"] for n, r in after.items() if n != "local-2"} == {3}
+    # The change is announced where users look: the launcher's and each survivor's stderr.
+    assert "diphoma.run: lost local-2 (rank 2, exit 137); published generation 2: world 3 (local-0, local-1, local-3)" in output, output[-4000:]
+    assert "left ring generation 1 (world 4) and joined generation 2" in output, output[-4000:]
     ours = torch.load(out / "params.pt")
     torch.testing.assert_close(ours, undisturbed(STEPS), atol=5e-5, rtol=2e-4)
     # The tolerance is tight enough to see a step lost or trained twice.
@@ -106,6 +109,7 @@ def test_a_joiner_receives_the_state(tmp_path):
     code, before, after, _, out, output = run_and_kill(tmp_path, "--replace")
     assert code == 0, output[-6000:]
     check_survivors(before, after)
+    assert "diphoma.run: started local-4; published generation 3: world 4" in output, output[-4000:]
     joiner = after["local-4"]
     assert joiner["first_generation"] > 1 and joiner["step"] == STEPS and joiner["world"] == 4, joiner
     torch.testing.assert_close(torch.load(out / "params.pt"), undisturbed(STEPS), atol=5e-5, rtol=2e-4)

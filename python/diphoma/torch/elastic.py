@@ -41,6 +41,7 @@ import copy
 import ctypes
 import functools
 import io
+import logging
 import os
 
 import torch
@@ -50,6 +51,10 @@ import diphoma
 import diphoma.torch as backend
 from diphoma import RingChanged, RingError, metrics
 from diphoma.torch import checkpoint
+
+
+# Ring changes are announced here (WARNING: shown on stderr without any logging set up).
+_log = logging.getLogger("diphoma")
 
 
 class _Switch(RingChanged):
@@ -185,8 +190,13 @@ def run(func):
         if resumed:
             state.load(resumed[1])
             diphoma._progress["last_checkpoint"] = state.step
+        joined = None
         while True:
             ring = follower.connect()
+            if joined is not None:
+                _log.warning("diphoma: rank %d left ring generation %d (world %d) and joined generation %d: "
+                             "rank %d of world %d", joined[1], joined[0], joined[2], ring.generation, ring.rank, ring.world)
+            joined = (ring.generation, ring.rank, ring.world)
             backend._HANDOFF.append(ring)
             dist.init_process_group(backend=backend.BACKEND, store=dist.HashStore(), rank=ring.rank, world_size=ring.world)
             try:
