@@ -4,14 +4,17 @@ train.py [args…]`` starts 4 ranks of ``train.py`` on 127.0.0.1.
 It picks free ports (one ring address per rank, one for torch's rendezvous store), writes a
 random per-job key to a private temporary file, and sets for every rank the ring's
 ``DIPHOMA_RANK``, ``DIPHOMA_WORLD_SIZE``, ``DIPHOMA_RING_ADDRESSES``, ``DIPHOMA_JOB_UID``,
-``DIPHOMA_KEY_FILE`` and torch's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``. When a rank fails, the others are
-stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and the launcher exits with the failed
-rank's code (128 + N for a rank killed by signal N); SIGINT/SIGTERM to the launcher stop every
-rank. Like torchrun, it sets ``OMP_NUM_THREADS=1`` for every rank when there are several and the
-variable is not set, so N ranks' intra-op thread pools do not oversubscribe the cores. The key file is removed on exit. ``DIPHOMA_RING_PROTECTION`` passes through from the
-launcher's environment: ``none`` (allowed on this loopback-only ring), ``integrity`` (the
-default) or ``encryption``.
+``DIPHOMA_KEY_FILE`` and torchrun's variables (``torchrun_env``). It takes torchrun's common
+flags (``parse``) and runs the ranks under torch's ``torch.distributed.elastic.multiprocessing``
+(``run_fixed``): output prefixed ``[rankN]:``, per-rank logs and error files, and when a rank
+fails the others get ``--grace`` seconds to exit by themselves before SIGTERM (SIGKILL after
+``--grace`` more), then torch's failure summary names the root cause (``root_cause``) and the
+launcher exits with its code (128 + N for signal N), or restarts every rank
+(``--max-restarts``). SIGINT/SIGTERM to the launcher stop every rank. Like torchrun, it sets
+``OMP_NUM_THREADS=1`` for every rank when there are several and the variable is not set, so N
+ranks' intra-op thread pools do not oversubscribe the cores. The key file is removed on exit.
+``DIPHOMA_RING_PROTECTION`` passes through from the launcher's environment: ``none`` (allowed on
+this loopback-only ring), ``integrity`` (the default) or ``encryption``.
 
 With ``--elastic`` the ranks follow a ring directory instead of a fixed world (the standalone
 stand-in for the operator and its two ConfigMaps, read by ``diphoma-ring``'s ``FileRing``): the
