@@ -74,8 +74,10 @@ def report(step=None, loss=None, samples=None, test_accuracy=None, total_steps=N
     if loss is not None:
         p["loss"] = float(loss)
     if samples is not None:
-        p["since"] = p["since"] or time.monotonic()
-        p["samples"] += int(samples)
+        if p["since"] is None:  # the rate runs from the first report: its samples took unknown time
+            p["since"] = time.monotonic()
+        else:
+            p["samples"] += int(samples)
     metrics.STEP.set(p["step"])
     metrics.LOSS.set(p["loss"])
     metrics.SAMPLES_PER_SECOND.set(_samples_per_second())

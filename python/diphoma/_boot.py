@@ -11,9 +11,11 @@ or ``python -m MODULE`` would, with two additions of torchrun's machinery:
   that exists (Hugging Face Accelerate picks gloo on CPU unless one is initialised).
 """
 
+import json
 import os
 import runpy
 import sys
+import time
 
 
 def main(argv):
@@ -45,8 +47,25 @@ def main(argv):
     except SystemExit:
         raise
     except BaseException as e:
+        when = time.time()
         handler.record_exception(e)
+        _stamp(when)
         raise
+
+
+def _stamp(when):
+    """Adds ``diphoma_time`` (``when``, seconds since the epoch, sub-second) to the error file
+    torch's ErrorHandler just wrote, whose own timestamp has whole seconds: the launcher orders
+    failures within a second by it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        data["message"]["extraInfo"]["diphoma_time"] = when
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except (OSError, TypeError, KeyError, ValueError):
+        pass  # no error file (not under the launcher), or not torch's layout: nothing to add
 
 
 if __name__ == "__main__":

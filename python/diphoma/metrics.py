@@ -44,8 +44,9 @@ _lock = threading.Lock()
 
 
 def port_from_env(env=None):
-    """The port to serve on: ``DIPHOMA_METRICS_PORT`` (0 or empty: none), else 9400 in a
-    worker pod, else None. Raises ``ValueError`` naming the variable when it is not a port."""
+    """The port to serve on: ``DIPHOMA_METRICS_PORT`` (0 or empty: none) plus ``LOCAL_RANK``
+    (so the ranks of one launcher serve side by side), else 9400 in a worker pod, else None.
+    Raises ``ValueError`` naming the variable when it is not a port."""
     env = os.environ if env is None else env
     raw = env.get(ENV_METRICS_PORT)
     if raw is None:
@@ -58,7 +59,7 @@ def port_from_env(env=None):
         port = -1
     if not 0 <= port <= 65535:
         raise ValueError(f"environment variable {ENV_METRICS_PORT}: {raw!r} is not a port (0 to 65535)")
-    return port or None
+    return port + int(env.get("LOCAL_RANK") or 0) if port else None
 
 
 def serve_if_configured(host):

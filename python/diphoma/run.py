@@ -84,10 +84,13 @@ def torchrun_env(rank, world, master_port, restart=0, run_id="none", max_restart
     return {k: str(v) for k, v in env.items()}
 
 
-def rank_envs(nproc, key_file, base=None, restart=0, run_id="none", max_restarts=0):
+def rank_envs(nproc, key_file, base=None, restart=0, run_id="none", max_restarts=0, master_port=None):
     """The environment of each of ``nproc`` ranks (``base``: the launcher's own, see
-    ``base_env``): the ring's ``DIPHOMA_*`` variables and torchrun's (``torchrun_env``)."""
+    ``base_env``): the ring's ``DIPHOMA_*`` variables and torchrun's (``torchrun_env``), the
+    rendezvous store at ``master_port`` (default: a free port)."""
     ports = free_ports(nproc + 1)
+    if master_port:
+        ports[0] = master_port
     addresses = ",".join(f"{HOST}:{p}" for p in ports[1:])
     job_uid = f"standalone-{secrets.token_hex(8)}"
     envs = []
@@ -144,7 +147,7 @@ def run_fixed(a, key_file, log_dir):
                              tee=Std.ALL if a.tee == "0" and a.redirects == "0" else Std.from_str(a.tee),
                              local_ranks_filter=ranks)
     for restart in range(a.max_restarts + 1):
-        envs = rank_envs(a.nproc, key_file, base_env(a.nproc), restart, run_id, a.max_restarts)
+        envs = rank_envs(a.nproc, key_file, base_env(a.nproc), restart, run_id, a.max_restarts, a.master_port)
         ctx = start_processes(name="diphoma", entrypoint=entry, args={r: args for r in range(a.nproc)},
                               envs={r: envs[r] for r in range(a.nproc)}, logs_specs=specs,
                               log_line_prefixes={r: f"[rank{r}]:" for r in range(a.nproc)})
@@ -154,11 +157,13 @@ def run_fixed(a, key_file, log_dir):
             ctx.close(signal.SIGTERM, timeout=max(1, int(a.grace)))
         if not result.is_failed():
             return 0
-        root = root_cause(result.failures)
+        root = root_cause(result.failures, result.exited)
         if restart < a.max_restarts:
             print(f"diphoma.run: rank {root.local_rank} failed (exit {exit_code(root.exitcode)}); "
                   f"restarting every rank ({restart + 1} of {a.max_restarts})", file=sys.stderr, flush=True)
-    # torch's summary names the earliest failure among equal timestamps first: put ours first.
+    # torch's summary calls the earliest failure the root cause (whole seconds, first among
+    # equals): ours goes first, no later than any other.
+    root.timestamp = min(f.timestamp for f in result.failures.values())
     failures = {root.local_rank: root, **result.failures}
     print(ChildFailedError(name=a.script, failures=failures).format_msg(), file=sys.stderr, flush=True)
     print(f"diphoma.run: root cause: rank {root.local_rank}, exit {exit_code(root.exitcode)}: {failure_text(root)[0]}",
@@ -171,16 +176,27 @@ def settle(ctx, grace):
     failed; then gives the others up to ``grace`` s to exit by themselves (a rank that raised
     may still be writing its traceback; its ring peers fail at once) before torch's ``wait``
     records the failures and stops what still runs. Returns torch's ``RunProcsResult``."""
-    procs = [h.proc for h in ctx.subprocess_handlers.values()]
+    procs = dict(enumerate(h.proc for h in ctx.subprocess_handlers.values()))
+    exited = {}  # local rank -> when its exit was first seen (seconds since the epoch)
+
+    def look():
+        for r, p in procs.items():
+            if r not in exited and p.poll() is not None:
+                exited[r] = time.time()
+
     while True:
-        codes = [p.poll() for p in procs]
+        look()
+        codes = [p.returncode for p in procs.values()]
         if None not in codes or any(c not in (None, 0) for c in codes):
             break
         time.sleep(0.05)
     deadline = time.monotonic() + grace
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+    while len(exited) < len(procs) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return ctx.wait(0)
+        look()
+    result = ctx.wait(0)
+    result.exited = exited
+    return result
 
 
 def failure_text(f):
@@ -194,9 +210,11 @@ def failure_text(f):
     return (m.strip().splitlines() or [""])[-1], m
 
 
-def root_cause(failures):
-    """The failure that started it, of torch's ``ProcessFailure``s by local rank: the earliest
-    of those that are not consequences, else the earliest of all. A consequence is a rank whose
+def root_cause(failures, exited=None):
+    """The failure that started it, of torch's ``ProcessFailure``s by local rank (``exited``:
+    when the launcher saw each rank gone): the earliest of those that are not consequences,
+    else the earliest of all, by the exception's time (``diphoma._boot`` stamps it to the
+    sub-second) or the exit seen. A consequence is a rank whose
     recorded exception is its ring losing a peer (``RingChanged``, ``RingError``), or one the
     launcher stopped (SIGTERM) before it recorded any; a rank that recorded another exception
     is a cause even when it was stopped while it exited."""
@@ -205,8 +223,13 @@ def root_cause(failures):
             return f.message.get("message", "").split(":")[0] in ("RingChanged", "RingError")
         return f.exitcode == -signal.SIGTERM
 
+    def when(f):  # the exception's own time, else when the rank was seen gone, else torch's
+        if isinstance(f.message, dict) and "diphoma_time" in f.message.get("extraInfo", {}):
+            return f.message["extraInfo"]["diphoma_time"]
+        return (exited or {}).get(f.local_rank, f.timestamp)
+
     causes = [f for f in failures.values() if not consequence(f)] or list(failures.values())
-    return min(causes, key=lambda f: (f.timestamp, f.local_rank))
+    return min(causes, key=lambda f: (when(f), f.local_rank))
 
 
 def command(a):
@@ -260,13 +283,22 @@ class Elastic:
                   file=sys.stderr, flush=True)
 
     def supervise(self, replace):
-        """Publishes a generation without each rank that fails (and, with ``replace``, one
-        with its replacement); returns the exit code (see the module doc)."""
+        """Publishes a generation without each rank that is lost (killed by a signal) and,
+        with ``replace``, one with its replacement; a rank that exits with 1-127 (an exception,
+        ``sys.exit``) is a permanent error, as in a DiphomaJob: every rank is stopped and that
+        code returned. Returns the exit code (see the module doc)."""
         code = 0
         while True:
             failed = [m for m in self.members if m[2].poll() not in (None, 0)]
             if failed:
                 code = exit_code(failed[-1][2].returncode)
+                permanent = [m for m in failed if 1 <= m[2].returncode <= 127]
+                if permanent:
+                    name, rc = permanent[0][0], permanent[0][2].returncode
+                    print(f"diphoma.run: {name} (rank {self.members.index(permanent[0])}) exited with {rc}: a permanent "
+                          "error (exits 1-127, as a DiphomaJob's default faultTolerance.restartOnExitCodes); "
+                          "stopping every rank", file=sys.stderr, flush=True)
+                    return rc
                 lost = ", ".join(f"{m[0]} (rank {self.members.index(m)}, exit {exit_code(m[2].returncode)})" for m in failed)
                 self.members = [m for m in self.members if m not in failed]
                 if not self.members:
@@ -288,6 +320,10 @@ def parse(argv):
     ap.add_argument("--nnodes", default="1", help="must be 1 (standalone: one node; a DiphomaJob spans nodes)")
     ap.add_argument("--node-rank", "--node_rank", type=int, default=0, help="must be 0")
     ap.add_argument("--standalone", action="store_true", help="accepted for torchrun's command lines (always standalone)")
+    for flag in ("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf"):
+        ap.add_argument(flag, flag.replace("-", "_").replace("__", "--"), help="accepted and ignored, as torchrun --standalone does")
+    ap.add_argument("--master-addr", "--master_addr", default=HOST, help=f"must be {HOST} (one node)")
+    ap.add_argument("--master-port", "--master_port", type=int, help="the rendezvous store's port (default: a free one)")
     ap.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                     help="restart every rank this many times after a failure (fixed ring)")
     ap.add_argument("--run-id", "--run_id", help="TORCHELASTIC_RUN_ID (default: random)")
@@ -300,7 +336,9 @@ def parse(argv):
     ap.add_argument("--no-python", "--no_python", action="store_true", help="run SCRIPT as a program, not through python")
     ap.add_argument("--backend", help="initialise the default process group with this backend (env://) before the "
                     "script runs, for libraries that pick their own (Accelerate picks gloo on CPU)")
-    ap.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    ap.add_argument("--grace", type=float, default=5.0,
+                    help="after a rank fails, seconds the others get to exit by themselves before SIGTERM (torch's "
+                    "agent sends SIGKILL 30 s after it); with --elastic, seconds between SIGTERM and SIGKILL")
     ap.add_argument("--elastic", action="store_true",
                     help="follow a ring directory: a rank that dies is dropped and the others re-form")
     ap.add_argument("--replace", action="store_true", help="with --elastic: start a new rank for each lost one")
@@ -313,6 +351,8 @@ def parse(argv):
     if a.nnodes not in ("1", "1:1") or a.node_rank != 0:
         ap.error(f"--nnodes {a.nnodes} --node-rank {a.node_rank}: this launcher runs one node; "
                  "to train across nodes, submit a DiphomaJob (see README.md, PyTorch)")
+    if a.master_addr not in (HOST, "localhost"):
+        ap.error(f"--master-addr {a.master_addr}: this launcher runs one node on {HOST}")
     if a.no_python and (a.module or a.backend):
         ap.error("--no-python runs a program: it takes neither -m nor --backend")
     if a.elastic and (a.max_restarts or a.module or a.no_python or a.backend):

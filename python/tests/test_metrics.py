@@ -42,6 +42,7 @@ def test_the_metrics_port_comes_from_the_environment():
     assert metrics.port_from_env({}) is None  # standalone: nothing served
     assert metrics.port_from_env({"DIPHOMA_MEMBERSHIP": "/etc/ring"}) == 9400  # a worker pod: the contract's port
     assert metrics.port_from_env({"DIPHOMA_METRICS_PORT": "9500", "DIPHOMA_MEMBERSHIP": "x"}) == 9500
+    assert metrics.port_from_env({"DIPHOMA_METRICS_PORT": "9500", "LOCAL_RANK": "2"}) == 9502  # side by side
     assert metrics.port_from_env({"DIPHOMA_METRICS_PORT": "0"}) is None
     with pytest.raises(ValueError, match="DIPHOMA_METRICS_PORT: 'http' is not a port"):
         metrics.port_from_env({"DIPHOMA_METRICS_PORT": "http"})

@@ -51,6 +51,25 @@ def test_a_rank_that_exits_first_is_the_root_cause_with_its_code():
     p = run("--nproc", "2", script("exit_early.py"))
     assert p.returncode == 3, (p.returncode, p.stderr[-3000:])
     assert "diphoma.run: root cause: rank 1, exit 3" in p.stderr, p.stderr[-3000:]
+    root = p.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert "rank      : 1 (local_rank: 1)" in root, root  # torch's table agrees
+
+
+def test_of_two_ranks_raising_within_a_second_the_first_is_the_root_cause():
+    """torch's error files carry whole seconds; diphoma._boot stamps the exception's own time,
+    so rank 1's error, 0.1 s before rank 0's, is the root cause whatever the second."""
+    for _ in range(3):
+        p = run("--nproc", "2", script("two_raise.py"))
+        assert p.returncode == 1, p.stderr[-3000:]
+        assert "diphoma.run: root cause: rank 1, exit 1: ZeroDivisionError: rank 1's first error" in p.stderr, p.stderr[-3000:]
+
+
+def test_an_elastic_rank_that_exits_1_to_127_stops_the_run_with_its_code():
+    """As a DiphomaJob's default restartOnExitCodes: 1-127 is the script's permanent error, not
+    a lost member to re-form without; the others are stopped."""
+    p = run("--nproc", "2", "--elastic", "--grace", "1", script("elastic_exit.py"), timeout=50)
+    assert p.returncode == 5, p.stderr[-3000:]
+    assert "local-1 (rank 1) exited with 5: a permanent error" in p.stderr, p.stderr[-3000:]
 
 
 def test_max_restarts_resumes_an_unchanged_torchrun_script_from_its_snapshot(tmp_path):
@@ -72,6 +91,11 @@ def test_max_restarts_resumes_an_unchanged_torchrun_script_from_its_snapshot(tmp
 def test_module_filter_and_refused_flags():
     p = check(run("--nproc", "2", "--local-ranks-filter", "1", "-m", "json.tool", "--help"))
     assert "[rank1]:usage: python -m json.tool" in p.stdout and "[rank0]" not in p.stdout, p.stdout
+    p = check(run("--nproc", "2", "--master-port", "29661", "--rdzv-backend", "c10d", "--rdzv_endpoint", "x:1",
+                  "--no-python", "/bin/sh", "-c", "echo port $MASTER_PORT"))
+    assert "[rank1]:port 29661" in p.stdout, p.stdout
+    p = run("--master-addr", "10.0.0.1", script("omp.py"))
+    assert p.returncode == 2 and "this launcher runs one node on 127.0.0.1" in p.stderr, p.stderr
     p = run("--nnodes", "2", "--node-rank", "1", script("omp.py"))
     assert p.returncode == 2 and "this launcher runs one node" in p.stderr, p.stderr
     p = run("--elastic", "--max-restarts", "1", script("omp.py"))
