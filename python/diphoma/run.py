@@ -132,8 +132,9 @@ def run_fixed(a, key_file, log_dir):
     ``torch.distributed.elastic.multiprocessing`` (as torchrun's local agent): every line of
     their output prefixed ``[rankN]:`` (``--local-ranks-filter`` keeps some), copies in
     ``log_dir`` (``--redirects``, ``--tee``), each rank's uncaught exception in its error file.
-    When a rank fails, the others are stopped (SIGTERM, SIGKILL after ``a.grace`` s); the whole
-    ring is started again, on new ports, up to ``a.max_restarts`` times
+    When a rank fails, the others get ``a.grace`` s to exit by themselves (``settle``), then
+    SIGTERM (torch's SIGKILL 30 s later); the whole ring is started again, on new ports, up to
+    ``a.max_restarts`` times
     (``TORCHELASTIC_RESTART_COUNT`` counts them). Returns the exit code: 0, or the first failed
     rank's (128 + N for a signal), after printing torch's failure summary naming the root-cause
     rank, its exit code and its traceback."""
