@@ -44,13 +44,13 @@ from diphoma import membership_json
 HOST = "127.0.0.1"
 
 
-def free_ports(n):
-    """``n`` distinct ports free on 127.0.0.1 at the time of the call."""
+def free_ports(n, host=HOST):
+    """``n`` distinct ports free on ``host`` (default 127.0.0.1) at the time of the call."""
     socks = []
     try:
         for _ in range(n):
             s = socket.socket()
-            s.bind((HOST, 0))
+            s.bind((host, 0))
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:

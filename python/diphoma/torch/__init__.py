@@ -28,7 +28,6 @@ fixed across world sizes.
 import atexit
 import queue
 import secrets
-import socket
 import threading
 import time
 import weakref
@@ -40,6 +39,7 @@ from torch.futures import Future
 
 import diphoma
 from diphoma import ConfigError, Follower, RingChanged, metrics
+from diphoma.run import free_ports
 from diphoma.torch import _ops
 from diphoma.torch._p2p import StoreP2P
 
@@ -334,30 +334,18 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         return self._submit(job, output_tensors, opts)
 
     def all_gather_single(self, output, input, opts=None):
-        what = "all_gather_into_tensor"
-        _check(output, what)
-        _check(input, what)
-        if output.numel() != input.numel() * self.size() or output.dtype != input.dtype:
-            raise ConfigError(f"diphoma: {what} needs an output of world × the input's numel and dtype")
-        out = _InPlace(output)
+        return self.all_gather_single_coalesced([output], [input], opts, "all_gather_into_tensor", output)
 
-        def job():
-            flat = out.buf.view(self.size(), -1)
-            flat[self.rank()].copy_(input.reshape(-1))
-            self.ring.allgather(flat.data_ptr(), flat.numel() * flat.element_size())
-            out.done()
-
-        return self._submit(job, output, opts)
-
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None, what="all_gather_into_tensor_coalesced",
+                                    result=None):
         """The coalesced ``all_gather_into_tensor`` (FSDP, ``_coalescing_manager``): one
-        all-gather per pair, in order, as one work."""
-        what = "all_gather_into_tensor_coalesced"
+        all-gather per pair, in order, as one work (whose future holds ``result``, default
+        ``outputs``)."""
         for o, i in zip(outputs, inputs):
             _check(o, what)
             _check(i, what)
             if o.numel() != i.numel() * self.size() or o.dtype != i.dtype:
-                raise ConfigError(f"diphoma: {what} needs outputs of world × their input's numel and dtype")
+                raise ConfigError(f"diphoma: {what} needs an output of world × the input's numel and dtype")
         views = [_InPlace(o) for o in outputs]
 
         def job():
@@ -367,7 +355,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                 self.ring.allgather(flat.data_ptr(), flat.numel() * flat.element_size())
                 v.done()
 
-        return self._submit(job, outputs, opts)
+        return self._submit(job, outputs if result is None else result, opts)
 
     def _root_list(self, what, lists, like, root, name):
         """The tensor list only rank ``root`` passes (``name``: ``gather_list``,
@@ -493,11 +481,13 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         return self._submit(job, output_tensors, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        return self.reduce_scatter_single_coalesced([output], [input], opts, "reduce_scatter_tensor")
+        return self.reduce_scatter_single_coalesced([output], [input], opts, "reduce_scatter_tensor", output)
 
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None, what="reduce_scatter_tensor_coalesced"):
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None, what="reduce_scatter_tensor_coalesced",
+                                        result=None):
         """The coalesced ``reduce_scatter_tensor`` (FSDP, ``_coalescing_manager``): one
-        reduce-scatter per pair, in order, as one work."""
+        reduce-scatter per pair, in order, as one work (whose future holds ``result``, default
+        ``outputs``)."""
         plans = []
         for output, input in zip(outputs, inputs):
             _check(output, what)
@@ -511,7 +501,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                 # The ring leaves partial sums in the other chunks: work on a copy of the input.
                 self._scatter_into(input.reshape(-1).clone(), output, plan)
 
-        return self._submit(job, outputs[0] if len(outputs) == 1 else outputs, opts)
+        return self._submit(job, outputs if result is None else result, opts)
 
     # Older torch releases call the tensor forms of all_gather_into_tensor and
     # reduce_scatter_tensor by these names.
@@ -679,9 +669,7 @@ def _subring(store, rank, size):
     if rank == 0:
         store.set("diphoma/tag", secrets.token_hex(8))
     host = parent.ring.host
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
+    port = free_ports(1, host)[0]
     store.set(f"diphoma/address/{rank}", f"{host}:{port}")
     addresses = [store.get(f"diphoma/address/{r}").decode() for r in range(size)]
     return parent.ring.subring(rank, addresses, store.get("diphoma/tag").decode())

@@ -26,6 +26,21 @@ from diphoma import ConfigError
 _HEADER = b"\n"  # between the text header "<dtype> <numel>" and the bytes
 
 
+def _poll(found, seconds):
+    """Calls ``found()`` 1 to 10 ms apart until it returns something other than None, or
+    ``seconds`` have passed (then returns None). Polled rather than waited on: torch's store
+    client runs one request at a time, and a blocking wait would hold back every send of this
+    process."""
+    deadline = time.monotonic() + seconds
+    pause = 0.001
+    while True:
+        got = found()
+        if got is not None or time.monotonic() > deadline:
+            return got
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+
+
 def _root_store(store):
     """The store under ``store``'s prefixes."""
     return getattr(store, "_underlying_non_prefix_store", store)
@@ -92,13 +107,14 @@ class StoreP2P:
         it when it hosts the store. Returns the keys still unreceived (warned about)."""
         if self._local:
             return []
-        deadline = time.monotonic() + seconds
         pending = list(self._posted)
+
+        def received():
+            pending[:] = [k for k in pending if self.store.check([k])]
+            return None if pending else True
+
         try:
-            while pending and time.monotonic() < deadline:
-                pending = [k for k in pending if self.store.check([k])]
-                if pending:
-                    time.sleep(0.01)
+            _poll(received, seconds)
         except (RuntimeError, dist.DistError):
             return []  # the store is gone already: nothing left to wait for
         self._posted = pending
@@ -133,33 +149,26 @@ class StoreP2P:
         return lambda: self._take(t, candidates, claim)
 
     def _take(self, t, candidates, claim=lambda src, key: True):
-        """Polls the keys of ``candidates()`` (``[(src, key)]``), 1 to 10 ms apart, until one
-        exists that ``claim`` grants; fills ``t`` from it, deletes it and returns its ``src``.
-        Polled rather than waited on: torch's store client runs one request at a time, and a
-        blocking wait would hold back every send of this process."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        pause = 0.001
-        while True:
+        """Polls the keys of ``candidates()`` (``[(src, key)]``) until one exists that
+        ``claim`` grants; fills ``t`` from it, deletes it and returns its ``src``. Raises
+        ``DistStoreError`` after the timeout."""
+        def pick():
             for src, key in candidates():
                 if self.store.check([key]) and claim(src, key):
-                    _fill(t, self.store.get(key), src)
-                    self.store.delete_key(key)
-                    return src
-            if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"diphoma: recv: nothing arrived within {self.timeout}")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+                    return src, key
+            return None
+
+        found = _poll(pick, self.timeout.total_seconds())
+        if found is None:
+            raise dist.DistStoreError(f"diphoma: recv: nothing arrived within {self.timeout}")
+        src, key = found
+        _fill(t, self.store.get(key), src)
+        self.store.delete_key(key)
+        return src
 
     def _arrived(self, key, seconds):
-        """True once ``key`` exists, False after ``seconds`` (polled, as ``_take``)."""
-        deadline = time.monotonic() + seconds
-        pause = 0.001
-        while not self.store.check([key]):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
-        return True
+        """True once ``key`` exists, False after ``seconds``."""
+        return _poll(lambda: True if self.store.check([key]) else None, seconds) is not None
 
     def monitored_barrier(self, rank, world, seconds, wait_all_ranks):
         """Rank 0 waits up to ``seconds`` for every other rank's check-in and then releases
