@@ -49,6 +49,10 @@ pub struct ProgressReport {
     pub max_share: Option<u64>,
     /// When it was written (RFC 3339).
     pub time: String,
+    /// UID of the job whose worker wrote it; the operator ignores a record of another job (the
+    /// orphaned workers of a deleted job of the same name). Absent (older workers): trusted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_uid: Option<String>,
 }
 
 /// `(min_share, max_share)` of a split of the global batch (samples per rank), `None` for none.
@@ -75,4 +79,7 @@ pub struct FailureReport {
     pub error: String,
     /// When it was written (RFC 3339).
     pub time: String,
+    /// UID of the reporter's job, as in [`ProgressReport::job_uid`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_uid: Option<String>,
 }

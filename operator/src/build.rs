@@ -40,6 +40,8 @@ pub const MANAGED_BY: &str = "diphoma-operator";
 pub const ANNOT_DELETED_BY_OPERATOR: &str = "diphoma.io/deleted-by-operator";
 /// Annotation recording that a pod's failure has been counted (its value is the cause).
 pub const ANNOT_FAILURE_COUNTED: &str = "diphoma.io/failure-counted";
+/// Label on each worker pod: the [`worker_spec_digest`] of the spec it was built from.
+pub const LABEL_WORKER_SPEC: &str = "diphoma.io/worker-spec";
 /// Where the checkpoint volume is mounted when the template does not mount it itself.
 pub const CHECKPOINT_MOUNT_DIR: &str = "/var/lib/diphoma/checkpoints";
 /// Extended resource name of NVIDIA GPUs.
@@ -154,6 +156,31 @@ pub enum BuildError {
     },
 }
 
+/// A digest of everything in the spec that a worker is built from and that its ring peers must
+/// agree on: `template`, `gpusPerWorker`, `placement`, `checkpoint`, `ringPort`, `ring`,
+/// `balance`, `sync` and `faultTolerance.detectionSeconds` (not `replicas`, `elastic`,
+/// `runPolicy` nor the failure policy, which only the operator reads). 16 hex digits of SHA-256
+/// over their JSON (serde's field order, sorted maps): stable across operator versions, so an
+/// upgrade replaces nothing. Two workers with the same digest run the same spec; a ring never
+/// mixes two (see `plan::workers`).
+pub fn worker_spec_digest(job: &DiphomaJob) -> String {
+    use sha2::Digest;
+    let s = &job.spec;
+    let shaping = serde_json::json!([
+        s.template,
+        s.gpus_per_worker,
+        s.placement,
+        s.checkpoint,
+        s.ring_port,
+        s.ring,
+        s.balance,
+        s.sync,
+        s.fault_tolerance.detection_seconds,
+    ]);
+    let hash = sha2::Sha256::digest(shaping.to_string().as_bytes());
+    hash[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Worker pod `index` (attempt `attempt`): the user's template plus the contract env, the ring
 /// port, labels, `nvidia.com/gpu` limits, GPU node selection and toleration, and the key volume.
 /// `restartPolicy` is `Never`: the operator replaces failed workers itself. The first container
@@ -203,6 +230,7 @@ pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Result<Pod, Bui
     let mut pod_labels = tpl_meta.labels.unwrap_or_default();
     pod_labels.extend(labels(job));
     pod_labels.insert(LABEL_REPLICA_INDEX.into(), index.to_string());
+    pod_labels.insert(LABEL_WORKER_SPEC.into(), worker_spec_digest(job));
     meta.labels = Some(pod_labels);
     meta.annotations = tpl_meta.annotations;
     Ok(Pod {

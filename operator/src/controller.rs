@@ -533,7 +533,7 @@ async fn report_invalid(
         .and_then(|s| serde_json::from_value(s.clone()).ok());
     // Guarded: the API server answers with the job, which does not decode.
     let jobs: Api<DeserializeGuard<DiphomaJob>> = Api::namespaced(ctx.client.clone(), &ns);
-    write_status(&jobs, &name, prev.as_ref(), &plan.status).await?;
+    write_status(&jobs, &name, None, prev.as_ref(), &plan.status).await?;
     publish(ctx, &job.object_ref(&()), &plan.events).await;
     Ok(Action::await_change())
 }
@@ -687,8 +687,10 @@ fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String
     let version = heartbeat
         .as_ref()
         .and_then(|cm| cm.metadata.resource_version.clone());
-    let (progress, reports) =
-        read_heartbeat(heartbeat.and_then(|cm| cm.data.clone()).unwrap_or_default());
+    let (progress, reports) = read_heartbeat(
+        heartbeat.and_then(|cm| cm.data.clone()).unwrap_or_default(),
+        &uid,
+    );
     let at = std::time::Instant::now();
     let nodes = pods
         .iter()
@@ -719,22 +721,28 @@ fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String
     Ok((observed, version))
 }
 
-/// Progress and failure reports from the heartbeat ConfigMap's data; entries that do not parse
-/// are skipped with a warning (a worker's bad write must not stop the reconciler).
+/// Progress and failure reports of job `uid` from the heartbeat ConfigMap's data; entries that
+/// do not parse are skipped with a warning (a worker's bad write must not stop the reconciler),
+/// and so are records of another job (`jobUid`: an orphaned worker of a deleted job of the same
+/// name still writing).
 fn read_heartbeat(
     data: std::collections::BTreeMap<String, String>,
+    uid: &str,
 ) -> (Option<ProgressReport>, Vec<FailureReport>) {
+    let ours = |job_uid: &Option<String>| job_uid.as_deref().is_none_or(|u| u == uid);
     let mut progress = None;
     let mut reports = vec![];
     for (k, v) in data {
         if k == contract::PROGRESS_KEY {
-            match serde_json::from_str(&v) {
-                Ok(p) => progress = Some(p),
+            match serde_json::from_str::<ProgressReport>(&v) {
+                Ok(p) if ours(&p.job_uid) => progress = Some(p),
+                Ok(_) => tracing::debug!(key = %k, "a progress record of another job"),
                 Err(e) => tracing::warn!(key = %k, error = %e, "unreadable progress record"),
             }
         } else if k.starts_with(contract::REPORT_KEY_PREFIX) {
-            match serde_json::from_str(&v) {
-                Ok(r) => reports.push(r),
+            match serde_json::from_str::<FailureReport>(&v) {
+                Ok(r) if ours(&r.job_uid) => reports.push(r),
+                Ok(_) => tracing::debug!(key = %k, "a failure report of another job"),
                 Err(e) => tracing::warn!(key = %k, error = %e, "unreadable failure report"),
             }
         }
@@ -779,10 +787,14 @@ async fn apply(
         apply_children(ctx, job, written).await?;
     }
     // Status first: a counted failure is never lost, even if what follows fails.
-    if let Some(j) = write_status(&jobs, &name, job.status.as_ref(), &plan.status).await? {
+    // Conditional on the job as observed: a plan made from a stale job (its watch behind this
+    // operator's last write) is refused (409) and made again, so a failure is counted once.
+    let base = job.resource_version();
+    if let Some(j) = write_status(&jobs, &name, base, job.status.as_ref(), &plan.status).await? {
         written.note(Kind::Job, j.meta());
+        ctx.metrics
+            .observe_failures(job.status.as_ref(), &plan.status);
     }
-    ctx.metrics.observe_failures(plan);
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     for f in plan.failures.iter().filter(|f| f.exists) {
         let p = annotate(&pods, &f.pod, ANNOT_FAILURE_COUNTED, f.cause.as_str()).await?;
@@ -895,11 +907,14 @@ async fn apply(
     Ok(())
 }
 
-/// Writes `status` on job `name` (server-side apply) unless it equals `prev`; `K` is the job
-/// type the reply decodes into. The job as stored after the write (none: nothing written).
+/// Writes `status` on job `name` (server-side apply) unless it equals `prev`, conditional on
+/// the job's `resourceVersion` being `base` when given (else the API server answers 409
+/// Conflict: [`Error::PatchStatus`]); `K` is the job type the reply decodes into. The job as
+/// stored after the write (none: nothing written).
 async fn write_status<K>(
     jobs: &Api<K>,
     name: &str,
+    base: Option<String>,
     prev: Option<&DiphomaJobStatus>,
     status: &DiphomaJobStatus,
 ) -> Result<Option<K>, Error>
@@ -909,7 +924,10 @@ where
     if prev == Some(status) {
         return Ok(None);
     }
-    let body = serde_json::json!({"apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "status": status});
+    let mut body = serde_json::json!({"apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "status": status});
+    if let Some(rv) = base {
+        body["metadata"] = serde_json::json!({"resourceVersion": rv});
+    }
     jobs.patch_status(
         name,
         &PatchParams::apply(FIELD_MANAGER).force(),
@@ -1033,34 +1051,55 @@ async fn apply_children(
     let key: Vec<u8> = (0..contract::MIN_KEY_LEN)
         .map(|_| rand::random::<u8>())
         .collect();
+    let (secret_meta, heartbeat_meta) = ctx.caches.created_once(job);
     let secret = build::key_secret(job, key);
-    let o = create_once(&Api::namespaced(client.clone(), &ns), &secret)
-        .await
-        .map_err(failed("Secret", &secret.name_any()))?;
+    let o = create_once(
+        &Api::namespaced(client.clone(), &ns),
+        secret,
+        caches::adoption(secret_meta.as_ref(), job),
+    )
+    .await
+    .map_err(failed("Secret", &build::key_secret_name(&job.name_any())))?;
     if let Some(o) = o {
         written.note(Kind::Secret, o.meta());
     }
     // The workers may patch the heartbeat object but not create it (create cannot be limited by
     // resourceNames), so the operator creates it, empty, once.
     let heartbeat = build::heartbeat_configmap(job);
-    let o = create_once(&Api::namespaced(client.clone(), &ns), &heartbeat)
-        .await
-        .map_err(failed("ConfigMap", &heartbeat.name_any()))?;
+    let heartbeat_name = heartbeat.name_any();
+    let o = create_once(
+        &Api::namespaced(client.clone(), &ns),
+        heartbeat,
+        caches::adoption(heartbeat_meta.as_ref(), job),
+    )
+    .await
+    .map_err(failed("ConfigMap", &heartbeat_name))?;
     if let Some(o) = o {
         written.note(Kind::ConfigMap, o.meta());
     }
     Ok(())
 }
 
-/// Creates `obj` unless it exists (never overwritten: the key must not change under running
-/// workers, and the heartbeat's data belongs to them); the object created (none: it existed).
-async fn create_once<K>(api: &Api<K>, obj: &K) -> Result<Option<K>, kube::Error>
+/// Creates `obj` unless an object of its name exists, or takes an orphaned one over, as
+/// `adoption` says ([`caches::adoption`]): an object the job owns, or another owner's, is never
+/// overwritten; an orphan of a job of the same name is replaced by `obj` (conditional on the
+/// `resourceVersion` seen). The object written (none: nothing was).
+async fn create_once<K>(api: &Api<K>, mut obj: K, adoption: caches::Adoption) -> Result<Option<K>, kube::Error>
 where
     K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
 {
-    match api.create(&PostParams::default(), obj).await {
-        Err(kube::Error::Api(s)) if s.is_already_exists() => Ok(None),
-        other => other.map(Some),
+    match adoption {
+        caches::Adoption::Keep | caches::Adoption::Foreign => Ok(None),
+        caches::Adoption::TakeOver(rv) => {
+            let name = obj.meta().name.clone().unwrap_or_default();
+            tracing::info!(%name, "taking over an orphaned child of a job of the same name");
+            obj.meta_mut().resource_version = Some(rv);
+            api.replace(&name, &PostParams::default(), &obj).await.map(Some)
+        }
+        caches::Adoption::Create => match api.create(&PostParams::default(), &obj).await {
+            Err(kube::Error::Api(s)) if s.is_already_exists() => Ok(None),
+            other => other.map(Some),
+        },
     }
 }
 

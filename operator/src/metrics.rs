@@ -3,6 +3,7 @@
 //! cache like kube-state-metrics, carries the namespace and name of each live job, and only while
 //! it runs: a finished job has no series) and the `/metrics`, `/healthz`, `/readyz` endpoints.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -16,7 +17,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-use crate::api::{DiphomaJob, Phase};
+use crate::api::{Counts, DiphomaJob, DiphomaJobStatus, Phase};
 use crate::plan::{Cause, Plan};
 
 /// Every metric the operator exports.
@@ -86,7 +87,7 @@ impl Default for Metrics {
             ),
             failures: counter_vec(
                 "worker_failures_total",
-                "Worker failures by cause (Evicted, Preempted and NodeLost count against disruptionLimit, the others against backoffLimit)",
+                "Worker failures counted in the jobs' statuses, by cause: each job's status.failures plus status.disruptions rise by what this counter rises (Evicted, Preempted and NodeLost count against disruptionLimit, the others against backoffLimit)",
                 "cause",
             ),
             time_to_repair: Histogram::with_opts(
@@ -138,13 +139,33 @@ impl Default for Metrics {
     }
 }
 
+/// A status's counts by cause: its repairs (`repairs`), else its failures plus disruptions.
+fn by_cause(s: &DiphomaJobStatus, repairs: bool) -> BTreeMap<String, i64> {
+    let counts: Vec<&Counts> = if repairs {
+        vec![&s.repairs]
+    } else {
+        vec![&s.failures, &s.disruptions]
+    };
+    let mut n: BTreeMap<String, i64> = BTreeMap::new();
+    for (cause, k) in counts.into_iter().flat_map(|c| c.by_cause.iter()) {
+        *n.entry(cause.clone()).or_default() += i64::from(*k);
+    }
+    n
+}
+
 impl Metrics {
-    /// Records the failures a plan counted, once its status is written.
-    pub fn observe_failures(&self, plan: &Plan) {
-        for f in &plan.failures {
-            self.failures.with_label_values(&[f.cause.as_str()]).inc();
-            if f.rank.is_some() {
-                self.repairs.with_label_values(&[f.cause.as_str()]).inc();
+    /// Records what a status write counted: by cause, the rise from `prev` (the status the
+    /// write was conditional on) to `next` of the failures plus disruptions, and of the repairs.
+    /// So the counters rise exactly as the jobs' statuses do (a plan made again from stale
+    /// caches writes the same counts and adds nothing).
+    pub fn observe_failures(&self, prev: Option<&DiphomaJobStatus>, next: &DiphomaJobStatus) {
+        for (counter, repairs) in [(&self.failures, false), (&self.repairs, true)] {
+            let before = prev.map(|p| by_cause(p, repairs)).unwrap_or_default();
+            for (cause, n) in by_cause(next, repairs) {
+                let rise = n - before.get(&cause).copied().unwrap_or(0);
+                if rise > 0 {
+                    counter.with_label_values(&[cause.as_str()]).inc_by(rise as u64);
+                }
             }
         }
     }
@@ -275,24 +296,19 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::Failure;
 
     #[test]
     fn plans_feed_counters_and_gauges_come_from_jobs() {
         let m = Metrics::default();
-        let mut plan = Plan::default();
-        let f = |rank| Failure {
-            pod: "p".into(),
-            rank,
-            cause: Cause::NodeLost,
-            reason: "NodeLost".into(),
-            exit_code: None,
-            retryable: true,
-            exists: true,
-            at: jiff::Timestamp::UNIX_EPOCH,
-        };
-        plan.failures = vec![f(Some(1)), f(None)];
-        m.observe_failures(&plan);
+        let mut before = crate::api::DiphomaJobStatus::default();
+        before.disruptions.add("NodeLost");
+        let mut after = before.clone();
+        after.disruptions.add("NodeLost");
+        after.disruptions.add("NodeLost");
+        after.repairs.add("NodeLost");
+        m.observe_failures(Some(&before), &after);
+        // The same status written again (a plan made from stale caches) adds nothing.
+        m.observe_failures(Some(&after), &after);
         let mut job = crate::build::tests::basic();
         let mut status = crate::api::DiphomaJobStatus {
             phase: Some(Phase::Running),

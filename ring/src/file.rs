@@ -213,6 +213,7 @@ impl FileRing {
             min_share,
             max_share,
             time: jiff::Timestamp::now().to_string(),
+            job_uid: None,
         };
         self.write(
             contract::PROGRESS_KEY,
@@ -279,6 +280,7 @@ impl RingSource for FileRing {
                 suspect,
                 error: err.metric_label().to_string(),
                 time: jiff::Timestamp::now().to_string(),
+                job_uid: None,
             };
             self.write(
                 &format!("{}{}", contract::REPORT_KEY_PREFIX, self.name),

@@ -562,6 +562,7 @@ impl KubeRing {
                 min_share,
                 max_share,
                 time: now(),
+                job_uid: Some(self.env.job_uid.clone()),
             };
             self.write_progress(&report, last);
             self.last_report = Some(report);
@@ -648,6 +649,7 @@ impl RingSource for KubeRing {
                 suspect,
                 error: err.metric_label().to_string(),
                 time: now(),
+                job_uid: Some(self.env.job_uid.clone()),
             };
             let write = self.patch_heartbeat(
                 format!("{}{}", contract::REPORT_KEY_PREFIX, self.env.pod_name),

@@ -567,6 +567,22 @@ impl Caches {
         }
     }
 
+    /// The metadata of the job's key Secret and heartbeat ConfigMap as the stores hold them
+    /// (none: not there), for [`adoption`].
+    pub fn created_once(&self, job: &DiphomaJob) -> (Option<ObjectMeta>, Option<ObjectMeta>) {
+        let ns = job.namespace().unwrap_or_default();
+        let name = job.name_any();
+        let secret = self
+            .secrets
+            .get(&ObjectRef::new(&build::key_secret_name(&name)).within(&ns))
+            .map(|s| s.metadata.clone());
+        let heartbeat = self
+            .configmaps
+            .get(&ObjectRef::new(&diphoma_contract::heartbeat_configmap_name(&name)).within(&ns))
+            .map(|c| c.metadata.clone());
+        (secret, heartbeat)
+    }
+
     /// The job's static children missing from the stores or not its own (`Kind/name`): its
     /// ServiceAccount, Role, RoleBinding, Service, key Secret, heartbeat ConfigMap and (when kept)
     /// NetworkPolicy.
@@ -625,6 +641,44 @@ pub async fn serves(client: &Client, group_version: &str, plural: &str) -> bool 
 /// Whether `meta` names `uid` among its owners.
 pub fn owned_by(meta: &ObjectMeta, uid: &str) -> bool {
     meta.owner_references.iter().flatten().any(|o| o.uid == uid)
+}
+
+/// What to do with a child that is created once (the key Secret, the heartbeat ConfigMap),
+/// given the metadata of the object of its name, if any ([`adoption`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Adoption {
+    /// None exists: create it.
+    Create,
+    /// The job's own: leave it (the key must not change under running workers, the heartbeat's
+    /// data belongs to them).
+    Keep,
+    /// Orphaned (no owner) and made by this operator for a job of this name (`kubectl delete
+    /// --cascade=orphan`, then the same manifest applied again): take it over, replacing its
+    /// content (a fresh key, an empty heartbeat: nothing its previous job wrote is trusted),
+    /// conditional on this `resourceVersion`.
+    TakeOver(String),
+    /// Owned by another object (a deleted job's child the garbage collector has not removed
+    /// yet), or not made by this operator: left alone; the job reports it missing.
+    Foreign,
+}
+
+/// [`Adoption`] of a child of `job` whose name is held by `existing` (none: no object).
+pub fn adoption(existing: Option<&ObjectMeta>, job: &DiphomaJob) -> Adoption {
+    let Some(meta) = existing else {
+        return Adoption::Create;
+    };
+    let uid = job.uid().unwrap_or_default();
+    if owned_by(meta, &uid) {
+        return Adoption::Keep;
+    }
+    let labels = meta.labels.clone().unwrap_or_default();
+    let ours = labels.get("app.kubernetes.io/managed-by").map(String::as_str) == Some(MANAGED_BY)
+        && labels.get(diphoma_contract::LABEL_JOB_NAME) == Some(&job.name_any());
+    let orphan = meta.owner_references.as_ref().is_none_or(Vec::is_empty);
+    match (ours && orphan, &meta.resource_version) {
+        (true, Some(rv)) => Adoption::TakeOver(rv.clone()),
+        _ => Adoption::Foreign,
+    }
 }
 
 /// `Kind/name` when `store` holds no object `name` in `ns` owned by `uid`.

@@ -417,3 +417,76 @@ fn retries_back_off_exponentially_up_to_five_minutes() {
     let delays: Vec<u64> = (1..=10).map(|n| retry_delay(n).as_secs()).collect();
     assert_eq!(delays, [2, 4, 8, 16, 32, 64, 128, 256, 300, 300]);
 }
+
+#[test]
+fn an_orphaned_child_of_a_job_of_the_same_name_is_taken_over_and_nothing_else_is() {
+    let job = basic(); // uid "uid-1"
+    let meta = |labels: serde_json::Value, owners: serde_json::Value| -> k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        serde_json::from_value(json!({
+            "name": "train-key", "resourceVersion": "42", "labels": labels, "ownerReferences": owners
+        }))
+        .unwrap()
+    };
+    let ours = json!({"app.kubernetes.io/managed-by": "diphoma-operator", "diphoma.io/job-name": "train"});
+    let owner = |uid: &str| {
+        json!([{"apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "name": "train", "uid": uid, "controller": true}])
+    };
+    assert_eq!(caches::adoption(None, &job), caches::Adoption::Create);
+    assert_eq!(
+        caches::adoption(Some(&meta(ours.clone(), owner("uid-1"))), &job),
+        caches::Adoption::Keep
+    );
+    // `kubectl delete --cascade=orphan` removed the owner: taken over at the version seen.
+    assert_eq!(
+        caches::adoption(Some(&meta(ours.clone(), json!([]))), &job),
+        caches::Adoption::TakeOver("42".into())
+    );
+    assert_eq!(
+        caches::adoption(Some(&meta(ours.clone(), json!(null))), &job),
+        caches::Adoption::TakeOver("42".into())
+    );
+    // A deleted job's child still owned (the garbage collector will remove it), a user's object
+    // of the same name, another job's child: never touched.
+    for m in [
+        meta(ours.clone(), owner("uid-0")),
+        meta(json!({"app": "mine"}), json!([])),
+        meta(
+            json!({"app.kubernetes.io/managed-by": "diphoma-operator", "diphoma.io/job-name": "other"}),
+            json!([]),
+        ),
+    ] {
+        assert_eq!(caches::adoption(Some(&m), &job), caches::Adoption::Foreign, "{m:?}");
+    }
+}
+
+#[test]
+fn records_of_another_job_in_the_heartbeat_are_ignored() {
+    let progress = |uid: Option<&str>| {
+        serde_json::to_string(&ProgressReport {
+            step: 7,
+            time: "2027-01-15T08:01:30Z".into(),
+            job_uid: uid.map(str::to_owned),
+            ..ProgressReport::default()
+        })
+        .unwrap()
+    };
+    let report = |uid: Option<&str>| {
+        serde_json::to_string(&FailureReport {
+            generation: 1,
+            reporter: "train-worker-0".into(),
+            suspect: None,
+            error: "PeerLost".into(),
+            time: "2027-01-15T08:01:30Z".into(),
+            job_uid: uid.map(str::to_owned),
+        })
+        .unwrap()
+    };
+    for (uid, kept) in [(Some("uid-1"), true), (None, true), (Some("uid-0"), false)] {
+        let data = std::collections::BTreeMap::from([
+            (contract::PROGRESS_KEY.to_owned(), progress(uid)),
+            (format!("{}train-worker-0", contract::REPORT_KEY_PREFIX), report(uid)),
+        ]);
+        let (p, r) = read_heartbeat(data, "uid-1");
+        assert_eq!((p.is_some(), r.len() == 1), (kept, kept), "{uid:?}");
+    }
+}

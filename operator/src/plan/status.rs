@@ -101,6 +101,7 @@ pub fn running(
     let prev = job.status.clone().unwrap_or_default();
     let desired = job.spec.replicas;
     let (min, _) = job.spec.bounds();
+    let respec = respec(obs, plan);
     let status = &mut plan.status;
     let ring_size = status.ring.as_ref().map_or(0, |r| r.size);
     let members: std::collections::BTreeSet<&str> = plan
@@ -157,6 +158,14 @@ pub fn running(
             ),
         ),
         _ if gang.is_some() => ("GangWaiting", gang.clone().unwrap_or_default()),
+        // Workers of an older spec still leaving: the whole ring is being replaced.
+        _ if respec => (
+            super::workers::SPEC_CHANGED,
+            format!(
+                "the spec changed what the workers run: every worker is replaced at once; {}",
+                status.waiting.clone().unwrap_or_default()
+            ),
+        ),
         // What keeps the ring from forming names the conditions' reason.
         _ if !ring.enough && blocked.is_some() => (
             blocked.map_or("", |b| b.reason.as_str()),
@@ -238,6 +247,18 @@ fn phase_reason(p: Phase) -> &'static str {
         Phase::Succeeded => "RingCompleted",
         Phase::Failed => "Failed",
     }
+}
+
+/// Whether workers of an older spec are leaving (deleted by this plan, or still terminating
+/// after an earlier one's [`super::workers::SPEC_CHANGED`] deletion).
+fn respec(obs: &Observed, plan: &Plan) -> bool {
+    let spec_changed = super::workers::SPEC_CHANGED;
+    plan.delete.iter().any(|d| d.reason == spec_changed)
+        || obs.pods.iter().any(|p| {
+            p.annotations()
+                .get(crate::build::ANNOT_DELETED_BY_OPERATOR)
+                .is_some_and(|r| r == spec_changed)
+        })
 }
 
 /// How long the workers' heartbeat ConfigMap may stay unchanged, once they have reported,
@@ -428,6 +449,7 @@ mod tests {
             min_share: None,
             max_share: None,
             time: t(secs).to_string(),
+            job_uid: None,
         }
     }
 

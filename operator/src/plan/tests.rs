@@ -766,6 +766,7 @@ fn report(reporter: i32, suspect: i32, generation: u64, at: i64) -> FailureRepor
         suspect: Some(build::pod_name("train", suspect, 0)),
         error: "Timeout".into(),
         time: t(at).to_string(),
+        job_uid: None,
     }
 }
 
@@ -875,6 +876,7 @@ fn reports_of_an_older_generation_are_ignored_and_progress_is_copied() {
         min_share: Some(10),
         max_share: Some(18),
         time: t(99).to_string(),
+        job_uid: None,
     };
     let o = Observed {
         reports: vec![report(0, 1, 2, 10)],
@@ -946,6 +948,7 @@ fn resumed_workers_named_like_departed_members_get_a_new_generation_and_are_not_
             suspect: Some("train-worker-1".into()),
             error: "timeout".into(),
             time: old.clone(),
+            job_uid: None,
         })
         .collect();
     let p = plan(&j, &o);
@@ -1440,4 +1443,94 @@ fn reports_falling_silent_are_a_timer() {
     let due = plan(&j, &at(121));
     assert_eq!(reporting(&due).as_deref(), Some("ReportsStopped"));
     assert_eq!(due.look_again, None, "nothing left to wait for");
+}
+
+#[test]
+fn a_spec_edit_that_reaches_the_workers_replaces_the_whole_ring_at_once() {
+    let j = elastic(2);
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let r = ring(&j, 3, &[0, 1, 2, 3]);
+    // Scaling, the run policy and the failure policy reach no worker: nothing is replaced.
+    let mut scaled = j.clone();
+    scaled.spec.replicas = 5;
+    scaled.spec.run_policy.backoff_limit = 9;
+    scaled.spec.fault_tolerance.restart_on_exit_codes = Some(vec![3]);
+    let p = plan(&scaled, &obs(pods.clone(), Some(r.clone())));
+    assert!(p.delete.is_empty(), "{:?}", p.delete);
+    // gpusPerWorker, an env var, the image: every worker of the old spec goes at once, none is
+    // counted, and the replacements carry the new spec.
+    let edits: [fn(&mut DiphomaJob); 3] = [
+        |j| j.spec.gpus_per_worker += 1,
+        |j| {
+            let c = &mut j.spec.template.spec.as_mut().unwrap().containers[0];
+            c.env.get_or_insert_default().push(k8s_openapi::api::core::v1::EnvVar {
+                name: "LR".into(),
+                value: Some("0.1".into()),
+                value_from: None,
+            });
+        },
+        |j| j.spec.template.spec.as_mut().unwrap().containers[0].image = Some("w:2".into()),
+    ];
+    for edit in edits {
+        let mut edited = j.clone();
+        edit(&mut edited);
+        edited.metadata.generation = Some(2);
+        let digest = build::worker_spec_digest(&edited);
+        assert_ne!(digest, build::worker_spec_digest(&j));
+        let p = plan(&edited, &obs(pods.clone(), Some(r.clone())));
+        let deleted: Vec<(&str, &str)> =
+            p.delete.iter().map(|d| (d.pod.as_str(), d.reason)).collect();
+        assert_eq!(
+            deleted,
+            (0..4)
+                .map(|i| (pods[i].metadata.name.as_deref().unwrap(), "SpecChanged"))
+                .collect::<Vec<_>>()
+        );
+        assert!(p.failures.is_empty() && p.status.failures.total == 0);
+        assert!(p.publish.is_none(), "no ring of old and new workers");
+        let created: Vec<String> = p.create.iter().map(|p| p.name_any()).collect();
+        assert_eq!(
+            created,
+            [
+                "train-worker-0-1",
+                "train-worker-1-1",
+                "train-worker-2-1",
+                "train-worker-3-1"
+            ]
+        );
+        assert!(p.create.iter().all(|c| !workers::stale(c, &digest)));
+        let reason = |p: &Plan| {
+            p.status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Ready")
+                .map(|c| c.reason.clone())
+        };
+        assert_eq!(reason(&p).as_deref(), Some("SpecChanged"));
+        let note = p
+            .events
+            .iter()
+            .find(|e| e.reason == "SpecChanged")
+            .map(|e| e.note.clone())
+            .unwrap();
+        assert!(note.contains("generation 2") && note.contains("4 workers"), "{note}");
+        // Once the old workers terminate, the new ones alone form the next generation.
+        let new: Vec<Pod> = p
+            .create
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut c = c.clone();
+                c.status = pod(&edited, i as i32, "Running").status;
+                c
+            })
+            .collect();
+        let next = plan(&edited, &obs(new, Some(r.clone())));
+        let members: Vec<String> = next.publish.unwrap().members.into_iter().map(|m| m.pod).collect();
+        assert_eq!(members, created);
+    }
+    // A worker made before the digest label existed is taken as built from the current spec.
+    let mut unlabelled = pods[0].clone();
+    unlabelled.metadata.labels.as_mut().unwrap().remove(build::LABEL_WORKER_SPEC);
+    assert!(!workers::stale(&unlabelled, "0000"));
 }

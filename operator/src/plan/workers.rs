@@ -44,7 +44,37 @@ impl std::fmt::Display for Blocked {
     }
 }
 
-/// Step 3: creates the missing workers and deletes those above `replicas`. A worker that cannot
+/// [`Deletion::reason`] (and event reason) of a worker built from an older spec: a ring never
+/// mixes specs, so a spec edit that reaches the workers ([`build::worker_spec_digest`]) replaces
+/// every worker at once, and the new ones form a new generation.
+pub const SPEC_CHANGED: &str = "SpecChanged";
+
+/// Whether worker `p` was built from another spec than the one of digest `digest`. A pod without
+/// the digest label (made by an operator before it) counts as built from the current spec.
+pub fn stale(p: &Pod, digest: &str) -> bool {
+    p.labels()
+        .get(build::LABEL_WORKER_SPEC)
+        .is_some_and(|d| d != digest)
+}
+
+/// What the job says when a spec edit replaces its `replaced` running workers at once.
+fn spec_changed_note(job: &DiphomaJob, replaced: usize) -> String {
+    let resume = job
+        .status
+        .as_ref()
+        .and_then(|s| s.progress.as_ref())
+        .and_then(|p| p.last_checkpoint_step)
+        .map_or("from the start (no checkpoint yet)".to_owned(), |s| {
+            format!("from its checkpoint at step {s}")
+        });
+    format!(
+        "the spec (generation {}) changed what the workers run: its {replaced} workers are replaced at once by workers of the new spec, which form a new ring generation and resume {resume}",
+        job.metadata.generation.unwrap_or_default()
+    )
+}
+
+/// Step 3: creates the missing workers and deletes those above `replicas` and those of an older
+/// spec ([`stale`]: all of them at once, [`SPEC_CHANGED`]). A worker that cannot
 /// be built from the template is not created but [`Blocked`] (`InvalidTemplate`), so that the
 /// other steps (failures counted, status, ring) still run.
 pub fn workers<'a>(
@@ -57,6 +87,11 @@ pub fn workers<'a>(
     let desired = job.spec.replicas;
     let deleting: std::collections::BTreeSet<String> =
         plan.delete.iter().map(|d| d.pod.clone()).collect();
+    // Old workers go only for new ones that can be built (a template that cannot build a
+    // worker blocks the replacements, and must not take the ring down with it).
+    let digest = build::worker_pod(job, 0, 0)
+        .is_ok()
+        .then(|| build::worker_spec_digest(job));
     let mut live: BTreeMap<i32, &Pod> = BTreeMap::new();
     let mut attempts: BTreeMap<i32, i32> = BTreeMap::new();
     for p in &obs.pods {
@@ -69,16 +104,24 @@ pub fn workers<'a>(
             || found.failed_pods.contains(&p.name_any())
             || deleting.contains(&p.name_any());
         if !gone && pod_phase(p) != "Succeeded" {
-            if i >= desired {
+            if i >= desired || digest.as_ref().is_some_and(|d| stale(p, d)) {
                 plan.delete.push(Deletion {
                     pod: p.name_any(),
                     force: false,
-                    reason: "ScaledDown",
+                    reason: if i >= desired { "ScaledDown" } else { SPEC_CHANGED },
                 });
             } else {
                 live.insert(i, p);
             }
         }
+    }
+    let replaced = plan.delete.iter().filter(|d| d.reason == SPEC_CHANGED).count();
+    if replaced > 0 {
+        plan.events.push(EventNote::normal(
+            SPEC_CHANGED,
+            "Replace",
+            spec_changed_note(job, replaced),
+        ));
     }
     let mut invalid = vec![];
     for i in 0..desired {
