@@ -2,8 +2,9 @@
 //! operator installed by its Helm chart (a pod under the chart's RBAC) on the local control plane:
 //! the happy path, kill -9 against an undisturbed run, a pod deleted and a pod evicted, a hung
 //! (SIGSTOPped) worker, a slow rank that is not a hung one, an unschedulable scale-up, a non-retryable exit, a crash loop, suspend and
-//! resume, activeDeadlineSeconds, ttlSecondsAfterFinished, the loss of every worker at once, and
-//! the operator's own process killed mid-job.
+//! resume, activeDeadlineSeconds, ttlSecondsAfterFinished, the loss of every worker at once, the
+//! operator's own process killed mid-job, churn (kills every 3 s, with and without operator
+//! kills), spec edits under a running ring, and a job applied again after an orphaning delete.
 
 mod common;
 
@@ -54,6 +55,10 @@ fn main() -> Result<()> {
             ttl_deletes_a_finished_job_and_its_children,
             a_job_that_loses_every_worker_resumes_from_its_newest_checkpoint,
             the_operator_pod_killed_mid_job_restarts_without_duplicates,
+            under_churn_only_killed_workers_are_counted_and_the_metric_agrees,
+            under_churn_with_the_operator_killed_only_killed_workers_are_counted,
+            a_spec_edit_replaces_the_whole_ring_and_never_mixes_two_specs,
+            a_job_applied_again_after_an_orphaning_delete_takes_over_its_children,
             // Last: the frozen node stays lost for the rest of the binary.
             a_lost_node_is_detected_and_its_worker_moves,
         ],
@@ -987,6 +992,315 @@ async fn the_operator_pod_killed_mid_job_restarts_without_duplicates(
     );
     let names: Vec<&str> = before.iter().map(|(n, _)| n.as_str()).collect();
     kept_their_process(&ctx, &ns, &names).await
+}
+
+/// The chart-installed operator's `diphoma_operator_worker_failures_total` by cause, from its
+/// `/metrics` on its pod IP.
+async fn operator_failures_metric(ctx: &Ctx) -> Result<std::collections::BTreeMap<String, i64>> {
+    let ip = operator_pod(ctx)
+        .await?
+        .status
+        .and_then(|s| s.pod_ip)
+        .context("operator pod IP")?;
+    let addr = std::net::SocketAddr::new(ip.parse()?, 8080);
+    let (status, body) = diphoma_e2e::cluster::http_get(addr, "/metrics").await?;
+    ensure!(status.contains("200"), "{status}");
+    let prefix = "diphoma_operator_worker_failures_total{cause=\"";
+    Ok(body
+        .lines()
+        .filter_map(|l| {
+            let (cause, n) = l.strip_prefix(prefix)?.split_once("\"} ")?;
+            Some((cause.to_owned(), n.trim().parse().ok()?))
+        })
+        .filter(|(_, n)| *n > 0)
+        .collect())
+}
+
+/// Six CPU workers (elastic 2-6); two running workers, chosen at random, killed with SIGKILL
+/// every 3 s for a minute, and (`operator_kills`) the operator's process killed that many times
+/// meanwhile. Once the ring is whole again, each kill is counted once, as `ProcessExit`, and no
+/// live worker is counted at all (a member a generation behind, joining, or waiting on a dead
+/// peer is not silent). Returns (kills, the job's status).
+async fn churn(
+    ctx: &Ctx,
+    ns: &str,
+    operator_kills: usize,
+) -> Result<(usize, DiphomaJobStatus)> {
+    let mut job = training_job(
+        "stress",
+        6,
+        1_000_000,
+        json!({"spec": {"elastic": {"minReplicas": 2, "maxReplicas": 6}}}),
+    );
+    job.gpus_per_worker = 0;
+    job.args.extend(["--log-every".into(), "1000".into()]);
+    submit(ctx, ns, &job, 6).await?;
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_nanos() as u64
+        | 1;
+    eprintln!("churn seed {seed}");
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let mut killed: std::collections::BTreeSet<String> = Default::default();
+    let rounds = 20;
+    let operator_every = (rounds / (operator_kills + 1)).max(1);
+    for round in 0..rounds {
+        let mut running: Vec<(String, u32)> = worker_pods(ctx, ns, "stress")
+            .await?
+            .iter()
+            .filter(|p| phase(p) == "Running" && p.metadata.deletion_timestamp.is_none())
+            .filter(|p| !killed.contains(&p.name_any()))
+            .filter_map(|p| Some((p.name_any(), pid_of(p).ok().filter(|pid| alive(*pid))?)))
+            .collect();
+        for _ in 0..2 {
+            if running.is_empty() {
+                break;
+            }
+            let (pod, pid) = running.remove((next() as usize) % running.len());
+            signal(pid, libc::SIGKILL);
+            killed.insert(pod);
+        }
+        if operator_kills > 0 && round % operator_every == operator_every - 1 {
+            if let Ok(pid) = pid_of(&operator_pod(ctx).await?) {
+                signal(pid, libc::SIGKILL);
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    }
+    // The ring whole again: six live members, every one of them never killed.
+    let mut st = DiphomaJobStatus::default();
+    eventually(180, "the ring whole again", async || {
+        st = status(ctx, ns, "stress").await?;
+        let members: Vec<String> = st
+            .ring
+            .iter()
+            .flat_map(|r| r.members.iter().map(|m| m.pod.clone()))
+            .collect();
+        Ok(st.phase == Some(Phase::Running)
+            && members.len() == 6
+            && members.iter().all(|m| !killed.contains(m)))
+    })
+    .await?;
+    let counted = st.failures.total + st.disruptions.total;
+    ensure!(
+        counted as usize == killed.len()
+            && st.failures.by_cause.get("ProcessExit").copied() == Some(killed.len() as i32),
+        "{} workers killed ({killed:?}), status counts {:?} {:?} (last {:?})",
+        killed.len(),
+        st.failures,
+        st.disruptions,
+        st.last_failure
+    );
+    Ok((killed.len(), st))
+}
+
+/// Churn without operator kills: the counts are exact, and the operator's failures metric says
+/// what the status says, cause by cause.
+async fn under_churn_only_killed_workers_are_counted_and_the_metric_agrees(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let before = operator_failures_metric(&ctx).await?;
+    let (_, st) = churn(&ctx, &ns, 0).await?;
+    let after = operator_failures_metric(&ctx).await?;
+    let rise: std::collections::BTreeMap<String, i64> = after
+        .iter()
+        .map(|(c, n)| (c.clone(), n - before.get(c).copied().unwrap_or(0)))
+        .filter(|(_, n)| *n != 0)
+        .collect();
+    let mut counted: std::collections::BTreeMap<String, i64> = Default::default();
+    for (c, n) in st.failures.by_cause.iter().chain(&st.disruptions.by_cause) {
+        *counted.entry(c.clone()).or_default() += i64::from(*n);
+    }
+    ensure!(rise == counted, "the metric rose by {rise:?}, the status counts {counted:?}");
+    Ok(())
+}
+
+/// Churn with the operator's process killed three times meanwhile: still only the killed workers
+/// are counted, each once.
+async fn under_churn_with_the_operator_killed_only_killed_workers_are_counted(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    ensure!(ctx.mode == OperatorMode::Chart, "needs the chart's operator pod");
+    churn(&ctx, &ns, 3).await?;
+    Ok(())
+}
+
+/// The `nvidia.com/gpu` limit and the env of worker pod `p`'s first container.
+fn gpus_and_env(p: &Pod) -> (Option<String>, Vec<String>) {
+    let c = p.spec.as_ref().and_then(|s| s.containers.first());
+    let gpus = c
+        .and_then(|c| c.resources.as_ref()?.limits.as_ref()?.get("nvidia.com/gpu").cloned())
+        .map(|q| q.0);
+    let env = c
+        .and_then(|c| c.env.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|e| format!("{}={}", e.name, e.value.unwrap_or_default()))
+        .collect();
+    (gpus, env)
+}
+
+/// Edits under a running ring: `gpusPerWorker` 1 -> 2, then an env var added to the template. A
+/// ring never mixes specs: each edit replaces every worker at once (no failure counted), every
+/// generation published is of one spec, the job says `SpecChanged`, and the new ring resumes
+/// from the last checkpoint and trains to Succeeded.
+async fn a_spec_edit_replaces_the_whole_ring_and_never_mixes_two_specs(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    const STEPS: u64 = 8000;
+    let (extra, _) = with_checkpoints(&ctx, &ns, 100)?;
+    let job = training_job("digits", 4, STEPS, extra);
+    let g1 = submit(&ctx, &ns, &job, 4).await?;
+    // A merge patch replaces the container list: the same container, with an env var added.
+    let mut containers = job.build()["spec"]["template"]["spec"]["containers"].clone();
+    containers[0]["env"] = json!([{"name": "EXTRA_SETTING", "value": "1"}]);
+    let edits = [
+        json!({"spec": {"gpusPerWorker": 2}}),
+        json!({"spec": {"template": {"spec": {"containers": containers}}}}),
+    ];
+    let mut generation = g1;
+    for (n, edit) in edits.into_iter().enumerate() {
+        progress_until(&ctx, &ns, "digits", "a checkpoint", |p| {
+            p.last_checkpoint_step.is_some_and(|s| s >= 100)
+        })
+        .await?;
+        let before: Vec<String> = worker_pods(&ctx, &ns, "digits")
+            .await?
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none() && phase(p) == "Running")
+            .map(|p| p.name_any())
+            .collect();
+        let what = format!("edit {n}: {edit}");
+        jobs(&ctx, &ns)
+            .patch("digits", &PatchParams::default(), &Patch::Merge(&edit))
+            .await?;
+        // Every generation seen until the ring is of new workers only is of one spec.
+        eventually(120, "a ring of new workers only", async || {
+            let Some(r) = ring(&ctx.client, &ns, "digits").await? else {
+                return Ok(false);
+            };
+            let mut specs = std::collections::BTreeSet::new();
+            for m in &r.members {
+                if let Ok(p) = pods(&ctx, &ns).get(&m.pod).await {
+                    specs.insert(gpus_and_env(&p));
+                }
+            }
+            ensure!(
+                specs.len() <= 1,
+                "generation {} mixes specs: {specs:?} ({:?})",
+                r.generation,
+                r.members
+            );
+            Ok(r.generation > generation && r.members.iter().all(|m| !before.contains(&m.pod)))
+        })
+        .await
+        .with_context(|| what.clone())?;
+        generation = ring(&ctx.client, &ns, "digits").await?.map_or(0, |r| r.generation);
+        let reasons = event_reasons(&ctx, &ns, "digits").await?;
+        ensure!(reasons.iter().any(|r| r == "SpecChanged"), "{reasons:?}");
+    }
+    let st = succeeded(&ctx, &ns, "digits", 240).await?;
+    ensure!(
+        st.failures.total == 0 && st.repairs.total == 0,
+        "spec edits counted: {:?} {:?}",
+        st.failures,
+        st.repairs
+    );
+    let last = worker_pods(&ctx, &ns, "digits").await?;
+    let rank0 = last
+        .iter()
+        .find(|p| p.labels().get(diphoma_contract::LABEL_RANK).map(String::as_str) == Some("0"))
+        .context("no rank 0")?;
+    ensure!(
+        gpus_and_env(rank0).0.as_deref() == Some("2")
+            && gpus_and_env(rank0).1.iter().any(|e| e == "EXTRA_SETTING=1"),
+        "{:?}",
+        gpus_and_env(rank0)
+    );
+    ensure!(
+        log_of(&ctx, rank0)?.contains("at step"),
+        "the last ring did not resume from a checkpoint"
+    );
+    Ok(())
+}
+
+/// `kubectl delete dpj --cascade=orphan`, then the same manifest applied again: the new job's
+/// ring is its own pods, its orphaned key Secret is re-keyed and its heartbeat ConfigMap emptied
+/// and both taken over (owned by the new job), its reports arrive (`status.progress`, `Reporting`
+/// True) and it trains to Succeeded; the orphaned workers' records are not taken for its own.
+async fn a_job_applied_again_after_an_orphaning_delete_takes_over_its_children(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    use k8s_openapi::api::core::v1::Secret;
+    let job = training_job("digits", 2, 4000, json!({}));
+    submit(&ctx, &ns, &job, 2).await?;
+    progress_until(&ctx, &ns, "digits", "step 50", |p| p.step >= 50).await?;
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    let key = |s: &Secret| s.data.clone().unwrap_or_default().into_values().next();
+    let old_key = key(&secrets.get("digits-key").await?);
+    let orphans: Vec<String> = worker_pods(&ctx, &ns, "digits")
+        .await?
+        .iter()
+        .map(|p| p.name_any())
+        .collect();
+    jobs(&ctx, &ns)
+        .delete(
+            "digits",
+            &kube::api::DeleteParams {
+                propagation_policy: Some(kube::api::PropagationPolicy::Orphan),
+                ..Default::default()
+            },
+        )
+        .await?;
+    eventually(30, "the job gone", async || {
+        Ok(jobs(&ctx, &ns).get_opt("digits").await?.is_none())
+    })
+    .await?;
+    let out = kubectl_apply(&ctx, &ns, &job.to_string())?;
+    ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let uid = jobs(&ctx, &ns).get("digits").await?.uid().unwrap_or_default();
+    let owned = |refs: Option<Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference>>| {
+        refs.unwrap_or_default().iter().any(|o| o.uid == uid)
+    };
+    let configmaps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
+    eventually(60, "the key Secret and heartbeat ConfigMap taken over", async || {
+        let s = secrets.get("digits-key").await?;
+        let cm = configmaps.get("digits-heartbeat").await?;
+        Ok(owned(s.metadata.owner_references.clone())
+            && owned(cm.metadata.owner_references.clone()))
+    })
+    .await?;
+    ensure!(
+        key(&secrets.get("digits-key").await?) != old_key,
+        "the orphaned key was trusted, not re-keyed"
+    );
+    let ring = running_ring(&ctx, &ns, "digits", 2, 0).await?;
+    ensure!(
+        ring.members.iter().all(|m| !orphans.contains(&m.pod)),
+        "{ring:?} holds orphans {orphans:?}"
+    );
+    let st = progress_until(&ctx, &ns, "digits", "the new job's progress", |p| p.step > 0).await?;
+    ensure!(
+        condition_reason(&st, "Reporting") == Some("ReportsArriving"),
+        "{:?}",
+        st.conditions
+    );
+    let st = succeeded(&ctx, &ns, "digits", 240).await?;
+    ensure!(st.failures.total == 0, "{:?}", st.failures);
+    // The orphaned workers are the user's now: stop them.
+    for name in orphans {
+        let _ = pods(&ctx, &ns).delete(&name, &kube::api::DeleteParams::default()).await;
+    }
+    Ok(())
 }
 
 /// The chart-installed operator's one pod.

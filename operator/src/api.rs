@@ -139,7 +139,8 @@ pub struct DiphomaJobSpec {
     /// `nvidia.com/gpu` limit of each worker container; 0 runs CPU workers, which get
     /// `NVIDIA_VISIBLE_DEVICES=void` (they see no GPU on a GPU node). Workers are scheduled by
     /// the resource alone: no node label is required (node selectors come from `placement`).
-    /// A template `nvidia.com/gpu` limit or request that differs is refused.
+    /// A template `nvidia.com/gpu` limit or request that differs is refused. An edit while
+    /// workers run replaces them all at once (see `template`).
     #[serde(default)]
     #[schemars(range(min = 0, max = 64))]
     pub gpus_per_worker: i32,
@@ -149,7 +150,12 @@ pub struct DiphomaJobSpec {
     /// The worker pod template (image, args, resources, volumes). The operator adds the ring's
     /// environment, port, labels, GPU limits and the key volume. The fields the operator reads
     /// (containers, their command, args, env, ports, mounts and resources, volumes, node
-    /// selector, labels) are typed, so a template it could not read is refused here.
+    /// selector, labels) are typed, so a template it could not read is refused here. A ring
+    /// never mixes specs: an edit of the pod spec here (or of `gpusPerWorker`, `placement`,
+    /// `checkpoint`, `ring`, `balance`, `sync` or `faultTolerance.detectionSeconds`) while workers
+    /// run replaces every worker at once with one built from the new spec, and the new workers
+    /// form a new ring generation that resumes from the last checkpoint (event and condition
+    /// reason `SpecChanged`); labels and annotations reach only workers created later.
     #[schemars(schema_with = "crate::api::template_schema")]
     pub template: PodTemplateSpec,
     /// Failure budget, deadlines, clean-up and suspension.

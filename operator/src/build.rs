@@ -157,9 +157,10 @@ pub enum BuildError {
 }
 
 /// A digest of everything in the spec that a worker is built from and that its ring peers must
-/// agree on: `template`, `gpusPerWorker`, `placement`, `checkpoint`, `ringPort`, `ring`,
+/// agree on: `template.spec`, `gpusPerWorker`, `placement`, `checkpoint`, `ringPort`, `ring`,
 /// `balance`, `sync` and `faultTolerance.detectionSeconds` (not `replicas`, `elastic`,
-/// `runPolicy` nor the failure policy, which only the operator reads). 16 hex digits of SHA-256
+/// `runPolicy` nor the failure policy, which only the operator reads, nor the template's labels
+/// and annotations, which only workers created later carry). 16 hex digits of SHA-256
 /// over their JSON (serde's field order, sorted maps): stable across operator versions, so an
 /// upgrade replaces nothing. Two workers with the same digest run the same spec; a ring never
 /// mixes two (see `plan::workers`).
@@ -167,7 +168,7 @@ pub fn worker_spec_digest(job: &DiphomaJob) -> String {
     use sha2::Digest;
     let s = &job.spec;
     let shaping = serde_json::json!([
-        s.template,
+        s.template.spec,
         s.gpus_per_worker,
         s.placement,
         s.checkpoint,
@@ -456,14 +457,16 @@ pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
                         pod_selector: Some(workers),
                         ..Default::default()
                     }]),
-                    ports: Some(vec![
-                        on("TCP", job.spec.ring_port),
-                        on("UDP", job.spec.ring_port),
-                    ]),
+                    ports: Some(vec![on("TCP", job.spec.ring_port)]),
                 },
+                // The liveness port answers anyone: the operator's probe of a silent member, and
+                // its peers'. A pong is as long as its ping and only a key holder can check it.
                 NetworkPolicyIngressRule {
                     from: None,
-                    ports: Some(vec![on("TCP", contract::DEFAULT_METRICS_PORT.into())]),
+                    ports: Some(vec![
+                        on("UDP", job.spec.ring_port),
+                        on("TCP", contract::DEFAULT_METRICS_PORT.into()),
+                    ]),
                 },
             ]),
             ..Default::default()
@@ -787,7 +790,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn network_policy_opens_the_ring_port_to_the_jobs_own_workers_only() {
+    fn network_policy_opens_the_ring_port_to_the_jobs_own_workers_only_and_liveness_to_probes() {
         let np = network_policy(&basic());
         let spec = np.spec.unwrap();
         let own = Some(BTreeMap::from([(
@@ -809,11 +812,25 @@ pub(crate) mod tests {
             .map(|p| (p.protocol.as_deref(), p.port.clone()))
             .collect();
         let ring_port = Some(IntOrString::Int(basic().spec.ring_port));
+        assert_eq!(ports, [(Some("TCP"), ring_port.clone())]);
+        assert!(rules[1].from.is_none(), "liveness and metrics open to probes and scrapers");
+        let open: Vec<_> = rules[1]
+            .ports
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|p| (p.protocol.as_deref(), p.port.clone()))
+            .collect();
         assert_eq!(
-            ports,
-            [(Some("TCP"), ring_port.clone()), (Some("UDP"), ring_port)]
+            open,
+            [
+                (Some("UDP"), ring_port),
+                (
+                    Some("TCP"),
+                    Some(IntOrString::Int(contract::DEFAULT_METRICS_PORT.into()))
+                )
+            ]
         );
-        assert!(rules[1].from.is_none(), "metrics open to scrapers");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Step 1 of the plan: failures. From the nodes judged by [`super::nodes`], classifies lost
-//! pods, finds silent ring members from the workers' reports and members that vanished, and
+//! pods, finds silent ring members from the workers' reports (those that answer the operator's
+//! liveness probe are alive, [`Observed::answering`]) and members that vanished, and
 //! records each new failure (counts, last failure, event, the deletion of a lost pod that still
 //! runs; finished failed pods are kept for their logs as `cleanPodPolicy` says). Pure; it
 //! decides nothing about the job's end (that is [`super::lifecycle`]).
@@ -105,6 +106,61 @@ pub fn silent_members(
     (hung, None)
 }
 
+/// The members that the failures step would count as hung now ([`silent_members`] of the
+/// published ring, their reports old enough), with their ring addresses: the controller asks
+/// each whether it is alive before the plan decides ([`Observed::answering`]).
+pub fn suspects(job: &DiphomaJob, obs: &Observed) -> Vec<diphoma_contract::Member> {
+    let Some(ring) = obs.ring.as_ref() else {
+        return vec![];
+    };
+    let detection = job.spec.fault_tolerance.detection_seconds;
+    let (silent, _) = silent_members(ring, &obs.reports, obs.now, detection);
+    ring.members
+        .iter()
+        .filter(|m| silent.contains(&m.pod) && present_pod(obs, &m.pod))
+        .cloned()
+        .collect()
+}
+
+/// A silent member that answers liveness probes but whose ring has not committed a step since
+/// it was first blamed, for `CUT_OFF_FACTOR × detectionSeconds`, is cut off from its peers (a
+/// network partition between them): it is counted `Hung` (reason `CutOff`) so the ring re-forms
+/// without it, rather than waiting forever.
+pub const CUT_OFF_FACTOR: i64 = 3;
+
+/// When `pod` was first blamed at `ring`'s generation (the oldest report suspecting it).
+fn blamed_at(ring: &Membership, reports: &[FailureReport], pod: &str) -> Option<Timestamp> {
+    reports
+        .iter()
+        .filter(|r| r.generation == ring.generation && r.suspect.as_deref() == Some(pod))
+        .filter_map(|r| parse_ts(&r.time))
+        .min()
+}
+
+/// Whether a member blamed at `since` and answering probes is cut off now: its ring committed
+/// no step at its generation since (rank 0's progress), for [`CUT_OFF_FACTOR`] ×
+/// `detection_seconds`. Otherwise, when to look again (none once progress shows it is fine).
+fn cut_off(
+    ring: &Membership,
+    obs: &Observed,
+    since: Timestamp,
+    detection_seconds: i32,
+) -> Result<(), Option<Duration>> {
+    let progressed = obs.progress.as_ref().is_some_and(|p| {
+        p.generation >= ring.generation && parse_ts(&p.time).is_some_and(|t| t > since)
+    });
+    if progressed {
+        return Err(None);
+    }
+    let bound = jiff::SignedDuration::from_secs(CUT_OFF_FACTOR * i64::from(detection_seconds));
+    let left = (since + bound).duration_since(obs.now);
+    if left.is_positive() {
+        Err(Some(left.unsigned_abs() + Duration::from_millis(100)))
+    } else {
+        Ok(())
+    }
+}
+
 /// What the failures step found, for the steps after it.
 #[derive(Debug, Clone, Default)]
 pub struct Found {
@@ -183,15 +239,32 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
         });
     }
     // Hung or cut-off members: blamed by a neighbour's report at the current generation and
-    // silent themselves, once the reports had `detectionSeconds / 2` to arrive. On a node whose
-    // Lease is late, the node went quiet with its worker: that is a node loss.
+    // silent themselves, once the reports had `detectionSeconds / 2` to arrive, and not
+    // answering this operator's probe (a live process is not hung, unless cut off from its
+    // peers). On a node whose Lease is late, the node went quiet with its worker: a node loss.
     if let Some(r) = ring {
-        let (hung, wait) =
-            silent_members(r, &obs.reports, now, spec.fault_tolerance.detection_seconds);
+        let detection = spec.fault_tolerance.detection_seconds;
+        let (hung, wait) = silent_members(r, &obs.reports, now, detection);
+        let mut cut = BTreeSet::new();
         let hung: Vec<String> = hung
             .into_iter()
             .filter(|p| {
                 !found.failed_pods.contains(p) && !found.departed.contains(p) && present_pod(obs, p)
+            })
+            .filter(|p| {
+                if !obs.answering.contains(p) {
+                    return true;
+                }
+                let since = blamed_at(r, &obs.reports, p).unwrap_or(now);
+                match cut_off(r, obs, since, detection) {
+                    Ok(()) => cut.insert(p.clone()),
+                    Err(look_again) => {
+                        if let Some(w) = look_again {
+                            plan.due_in(w);
+                        }
+                        false
+                    }
+                }
             })
             .collect();
         for pod in hung {
@@ -204,6 +277,8 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
             let (cause, reason) = if let Some(n) = node.filter(|n| nodes.late.contains(*n)) {
                 found.dead_nodes.insert(n.to_owned());
                 (Cause::NodeLost, "NodeLost")
+            } else if cut.contains(&pod) {
+                (Cause::Hung, "CutOff")
             } else {
                 (Cause::Hung, "Silent")
             };

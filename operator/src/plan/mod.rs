@@ -63,6 +63,11 @@ pub struct Observed {
     pub progress: Option<ProgressReport>,
     /// The workers' failure reports (any generation).
     pub reports: Vec<FailureReport>,
+    /// Silent members ([`failures::suspects`]) that answered this operator's liveness probe at
+    /// this observation: their process runs (a generation behind, joining, waiting on a dead
+    /// peer, or its own report late or lost), so they are not hung, unless cut off
+    /// ([`failures::CUT_OFF_FACTOR`]).
+    pub answering: BTreeSet<String>,
     /// Now.
     pub now: Timestamp,
     /// Worker pods whose creation the API server refused at the previous apply, with its

@@ -32,6 +32,7 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         gang: Default::default(),
         workload_refused: None,
         gang_repairing: None,
+        answering: Default::default(),
     }
 }
 
@@ -1533,4 +1534,48 @@ fn a_spec_edit_that_reaches_the_workers_replaces_the_whole_ring_at_once() {
     let mut unlabelled = pods[0].clone();
     unlabelled.metadata.labels.as_mut().unwrap().remove(build::LABEL_WORKER_SPEC);
     assert!(!workers::stale(&unlabelled, "0000"));
+}
+
+#[test]
+fn a_blamed_member_that_answers_its_probe_is_not_hung_unless_cut_off() {
+    let j = elastic(2);
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let r = ring(&j, 2, &[0, 1, 2, 3]);
+    // Rank 1 is blamed and its own report is late, lost, or of the generation it is behind in.
+    let reports = vec![report(0, 1, 2, 96), report(2, 1, 2, 96), report(1, 3, 1, 90)];
+    let at = |now: i64, progress: Option<ProgressReport>| Observed {
+        reports: reports.clone(),
+        now: t(now),
+        progress,
+        answering: ["train-worker-1".to_owned()].into(),
+        ..obs(pods.clone(), Some(r.clone()))
+    };
+    // The controller would probe exactly the member the reports make silent.
+    let suspects: Vec<String> = failures::suspects(&j, &at(102, None))
+        .into_iter()
+        .map(|m| m.pod)
+        .collect();
+    assert_eq!(suspects, ["train-worker-1"]);
+    let p = plan(&j, &at(102, None));
+    assert!(p.failures.is_empty() && p.delete.is_empty(), "{:?}", p.failures);
+    assert!(p.publish.is_none());
+    // Looked at again when it would be cut off (3 × detectionSeconds after the first blame).
+    assert_eq!(p.requeue_after, Some(Duration::from_millis(24_100)));
+    // Its ring committed a step since: it is fine, whenever asked.
+    let stepped = ProgressReport {
+        generation: 2,
+        step: 9,
+        time: t(99).to_string(),
+        ..ProgressReport::default()
+    };
+    assert!(plan(&j, &at(200, Some(stepped))).failures.is_empty());
+    // Alive but no step for 3 × detectionSeconds: cut off from its peers, counted and replaced.
+    let p = plan(&j, &at(127, None));
+    assert_eq!(
+        p.failures
+            .iter()
+            .map(|f| (f.pod.as_str(), f.cause, f.reason.as_str()))
+            .collect::<Vec<_>>(),
+        [("train-worker-1", Cause::Hung, "CutOff")]
+    );
 }
