@@ -1026,14 +1026,14 @@ async fn churn(
     ns: &str,
     operator_kills: usize,
 ) -> Result<(usize, DiphomaJobStatus)> {
-    let mut job = training_job(
-        "stress",
-        6,
-        1_000_000,
-        json!({"spec": {"elastic": {"minReplicas": 2, "maxReplicas": 6}}}),
+    let mut job = quick_job(
+        ("stress", 6, 1_000_000),
+        1000,
+        DETECTION_SECONDS,
+        json!({"spec": {"elastic": {"minReplicas": 2, "maxReplicas": 6},
+            "runPolicy": {"backoffLimit": 1000}}}),
     );
     job.gpus_per_worker = 0;
-    job.args.extend(["--log-every".into(), "1000".into()]);
     submit(ctx, ns, &job, 6).await?;
     let mut seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
@@ -1074,7 +1074,7 @@ async fn churn(
     }
     // The ring whole again: six live members, every one of them never killed.
     let mut st = DiphomaJobStatus::default();
-    eventually(180, "the ring whole again", async || {
+    let whole = eventually(120, "the ring whole again", async || {
         st = status(ctx, ns, "stress").await?;
         let members: Vec<String> = st
             .ring
@@ -1085,7 +1085,8 @@ async fn churn(
             && members.len() == 6
             && members.iter().all(|m| !killed.contains(m)))
     })
-    .await?;
+    .await;
+    whole.with_context(|| format!("{} killed; status {st:?}", killed.len()))?;
     let counted = st.failures.total + st.disruptions.total;
     ensure!(
         counted as usize == killed.len()

@@ -618,7 +618,17 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
     if !late.is_empty() {
         tracing::warn!(job = %job.name_any(), ?late, "the watches did not deliver this reconcile's writes within {CATCH_UP:?}");
     }
-    applied?;
+    match applied {
+        // The job changed since it was observed (its watch was behind): plan again from the
+        // job as it is, at once; nothing failed.
+        Err(Error::PatchStatus {
+            source: kube::Error::Api(s),
+        }) if s.code == 409 => {
+            tracing::debug!(job = %job.name_any(), "stale job: planning again");
+            return Ok(Action::requeue(Duration::from_millis(100)));
+        }
+        other => other?,
+    }
     let queued = crate::queue::apply(&ctx.client, job, &plan.queue).await;
     // A refused Workload shows in the job's status at the next reconcile (the retry).
     {
