@@ -250,6 +250,8 @@ async fn the_operator_runs_as_a_pod_under_exactly_its_chart_rbac(
         in_ns(&["create", "configmaps"]),
         in_ns(&["patch", "configmaps"]),
         in_ns(&["create", "secrets"]),
+        // An orphaned key Secret of a job of the same name is re-keyed and taken over.
+        in_ns(&["update", "secrets"]),
         in_ns(&["patch", "services"]),
         in_ns(&["patch", "serviceaccounts"]),
         in_ns(&["patch", "roles.rbac.authorization.k8s.io"]),

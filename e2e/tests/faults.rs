@@ -1087,6 +1087,14 @@ async fn churn(
     })
     .await;
     whole.with_context(|| format!("{} killed; status {st:?}", killed.len()))?;
+    // How often the operator found a blamed member alive (its log; timing decides how often).
+    let op = operator_pod(ctx).await?;
+    let vouched = ctx
+        .kubelet
+        .log_text(&op, "operator")
+        .map(|l| l.matches("answer their liveness ping or have exited").count())
+        .unwrap_or(0);
+    println!("\n{} workers killed; blamed members found alive by the operator: {vouched} times", killed.len());
     let counted = st.failures.total + st.disruptions.total;
     ensure!(
         counted as usize == killed.len()

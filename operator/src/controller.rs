@@ -46,7 +46,7 @@ use diphoma_contract::{
 };
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Pod, Secret};
+use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Pod};
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
 };
@@ -606,7 +606,7 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
         .unwrap_or_default();
     obs.refused = refusals.pods.clone();
     // Members the plan would count as hung are asked first whether their process runs.
-    obs.answering = answering(&ctx.client, job, &plan::failures::suspects(job, &obs)).await;
+    (obs.answering, obs.exited) = probe_suspects(job, &plan::failures::suspects(job, &obs)).await;
     let plan = plan::plan(job, &obs); // pure
     // The gang first: the workers wait for the Workload they point at.
     crate::gang::apply(&ctx.client, job, &plan.gang).await?;
@@ -730,6 +730,7 @@ fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String
         workload_refused: None,
         gang_repairing: None,
         answering: Default::default(),
+        exited: Default::default(),
     };
     Ok((observed, version))
 }
@@ -763,53 +764,45 @@ fn read_heartbeat(
     (progress, reports)
 }
 
-/// The `suspects` whose process answers a liveness probe from this operator (a keyed pong on
-/// their ring address, `ring/src/liveness.rs`) within the workers' own window (a quarter of
-/// `detectionSeconds`), all probed at once. Reads the job's key Secret (an API request, only
-/// when there are suspects); without it nobody is vouched for (each is judged by the reports
-/// alone, as before).
-async fn answering(
-    client: &Client,
+/// What the `suspects` answer to a liveness ping from this operator on their ring address
+/// (`ring/src/liveness.rs`) within the workers' own window (a quarter of `detectionSeconds`), all
+/// probed at once: (those alive, those whose port refuses: exited). The operator never reads the
+/// key Secret, so it cannot check a pong's tag ([`diphoma_ring::liveness::probe_unkeyed`]): a
+/// forged answer could only delay the verdict to the cut-off bound
+/// ([`plan::failures::CUT_OFF_FACTOR`]).
+async fn probe_suspects(
     job: &DiphomaJob,
     suspects: &[diphoma_contract::Member],
-) -> BTreeSet<String> {
-    if suspects.is_empty() {
-        return BTreeSet::new();
-    }
-    let ns = job.namespace().unwrap_or_default();
-    let name = build::key_secret_name(&job.name_any());
-    let key = match Api::<Secret>::namespaced(client.clone(), &ns).get(&name).await {
-        Ok(s) => s
-            .data
-            .and_then(|d| d.get(contract::KEY_FILE_NAME).map(|k| k.0.clone())),
-        Err(e) => {
-            tracing::warn!(job = %job.name_any(), secret = %name, error = %e, "cannot read the key to probe silent members");
-            None
-        }
-    };
-    let Some(key) = key else {
-        return BTreeSet::new();
-    };
+) -> (BTreeSet<String>, BTreeSet<String>) {
+    use diphoma_ring::liveness::{Answer, probe_unkeyed};
     let detection = Duration::from_secs(job.spec.fault_tolerance.detection_seconds.max(1) as u64);
     let window = diphoma_ring::k8s::liveness_window(detection);
     let probes = suspects.iter().map(|m| {
-        let (key, pod) = (key.clone(), m.pod.clone());
+        let pod = m.pod.clone();
         let addr = std::net::SocketAddr::new(m.address, m.port);
         tokio::task::spawn_blocking(move || {
             let never = std::sync::atomic::AtomicBool::new(false);
             let from = std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
-            diphoma_ring::liveness::probe(from, addr, &key, window, &never).then_some(pod)
+            (pod, probe_unkeyed(from, addr, window, &never))
         })
     });
-    let alive: BTreeSet<String> = futures::future::join_all(probes)
+    let answers: Vec<(String, Answer)> = futures::future::join_all(probes)
         .await
         .into_iter()
-        .filter_map(|r| r.ok().flatten())
+        .filter_map(Result::ok)
         .collect();
-    if !alive.is_empty() {
-        tracing::info!(job = %job.name_any(), ?alive, "blamed members answer their liveness probe: not hung");
+    let with = |a: Answer| -> BTreeSet<String> {
+        answers
+            .iter()
+            .filter(|(_, x)| *x == a)
+            .map(|(p, _)| p.clone())
+            .collect()
+    };
+    let (alive, exited) = (with(Answer::Alive), with(Answer::Gone));
+    if !alive.is_empty() || !exited.is_empty() {
+        tracing::info!(job = %job.name_any(), ?alive, ?exited, "blamed members answer their liveness ping or have exited: not hung");
     }
-    alive
+    (alive, exited)
 }
 
 /// Server-side applies `obj` (forced, as [`FIELD_MANAGER`]); the object as stored.

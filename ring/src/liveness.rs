@@ -112,6 +112,17 @@ impl Drop for Responder {
     }
 }
 
+/// What a probe heard from a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    /// A pong: the process runs.
+    Alive,
+    /// Nothing is bound at its address any more (an ICMP port unreachable): the process exited.
+    Gone,
+    /// No answer within the window: a stopped or frozen process, or a node that went quiet.
+    Silent,
+}
+
 /// Asks the process at `peer` (its ring address) whether it is alive: pings it from a socket on
 /// `from` every 50 ms until a pong keyed by `key` answers the probe's nonce (`true`), `window`
 /// passes, or `abort` is set (`false`). A live peer answers in about one round trip.
@@ -122,22 +133,59 @@ pub fn probe(
     window: Duration,
     abort: &AtomicBool,
 ) -> bool {
+    probe_with(from, peer, Some(key), window, abort) == Answer::Alive
+}
+
+/// [`probe`] by a prober that does not hold the key (the operator, which never reads the key
+/// Secret): any pong-shaped datagram from `peer` is [`Answer::Alive`], its tag unchecked (so only
+/// for a verdict that a forged answer can merely delay), and a refusal (nothing bound there) is
+/// [`Answer::Gone`] at once.
+pub fn probe_unkeyed(
+    from: IpAddr,
+    peer: SocketAddr,
+    window: Duration,
+    abort: &AtomicBool,
+) -> Answer {
+    probe_with(from, peer, None, window, abort)
+}
+
+fn probe_with(
+    from: IpAddr,
+    peer: SocketAddr,
+    key: Option<&[u8]>,
+    window: Duration,
+    abort: &AtomicBool,
+) -> Answer {
     let deadline = Instant::now() + window;
     let Ok(sock) = UdpSocket::bind(SocketAddr::new(from, 0)) else {
-        return false;
+        return Answer::Silent;
     };
+    // Unkeyed: connected, so that an ICMP port unreachable is heard (as `ConnectionRefused`).
+    let connected = key.is_none() && sock.connect(peer).is_ok();
+    let refused = |e: &std::io::Error| connected && e.kind() == ErrorKind::ConnectionRefused;
     let mut ping = [0u8; DATAGRAM_LEN];
     ping[..4].copy_from_slice(PING);
     rand::rng().fill_bytes(&mut ping[4..]);
-    let want = pong(key, &ping[4..]);
+    let want = key.map(|k| pong(k, &ping[4..]));
+    let answers = |got: &[u8]| match &want {
+        Some(w) => got == w,
+        None => got.len() == DATAGRAM_LEN && got.starts_with(PONG),
+    };
     let mut buf = [0u8; DATAGRAM_LEN + 1];
     loop {
         let now = Instant::now();
         if now >= deadline || abort.load(Ordering::SeqCst) {
-            return false;
+            return Answer::Silent;
         }
         // A send that fails (no route yet) is retried with the next ping.
-        let _ = sock.send_to(&ping, peer);
+        let sent = if connected {
+            sock.send(&ping)
+        } else {
+            sock.send_to(&ping, peer)
+        };
+        if sent.as_ref().is_err_and(refused) {
+            return Answer::Gone;
+        }
         let tick = (now + PING_EVERY).min(deadline);
         loop {
             let left = tick.saturating_duration_since(Instant::now());
@@ -145,9 +193,10 @@ pub fn probe(
                 break;
             }
             match sock.recv_from(&mut buf) {
-                Ok((n, src)) if src == peer && buf[..n] == want => return true,
+                Ok((n, src)) if src == peer && answers(&buf[..n]) => return Answer::Alive,
                 Ok(_) => {}
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => break,
+                Err(e) if refused(&e) => return Answer::Gone,
                 // ICMP errors (nothing bound there yet or any more), interruptions: go on.
                 Err(_) => {}
             }
@@ -176,6 +225,33 @@ mod tests {
         let other = responder(b"another-key-another-key-another!");
         let short = Duration::from_millis(300);
         assert!(!probe(LOOPBACK, other.local_addr(), KEY, short, &no));
+    }
+
+    #[test]
+    fn an_unkeyed_probe_takes_any_pong_from_the_peer_and_hears_a_closed_port() {
+        let no = AtomicBool::new(false);
+        let short = Duration::from_millis(300);
+        let r = responder(KEY);
+        let long = Duration::from_secs(10);
+        assert_eq!(probe_unkeyed(LOOPBACK, r.local_addr(), long, &no), Answer::Alive);
+        // A bound socket nobody reads is silent; once closed, the port refuses: gone.
+        let mute = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let addr = mute.local_addr().unwrap();
+        assert_eq!(probe_unkeyed(LOOPBACK, addr, short, &no), Answer::Silent);
+        drop(mute);
+        assert_eq!(probe_unkeyed(LOOPBACK, addr, long, &no), Answer::Gone);
+        // A socket that echoes the ping back is no responder.
+        let echo = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let addr = echo.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let mut b = [0u8; 64];
+            echo.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+            while let Ok((n, src)) = echo.recv_from(&mut b) {
+                let _ = echo.send_to(&b[..n], src);
+            }
+        });
+        assert_eq!(probe_unkeyed(LOOPBACK, addr, short, &no), Answer::Silent);
+        t.join().unwrap();
     }
 
     #[test]

@@ -252,10 +252,20 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
                 !found.failed_pods.contains(p) && !found.departed.contains(p) && present_pod(obs, p)
             })
             .filter(|p| {
+                let since = blamed_at(r, &obs.reports, p).unwrap_or(now);
+                if obs.exited.contains(p) {
+                    // Exited: the pod's status is about to say how (the cause that ended it).
+                    let grace = jiff::SignedDuration::from_secs(i64::from(detection));
+                    let left = (since + grace).duration_since(now);
+                    if left.is_positive() {
+                        plan.due_in(left.unsigned_abs() + Duration::from_millis(100));
+                        return false;
+                    }
+                    return true;
+                }
                 if !obs.answering.contains(p) {
                     return true;
                 }
-                let since = blamed_at(r, &obs.reports, p).unwrap_or(now);
                 match cut_off(r, obs, since, detection) {
                     Ok(()) => cut.insert(p.clone()),
                     Err(look_again) => {

@@ -68,6 +68,10 @@ pub struct Observed {
     /// peer, or its own report late or lost), so they are not hung, unless cut off
     /// ([`failures::CUT_OFF_FACTOR`]).
     pub answering: BTreeSet<String>,
+    /// Silent members whose ring port refused this operator's ping (nothing bound there: their
+    /// process exited): not hung; the kubelet is about to report how they ended, and they are
+    /// counted `Hung` only if it has not within `detectionSeconds` of the first blame.
+    pub exited: BTreeSet<String>,
     /// Now.
     pub now: Timestamp,
     /// Worker pods whose creation the API server refused at the previous apply, with its

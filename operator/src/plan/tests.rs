@@ -33,6 +33,7 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         workload_refused: None,
         gang_repairing: None,
         answering: Default::default(),
+        exited: Default::default(),
     }
 }
 
@@ -1578,4 +1579,31 @@ fn a_blamed_member_that_answers_its_probe_is_not_hung_unless_cut_off() {
             .collect::<Vec<_>>(),
         [("train-worker-1", Cause::Hung, "CutOff")]
     );
+}
+
+#[test]
+fn a_blamed_member_whose_port_refuses_is_left_to_its_exit_status() {
+    let j = elastic(2);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let r = ring(&j, 2, &[0, 1, 2, 3]);
+    let reports = vec![report(0, 1, 2, 96), report(2, 1, 2, 96)];
+    let at = |now: i64, pods: Vec<Pod>| Observed {
+        reports: reports.clone(),
+        now: t(now),
+        exited: ["train-worker-1".to_owned()].into(),
+        ..obs(pods, Some(r.clone()))
+    };
+    // Killed, its pod still Running: not counted yet, looked at again within detectionSeconds.
+    let p = plan(&j, &at(102, pods.clone()));
+    assert!(p.failures.is_empty(), "{:?}", p.failures);
+    assert_eq!(p.requeue_after, Some(Duration::from_millis(4100)));
+    // The kubelet reports the exit: counted by the cause that ended it.
+    pods[1] = exited(pods[1].clone(), 137, "Error");
+    let p = plan(&j, &at(102, pods.clone()));
+    let causes: Vec<Cause> = p.failures.iter().map(|f| f.cause).collect();
+    assert_eq!(causes, [Cause::ProcessExit]);
+    // No status within detectionSeconds after all: hung, so the ring does not wait forever.
+    let running: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let causes: Vec<Cause> = plan(&j, &at(107, running)).failures.iter().map(|f| f.cause).collect();
+    assert_eq!(causes, [Cause::Hung]);
 }
