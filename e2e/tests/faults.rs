@@ -1021,11 +1021,7 @@ async fn operator_failures_metric(ctx: &Ctx) -> Result<std::collections::BTreeMa
 /// meanwhile. Once the ring is whole again, each kill is counted once, as `ProcessExit`, and no
 /// live worker is counted at all (a member a generation behind, joining, or waiting on a dead
 /// peer is not silent). Returns (kills, the job's status).
-async fn churn(
-    ctx: &Ctx,
-    ns: &str,
-    operator_kills: usize,
-) -> Result<(usize, DiphomaJobStatus)> {
+async fn churn(ctx: &Ctx, ns: &str, operator_kills: usize) -> Result<(usize, DiphomaJobStatus)> {
     let mut job = quick_job(
         ("stress", 6, 1_000_000),
         1000,
@@ -1065,10 +1061,11 @@ async fn churn(
             signal(pid, libc::SIGKILL);
             killed.insert(pod);
         }
-        if operator_kills > 0 && round % operator_every == operator_every - 1 {
-            if let Ok(pid) = pid_of(&operator_pod(ctx).await?) {
-                signal(pid, libc::SIGKILL);
-            }
+        if operator_kills > 0
+            && round % operator_every == operator_every - 1
+            && let Ok(pid) = pid_of(&operator_pod(ctx).await?)
+        {
+            signal(pid, libc::SIGKILL);
         }
         tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     }
@@ -1092,9 +1089,15 @@ async fn churn(
     let vouched = ctx
         .kubelet
         .log_text(&op, "operator")
-        .map(|l| l.matches("answer their liveness ping or have exited").count())
+        .map(|l| {
+            l.matches("answer their liveness ping or have exited")
+                .count()
+        })
         .unwrap_or(0);
-    println!("\n{} workers killed; blamed members found alive by the operator: {vouched} times", killed.len());
+    println!(
+        "\n{} workers killed; blamed members found alive by the operator: {vouched} times",
+        killed.len()
+    );
     let counted = st.failures.total + st.disruptions.total;
     ensure!(
         counted as usize == killed.len()
@@ -1126,7 +1129,10 @@ async fn under_churn_only_killed_workers_are_counted_and_the_metric_agrees(
     for (c, n) in st.failures.by_cause.iter().chain(&st.disruptions.by_cause) {
         *counted.entry(c.clone()).or_default() += i64::from(*n);
     }
-    ensure!(rise == counted, "the metric rose by {rise:?}, the status counts {counted:?}");
+    ensure!(
+        rise == counted,
+        "the metric rose by {rise:?}, the status counts {counted:?}"
+    );
     Ok(())
 }
 
@@ -1136,7 +1142,10 @@ async fn under_churn_with_the_operator_killed_only_killed_workers_are_counted(
     ctx: Arc<Ctx>,
     ns: String,
 ) -> Result<()> {
-    ensure!(ctx.mode == OperatorMode::Chart, "needs the chart's operator pod");
+    ensure!(
+        ctx.mode == OperatorMode::Chart,
+        "needs the chart's operator pod"
+    );
     churn(&ctx, &ns, 3).await?;
     Ok(())
 }
@@ -1145,7 +1154,14 @@ async fn under_churn_with_the_operator_killed_only_killed_workers_are_counted(
 fn gpus_and_env(p: &Pod) -> (Option<String>, Vec<String>) {
     let c = p.spec.as_ref().and_then(|s| s.containers.first());
     let gpus = c
-        .and_then(|c| c.resources.as_ref()?.limits.as_ref()?.get("nvidia.com/gpu").cloned())
+        .and_then(|c| {
+            c.resources
+                .as_ref()?
+                .limits
+                .as_ref()?
+                .get("nvidia.com/gpu")
+                .cloned()
+        })
         .map(|q| q.0);
     let env = c
         .and_then(|c| c.env.clone())
@@ -1212,7 +1228,9 @@ async fn a_spec_edit_replaces_the_whole_ring_and_never_mixes_two_specs(
         })
         .await
         .with_context(|| what.clone())?;
-        generation = ring(&ctx.client, &ns, "digits").await?.map_or(0, |r| r.generation);
+        generation = ring(&ctx.client, &ns, "digits")
+            .await?
+            .map_or(0, |r| r.generation);
         let reasons = event_reasons(&ctx, &ns, "digits").await?;
         ensure!(reasons.iter().any(|r| r == "SpecChanged"), "{reasons:?}");
     }
@@ -1226,7 +1244,12 @@ async fn a_spec_edit_replaces_the_whole_ring_and_never_mixes_two_specs(
     let last = worker_pods(&ctx, &ns, "digits").await?;
     let rank0 = last
         .iter()
-        .find(|p| p.labels().get(diphoma_contract::LABEL_RANK).map(String::as_str) == Some("0"))
+        .find(|p| {
+            p.labels()
+                .get(diphoma_contract::LABEL_RANK)
+                .map(String::as_str)
+                == Some("0")
+        })
         .context("no rank 0")?;
     ensure!(
         gpus_and_env(rank0).0.as_deref() == Some("2")
@@ -1275,18 +1298,30 @@ async fn a_job_applied_again_after_an_orphaning_delete_takes_over_its_children(
     })
     .await?;
     let out = kubectl_apply(&ctx, &ns, &job.to_string())?;
-    ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let uid = jobs(&ctx, &ns).get("digits").await?.uid().unwrap_or_default();
-    let owned = |refs: Option<Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference>>| {
-        refs.unwrap_or_default().iter().any(|o| o.uid == uid)
-    };
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let uid = jobs(&ctx, &ns)
+        .get("digits")
+        .await?
+        .uid()
+        .unwrap_or_default();
+    let owned = |refs: Option<
+        Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference>,
+    >| { refs.unwrap_or_default().iter().any(|o| o.uid == uid) };
     let configmaps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
-    eventually(60, "the key Secret and heartbeat ConfigMap taken over", async || {
-        let s = secrets.get("digits-key").await?;
-        let cm = configmaps.get("digits-heartbeat").await?;
-        Ok(owned(s.metadata.owner_references.clone())
-            && owned(cm.metadata.owner_references.clone()))
-    })
+    eventually(
+        60,
+        "the key Secret and heartbeat ConfigMap taken over",
+        async || {
+            let s = secrets.get("digits-key").await?;
+            let cm = configmaps.get("digits-heartbeat").await?;
+            Ok(owned(s.metadata.owner_references.clone())
+                && owned(cm.metadata.owner_references.clone()))
+        },
+    )
     .await?;
     ensure!(
         key(&secrets.get("digits-key").await?) != old_key,
@@ -1297,7 +1332,10 @@ async fn a_job_applied_again_after_an_orphaning_delete_takes_over_its_children(
         ring.members.iter().all(|m| !orphans.contains(&m.pod)),
         "{ring:?} holds orphans {orphans:?}"
     );
-    let st = progress_until(&ctx, &ns, "digits", "the new job's progress", |p| p.step > 0).await?;
+    let st = progress_until(&ctx, &ns, "digits", "the new job's progress", |p| {
+        p.step > 0
+    })
+    .await?;
     ensure!(
         condition_reason(&st, "Reporting") == Some("ReportsArriving"),
         "{:?}",
@@ -1307,7 +1345,9 @@ async fn a_job_applied_again_after_an_orphaning_delete_takes_over_its_children(
     ensure!(st.failures.total == 0, "{:?}", st.failures);
     // The orphaned workers are the user's now: stop them.
     for name in orphans {
-        let _ = pods(&ctx, &ns).delete(&name, &kube::api::DeleteParams::default()).await;
+        let _ = pods(&ctx, &ns)
+            .delete(&name, &kube::api::DeleteParams::default())
+            .await;
     }
     Ok(())
 }

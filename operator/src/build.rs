@@ -804,29 +804,27 @@ pub(crate) mod tests {
         assert_eq!(from.len(), 1);
         assert_eq!(from[0].pod_selector.as_ref().unwrap().match_labels, own);
         assert!(from[0].namespace_selector.is_none(), "same namespace only");
-        let ports: Vec<_> = ring
-            .ports
-            .as_ref()
-            .unwrap()
-            .iter()
-            .map(|p| (p.protocol.as_deref(), p.port.clone()))
-            .collect();
+        let ports_of =
+            |r: &NetworkPolicyIngressRule| -> Vec<(Option<String>, Option<IntOrString>)> {
+                r.ports
+                    .iter()
+                    .flatten()
+                    .map(|p| (p.protocol.clone(), p.port.clone()))
+                    .collect()
+            };
+        let tcp = || Some("TCP".to_owned());
         let ring_port = Some(IntOrString::Int(basic().spec.ring_port));
-        assert_eq!(ports, [(Some("TCP"), ring_port.clone())]);
-        assert!(rules[1].from.is_none(), "liveness and metrics open to probes and scrapers");
-        let open: Vec<_> = rules[1]
-            .ports
-            .as_ref()
-            .unwrap()
-            .iter()
-            .map(|p| (p.protocol.as_deref(), p.port.clone()))
-            .collect();
+        assert_eq!(ports_of(ring), [(tcp(), ring_port.clone())]);
+        assert!(
+            rules[1].from.is_none(),
+            "liveness and metrics open to probes and scrapers"
+        );
         assert_eq!(
-            open,
+            ports_of(&rules[1]),
             [
-                (Some("UDP"), ring_port),
+                (Some("UDP".to_owned()), ring_port),
                 (
-                    Some("TCP"),
+                    tcp(),
                     Some(IntOrString::Int(contract::DEFAULT_METRICS_PORT.into()))
                 )
             ]

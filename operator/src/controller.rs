@@ -1139,7 +1139,11 @@ async fn apply_children(
 /// `adoption` says ([`caches::adoption`]): an object the job owns, or another owner's, is never
 /// overwritten; an orphan of a job of the same name is replaced by `obj` (conditional on the
 /// `resourceVersion` seen). The object written (none: nothing was).
-async fn create_once<K>(api: &Api<K>, mut obj: K, adoption: caches::Adoption) -> Result<Option<K>, kube::Error>
+async fn create_once<K>(
+    api: &Api<K>,
+    mut obj: K,
+    adoption: caches::Adoption,
+) -> Result<Option<K>, kube::Error>
 where
     K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
 {
@@ -1149,7 +1153,9 @@ where
             let name = obj.meta().name.clone().unwrap_or_default();
             tracing::info!(%name, "taking over an orphaned child of a job of the same name");
             obj.meta_mut().resource_version = Some(rv);
-            api.replace(&name, &PostParams::default(), &obj).await.map(Some)
+            api.replace(&name, &PostParams::default(), &obj)
+                .await
+                .map(Some)
         }
         caches::Adoption::Create => match api.create(&PostParams::default(), &obj).await {
             Err(kube::Error::Api(s)) if s.is_already_exists() => Ok(None),

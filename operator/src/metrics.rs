@@ -164,7 +164,9 @@ impl Metrics {
             for (cause, n) in by_cause(next, repairs) {
                 let rise = n - before.get(&cause).copied().unwrap_or(0);
                 if rise > 0 {
-                    counter.with_label_values(&[cause.as_str()]).inc_by(rise as u64);
+                    counter
+                        .with_label_values(&[cause.as_str()])
+                        .inc_by(rise as u64);
                 }
             }
         }

@@ -233,7 +233,10 @@ mod tests {
         let short = Duration::from_millis(300);
         let r = responder(KEY);
         let long = Duration::from_secs(10);
-        assert_eq!(probe_unkeyed(LOOPBACK, r.local_addr(), long, &no), Answer::Alive);
+        assert_eq!(
+            probe_unkeyed(LOOPBACK, r.local_addr(), long, &no),
+            Answer::Alive
+        );
         // A bound socket nobody reads is silent; once closed, the port refuses: gone.
         let mute = UdpSocket::bind("127.0.0.1:0").unwrap();
         let addr = mute.local_addr().unwrap();
@@ -245,7 +248,8 @@ mod tests {
         let addr = echo.local_addr().unwrap();
         let t = std::thread::spawn(move || {
             let mut b = [0u8; 64];
-            echo.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+            echo.set_read_timeout(Some(Duration::from_millis(500)))
+                .unwrap();
             while let Ok((n, src)) = echo.recv_from(&mut b) {
                 let _ = echo.send_to(&b[..n], src);
             }

@@ -672,7 +672,10 @@ pub fn adoption(existing: Option<&ObjectMeta>, job: &DiphomaJob) -> Adoption {
         return Adoption::Keep;
     }
     let labels = meta.labels.clone().unwrap_or_default();
-    let ours = labels.get("app.kubernetes.io/managed-by").map(String::as_str) == Some(MANAGED_BY)
+    let ours = labels
+        .get("app.kubernetes.io/managed-by")
+        .map(String::as_str)
+        == Some(MANAGED_BY)
         && labels.get(diphoma_contract::LABEL_JOB_NAME) == Some(&job.name_any());
     let orphan = meta.owner_references.as_ref().is_none_or(Vec::is_empty);
     match (ours && orphan, &meta.resource_version) {

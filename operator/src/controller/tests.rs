@@ -421,16 +421,17 @@ fn retries_back_off_exponentially_up_to_five_minutes() {
 #[test]
 fn an_orphaned_child_of_a_job_of_the_same_name_is_taken_over_and_nothing_else_is() {
     let job = basic(); // uid "uid-1"
-    let meta = |labels: serde_json::Value, owners: serde_json::Value| -> k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+    let meta = |labels: serde_json::Value,
+                owners: serde_json::Value|
+     -> k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
         serde_json::from_value(json!({
             "name": "train-key", "resourceVersion": "42", "labels": labels, "ownerReferences": owners
         }))
         .unwrap()
     };
-    let ours = json!({"app.kubernetes.io/managed-by": "diphoma-operator", "diphoma.io/job-name": "train"});
-    let owner = |uid: &str| {
-        json!([{"apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "name": "train", "uid": uid, "controller": true}])
-    };
+    let ours =
+        json!({"app.kubernetes.io/managed-by": "diphoma-operator", "diphoma.io/job-name": "train"});
+    let owner = |uid: &str| json!([{"apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "name": "train", "uid": uid, "controller": true}]);
     assert_eq!(caches::adoption(None, &job), caches::Adoption::Create);
     assert_eq!(
         caches::adoption(Some(&meta(ours.clone(), owner("uid-1"))), &job),
@@ -455,7 +456,11 @@ fn an_orphaned_child_of_a_job_of_the_same_name_is_taken_over_and_nothing_else_is
             json!([]),
         ),
     ] {
-        assert_eq!(caches::adoption(Some(&m), &job), caches::Adoption::Foreign, "{m:?}");
+        assert_eq!(
+            caches::adoption(Some(&m), &job),
+            caches::Adoption::Foreign,
+            "{m:?}"
+        );
     }
 }
 
@@ -484,7 +489,10 @@ fn records_of_another_job_in_the_heartbeat_are_ignored() {
     for (uid, kept) in [(Some("uid-1"), true), (None, true), (Some("uid-0"), false)] {
         let data = std::collections::BTreeMap::from([
             (contract::PROGRESS_KEY.to_owned(), progress(uid)),
-            (format!("{}train-worker-0", contract::REPORT_KEY_PREFIX), report(uid)),
+            (
+                format!("{}train-worker-0", contract::REPORT_KEY_PREFIX),
+                report(uid),
+            ),
         ]);
         let (p, r) = read_heartbeat(data, "uid-1");
         assert_eq!((p.is_some(), r.len() == 1), (kept, kept), "{uid:?}");

@@ -1465,11 +1465,13 @@ fn a_spec_edit_that_reaches_the_workers_replaces_the_whole_ring_at_once() {
         |j| j.spec.gpus_per_worker += 1,
         |j| {
             let c = &mut j.spec.template.spec.as_mut().unwrap().containers[0];
-            c.env.get_or_insert_default().push(k8s_openapi::api::core::v1::EnvVar {
-                name: "LR".into(),
-                value: Some("0.1".into()),
-                value_from: None,
-            });
+            c.env
+                .get_or_insert_default()
+                .push(k8s_openapi::api::core::v1::EnvVar {
+                    name: "LR".into(),
+                    value: Some("0.1".into()),
+                    value_from: None,
+                });
         },
         |j| j.spec.template.spec.as_mut().unwrap().containers[0].image = Some("w:2".into()),
     ];
@@ -1480,8 +1482,11 @@ fn a_spec_edit_that_reaches_the_workers_replaces_the_whole_ring_at_once() {
         let digest = build::worker_spec_digest(&edited);
         assert_ne!(digest, build::worker_spec_digest(&j));
         let p = plan(&edited, &obs(pods.clone(), Some(r.clone())));
-        let deleted: Vec<(&str, &str)> =
-            p.delete.iter().map(|d| (d.pod.as_str(), d.reason)).collect();
+        let deleted: Vec<(&str, &str)> = p
+            .delete
+            .iter()
+            .map(|d| (d.pod.as_str(), d.reason))
+            .collect();
         assert_eq!(
             deleted,
             (0..4)
@@ -1515,7 +1520,10 @@ fn a_spec_edit_that_reaches_the_workers_replaces_the_whole_ring_at_once() {
             .find(|e| e.reason == "SpecChanged")
             .map(|e| e.note.clone())
             .unwrap();
-        assert!(note.contains("generation 2") && note.contains("4 workers"), "{note}");
+        assert!(
+            note.contains("generation 2") && note.contains("4 workers"),
+            "{note}"
+        );
         // Once the old workers terminate, the new ones alone form the next generation.
         let new: Vec<Pod> = p
             .create
@@ -1528,12 +1536,23 @@ fn a_spec_edit_that_reaches_the_workers_replaces_the_whole_ring_at_once() {
             })
             .collect();
         let next = plan(&edited, &obs(new, Some(r.clone())));
-        let members: Vec<String> = next.publish.unwrap().members.into_iter().map(|m| m.pod).collect();
+        let members: Vec<String> = next
+            .publish
+            .unwrap()
+            .members
+            .into_iter()
+            .map(|m| m.pod)
+            .collect();
         assert_eq!(members, created);
     }
     // A worker made before the digest label existed is taken as built from the current spec.
     let mut unlabelled = pods[0].clone();
-    unlabelled.metadata.labels.as_mut().unwrap().remove(build::LABEL_WORKER_SPEC);
+    unlabelled
+        .metadata
+        .labels
+        .as_mut()
+        .unwrap()
+        .remove(build::LABEL_WORKER_SPEC);
     assert!(!workers::stale(&unlabelled, "0000"));
 }
 
@@ -1543,7 +1562,11 @@ fn a_blamed_member_that_answers_its_probe_is_not_hung_unless_cut_off() {
     let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
     let r = ring(&j, 2, &[0, 1, 2, 3]);
     // Rank 1 is blamed and its own report is late, lost, or of the generation it is behind in.
-    let reports = vec![report(0, 1, 2, 96), report(2, 1, 2, 96), report(1, 3, 1, 90)];
+    let reports = vec![
+        report(0, 1, 2, 96),
+        report(2, 1, 2, 96),
+        report(1, 3, 1, 90),
+    ];
     let at = |now: i64, progress: Option<ProgressReport>| Observed {
         reports: reports.clone(),
         now: t(now),
@@ -1558,7 +1581,11 @@ fn a_blamed_member_that_answers_its_probe_is_not_hung_unless_cut_off() {
         .collect();
     assert_eq!(suspects, ["train-worker-1"]);
     let p = plan(&j, &at(102, None));
-    assert!(p.failures.is_empty() && p.delete.is_empty(), "{:?}", p.failures);
+    assert!(
+        p.failures.is_empty() && p.delete.is_empty(),
+        "{:?}",
+        p.failures
+    );
     assert!(p.publish.is_none());
     // Looked at again when it would be cut off (3 × detectionSeconds after the first blame).
     assert_eq!(p.requeue_after, Some(Duration::from_millis(24_100)));
@@ -1604,6 +1631,10 @@ fn a_blamed_member_whose_port_refuses_is_left_to_its_exit_status() {
     assert_eq!(causes, [Cause::ProcessExit]);
     // No status within detectionSeconds after all: hung, so the ring does not wait forever.
     let running: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
-    let causes: Vec<Cause> = plan(&j, &at(107, running)).failures.iter().map(|f| f.cause).collect();
+    let causes: Vec<Cause> = plan(&j, &at(107, running))
+        .failures
+        .iter()
+        .map(|f| f.cause)
+        .collect();
     assert_eq!(causes, [Cause::Hung]);
 }

@@ -108,14 +108,22 @@ pub fn workers<'a>(
                 plan.delete.push(Deletion {
                     pod: p.name_any(),
                     force: false,
-                    reason: if i >= desired { "ScaledDown" } else { SPEC_CHANGED },
+                    reason: if i >= desired {
+                        "ScaledDown"
+                    } else {
+                        SPEC_CHANGED
+                    },
                 });
             } else {
                 live.insert(i, p);
             }
         }
     }
-    let replaced = plan.delete.iter().filter(|d| d.reason == SPEC_CHANGED).count();
+    let replaced = plan
+        .delete
+        .iter()
+        .filter(|d| d.reason == SPEC_CHANGED)
+        .count();
     if replaced > 0 {
         plan.events.push(EventNote::normal(
             SPEC_CHANGED,
