@@ -151,8 +151,8 @@ pub struct DiphomaJobSpec {
     /// environment, port, labels, GPU limits and the key volume. The fields the operator reads
     /// (containers, their command, args, env, ports, mounts and resources, volumes, node
     /// selector, labels) are typed, so a template it could not read is refused here. A ring
-    /// never mixes specs: an edit of the pod spec here (or of `gpusPerWorker`, `placement`,
-    /// `checkpoint`, `ring`, `balance`, `sync` or `faultTolerance.detectionSeconds`) while workers
+    /// never mixes specs: an edit of the pod spec here (or of `gpusPerWorker`, `checkpoint`,
+    /// `ring`, `balance`, `sync` or `faultTolerance.detectionSeconds`) while workers
     /// run replaces every worker at once with one built from the new spec, and the new workers
     /// form a new ring generation that resumes from the last checkpoint (event and condition
     /// reason `SpecChanged`); labels and annotations reach only workers created later.

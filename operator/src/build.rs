@@ -157,9 +157,10 @@ pub enum BuildError {
 }
 
 /// A digest of everything in the spec that a worker is built from and that its ring peers must
-/// agree on: `template.spec`, `gpusPerWorker`, `placement`, `checkpoint`, `ringPort`, `ring`,
-/// `balance`, `sync` and `faultTolerance.detectionSeconds` (not `replicas`, `elastic`,
-/// `runPolicy` nor the failure policy, which only the operator reads, nor the template's labels
+/// agree on: `template.spec`, `gpusPerWorker`, `checkpoint`, `ringPort`, `ring`, `balance`,
+/// `sync` and `faultTolerance.detectionSeconds` (not `replicas`, `elastic`, `runPolicy` nor the
+/// failure policy, which only the operator reads, nor `placement` and the node labels and
+/// tolerations Kueue's flavors add to it, which say where workers run, nor the template's labels
 /// and annotations, which only workers created later carry). 16 hex digits of SHA-256
 /// over their JSON (serde's field order, sorted maps): stable across operator versions, so an
 /// upgrade replaces nothing. Two workers with the same digest run the same spec; a ring never
@@ -170,7 +171,6 @@ pub fn worker_spec_digest(job: &DiphomaJob) -> String {
     let shaping = serde_json::json!([
         s.template.spec,
         s.gpus_per_worker,
-        s.placement,
         s.checkpoint,
         s.ring_port,
         s.ring,
@@ -829,6 +829,19 @@ pub(crate) mod tests {
                 )
             ]
         );
+    }
+
+    #[test]
+    fn the_worker_spec_digest_is_pinned_so_an_upgrade_rolls_no_ring() {
+        // A change here rolls every running job when the operator is upgraded: make it only
+        // with a serialisation that keeps the old digests (a new field absent when unset).
+        assert_eq!(worker_spec_digest(&basic()), "0ddbddf00d140e95");
+        let mut placed = basic();
+        placed.spec.placement = Some(crate::api::Placement {
+            node_selector: [("pool".to_owned(), "a".to_owned())].into(),
+            ..Default::default()
+        });
+        assert_eq!(worker_spec_digest(&placed), worker_spec_digest(&basic()));
     }
 
     #[test]

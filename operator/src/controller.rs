@@ -567,7 +567,12 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
     }
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
+    // Members the plan would count as hung are asked first whether their process runs; the
+    // plan then reads the caches as they are after the asking.
+    let suspects = plan::failures::suspects(job, &observe(&ctx.caches, job)?.0);
+    let probed = probe_suspects(job, &suspects).await;
     let (mut obs, heartbeat_version) = observe(&ctx.caches, job)?; // from the caches
+    (obs.answering, obs.exited) = probed;
     // A queued job's Kueue Workload (an API read, only for a job with a queue).
     obs.queue = crate::queue::observe(&ctx.client, job).await?;
     obs.workload_refused = ctx
@@ -605,8 +610,6 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
         .cloned()
         .unwrap_or_default();
     obs.refused = refusals.pods.clone();
-    // Members the plan would count as hung are asked first whether their process runs.
-    (obs.answering, obs.exited) = probe_suspects(job, &plan::failures::suspects(job, &obs)).await;
     let plan = plan::plan(job, &obs); // pure
     // The gang first: the workers wait for the Workload they point at.
     crate::gang::apply(&ctx.client, job, &plan.gang).await?;
@@ -764,9 +767,14 @@ fn read_heartbeat(
     (progress, reports)
 }
 
+/// The longest the operator waits for a suspect's pong (a live process answers in one round
+/// trip): a reconcile with a frozen member is delayed by at most this.
+const PROBE_WINDOW_MAX: Duration = Duration::from_secs(2);
+
 /// What the `suspects` answer to a liveness ping from this operator on their ring address
-/// (`ring/src/liveness.rs`) within the workers' own window (a quarter of `detectionSeconds`), all
-/// probed at once: (those alive, those whose port refuses: exited). The operator never reads the
+/// (`ring/src/liveness.rs`) within the workers' own window (a quarter of `detectionSeconds`, at
+/// most [`PROBE_WINDOW_MAX`]), all probed at once: (those alive, those whose port refuses:
+/// exited). The operator never reads the
 /// key Secret, so it cannot check a pong's tag ([`diphoma_ring::liveness::probe_unkeyed`]): a
 /// forged answer could only delay the verdict to the cut-off bound
 /// ([`plan::failures::CUT_OFF_FACTOR`]).
@@ -775,14 +783,20 @@ async fn probe_suspects(
     suspects: &[diphoma_contract::Member],
 ) -> (BTreeSet<String>, BTreeSet<String>) {
     use diphoma_ring::liveness::{Answer, probe_unkeyed};
+    if suspects.is_empty() {
+        return Default::default();
+    }
     let detection = Duration::from_secs(job.spec.fault_tolerance.detection_seconds.max(1) as u64);
-    let window = diphoma_ring::k8s::liveness_window(detection);
+    let window = diphoma_ring::k8s::liveness_window(detection).min(PROBE_WINDOW_MAX);
     let probes = suspects.iter().map(|m| {
         let pod = m.pod.clone();
         let addr = std::net::SocketAddr::new(m.address, m.port);
         tokio::task::spawn_blocking(move || {
             let never = std::sync::atomic::AtomicBool::new(false);
-            let from = std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
+            let from = match addr {
+                std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+                std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+            };
             (pod, probe_unkeyed(from, addr, window, &never))
         })
     });
@@ -1111,7 +1125,7 @@ async fn apply_children(
     let o = create_once(
         &Api::namespaced(client.clone(), &ns),
         secret,
-        caches::adoption(secret_meta.as_ref(), job),
+        caches::adoption(secret_meta.as_ref(), job, ctx.caches.has_workers(job)),
     )
     .await
     .map_err(failed("Secret", &build::key_secret_name(&job.name_any())))?;
@@ -1125,7 +1139,7 @@ async fn apply_children(
     let o = create_once(
         &Api::namespaced(client.clone(), &ns),
         heartbeat,
-        caches::adoption(heartbeat_meta.as_ref(), job),
+        caches::adoption(heartbeat_meta.as_ref(), job, false),
     )
     .await
     .map_err(failed("ConfigMap", &heartbeat_name))?;
@@ -1153,9 +1167,12 @@ where
             let name = obj.meta().name.clone().unwrap_or_default();
             tracing::info!(%name, "taking over an orphaned child of a job of the same name");
             obj.meta_mut().resource_version = Some(rv);
-            api.replace(&name, &PostParams::default(), &obj)
-                .await
-                .map(Some)
+            match api.replace(&name, &PostParams::default(), &obj).await {
+                // Written meanwhile (an orphaned worker still reporting): the child stays
+                // missing for this job, so the next reconcile tries again from the new version.
+                Err(kube::Error::Api(s)) if s.code == 409 => Ok(None),
+                other => other.map(Some),
+            }
         }
         caches::Adoption::Create => match api.create(&PostParams::default(), &obj).await {
             Err(kube::Error::Api(s)) if s.is_already_exists() => Ok(None),

@@ -233,6 +233,8 @@ pub struct KubeRing {
     pending_progress: Option<tokio::task::JoinHandle<()>>,
     terminating: Arc<AtomicBool>,
     removed: bool,
+    /// The generation whose failure this worker reported since its last committed step (one
+    /// report per failure: the failed re-connects that follow do not overwrite it).
     reported: Option<u64>,
     op_timeout: Duration,
     /// Answers liveness pings for the life of the follower.
@@ -617,6 +619,8 @@ impl RingSource for KubeRing {
             return Control::Leave;
         }
         self.publish_progress(p);
+        // The ring recovered: a later failure at this generation is a new one, reported again.
+        self.reported = None;
         self.decision()
     }
 

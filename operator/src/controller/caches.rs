@@ -567,6 +567,19 @@ impl Caches {
         }
     }
 
+    /// Whether the job has worker pods of its own (by owner UID) in the store.
+    pub fn has_workers(&self, job: &DiphomaJob) -> bool {
+        let uid = job.uid().unwrap_or_default();
+        let name = job.name_any();
+        !self
+            .pods
+            .state_filter(|p| {
+                p.labels().get(diphoma_contract::LABEL_JOB_NAME) == Some(&name)
+                    && owned_by(&p.metadata, &uid)
+            })
+            .is_empty()
+    }
+
     /// The metadata of the job's key Secret and heartbeat ConfigMap as the stores hold them
     /// (none: not there), for [`adoption`].
     pub fn created_once(&self, job: &DiphomaJob) -> (Option<ObjectMeta>, Option<ObjectMeta>) {
@@ -662,8 +675,10 @@ pub enum Adoption {
     Foreign,
 }
 
-/// [`Adoption`] of a child of `job` whose name is held by `existing` (none: no object).
-pub fn adoption(existing: Option<&ObjectMeta>, job: &DiphomaJob) -> Adoption {
+/// [`Adoption`] of a child of `job` whose name is held by `existing` (none: no object);
+/// `in_use`: the job's own workers already run on it (a key Secret once the job has workers),
+/// so it is never replaced under them, orphaned or not.
+pub fn adoption(existing: Option<&ObjectMeta>, job: &DiphomaJob, in_use: bool) -> Adoption {
     let Some(meta) = existing else {
         return Adoption::Create;
     };
@@ -678,7 +693,7 @@ pub fn adoption(existing: Option<&ObjectMeta>, job: &DiphomaJob) -> Adoption {
         == Some(MANAGED_BY)
         && labels.get(diphoma_contract::LABEL_JOB_NAME) == Some(&job.name_any());
     let orphan = meta.owner_references.as_ref().is_none_or(Vec::is_empty);
-    match (ours && orphan, &meta.resource_version) {
+    match (ours && orphan && !in_use, &meta.resource_version) {
         (true, Some(rv)) => Adoption::TakeOver(rv.clone()),
         _ => Adoption::Foreign,
     }

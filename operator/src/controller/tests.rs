@@ -432,19 +432,27 @@ fn an_orphaned_child_of_a_job_of_the_same_name_is_taken_over_and_nothing_else_is
     let ours =
         json!({"app.kubernetes.io/managed-by": "diphoma-operator", "diphoma.io/job-name": "train"});
     let owner = |uid: &str| json!([{"apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "name": "train", "uid": uid, "controller": true}]);
-    assert_eq!(caches::adoption(None, &job), caches::Adoption::Create);
     assert_eq!(
-        caches::adoption(Some(&meta(ours.clone(), owner("uid-1"))), &job),
+        caches::adoption(None, &job, false),
+        caches::Adoption::Create
+    );
+    assert_eq!(
+        caches::adoption(Some(&meta(ours.clone(), owner("uid-1"))), &job, false),
         caches::Adoption::Keep
     );
     // `kubectl delete --cascade=orphan` removed the owner: taken over at the version seen.
     assert_eq!(
-        caches::adoption(Some(&meta(ours.clone(), json!([]))), &job),
+        caches::adoption(Some(&meta(ours.clone(), json!([]))), &job, false),
         caches::Adoption::TakeOver("42".into())
     );
     assert_eq!(
-        caches::adoption(Some(&meta(ours.clone(), json!(null))), &job),
+        caches::adoption(Some(&meta(ours.clone(), json!(null))), &job, false),
         caches::Adoption::TakeOver("42".into())
+    );
+    // Never re-keyed under the job's own running workers.
+    assert_eq!(
+        caches::adoption(Some(&meta(ours.clone(), json!([]))), &job, true),
+        caches::Adoption::Foreign
     );
     // A deleted job's child still owned (the garbage collector will remove it), a user's object
     // of the same name, another job's child: never touched.
@@ -457,7 +465,7 @@ fn an_orphaned_child_of_a_job_of_the_same_name_is_taken_over_and_nothing_else_is
         ),
     ] {
         assert_eq!(
-            caches::adoption(Some(&m), &job),
+            caches::adoption(Some(&m), &job, false),
             caches::Adoption::Foreign,
             "{m:?}"
         );

@@ -106,18 +106,52 @@ pub fn silent_members(
     (hung, None)
 }
 
+/// The failure reports still in force for `ring`: a report of its generation that rank 0's
+/// progress at that generation postdates is settled (the ring committed a step after it, so
+/// whoever it blamed recovered), and would otherwise blame for the rest of the generation
+/// (reports are never deleted).
+fn in_force(ring: &Membership, obs: &Observed) -> Vec<FailureReport> {
+    let settled = obs
+        .progress
+        .as_ref()
+        .filter(|p| p.generation == ring.generation)
+        .and_then(|p| parse_ts(&p.time));
+    obs.reports
+        .iter()
+        .filter(|r| settled.is_none_or(|s| parse_ts(&r.time).is_none_or(|t| t > s)))
+        .cloned()
+        .collect()
+}
+
 /// The members that the failures step would count as hung now ([`silent_members`] of the
-/// published ring, their reports old enough), with their ring addresses: the controller asks
-/// each whether it is alive before the plan decides ([`Observed::answering`]).
+/// published ring, their reports in force and old enough; only pods that run, not yet counted
+/// nor being deleted), with their ring addresses: the controller asks each whether it is alive
+/// before the plan decides ([`Observed::answering`]). None for a finished job.
 pub fn suspects(job: &DiphomaJob, obs: &Observed) -> Vec<diphoma_contract::Member> {
     let Some(ring) = obs.ring.as_ref() else {
         return vec![];
     };
+    let finished = job
+        .status
+        .as_ref()
+        .and_then(|s| s.phase)
+        .is_some_and(crate::api::Phase::is_terminal);
+    if finished || job.spec.run_policy.suspend {
+        return vec![];
+    }
     let detection = job.spec.fault_tolerance.detection_seconds;
-    let (silent, _) = silent_members(ring, &obs.reports, obs.now, detection);
+    let (silent, _) = silent_members(ring, &in_force(ring, obs), obs.now, detection);
+    let runs = |pod: &str| {
+        obs.pods.iter().any(|p| {
+            p.name_any() == pod
+                && pod_phase(p) == "Running"
+                && p.metadata.deletion_timestamp.is_none()
+                && !counted(p)
+        })
+    };
     ring.members
         .iter()
-        .filter(|m| silent.contains(&m.pod) && present_pod(obs, &m.pod))
+        .filter(|m| silent.contains(&m.pod) && runs(&m.pod))
         .cloned()
         .collect()
 }
@@ -244,7 +278,8 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
     // peers). On a node whose Lease is late, the node went quiet with its worker: a node loss.
     if let Some(r) = ring {
         let detection = spec.fault_tolerance.detection_seconds;
-        let (hung, wait) = silent_members(r, &obs.reports, now, detection);
+        let reports = in_force(r, obs);
+        let (hung, wait) = silent_members(r, &reports, now, detection);
         let mut cut = BTreeSet::new();
         let hung: Vec<String> = hung
             .into_iter()
@@ -252,7 +287,7 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
                 !found.failed_pods.contains(p) && !found.departed.contains(p) && present_pod(obs, p)
             })
             .filter(|p| {
-                let since = blamed_at(r, &obs.reports, p).unwrap_or(now);
+                let since = blamed_at(r, &reports, p).unwrap_or(now);
                 if obs.exited.contains(p) {
                     // Exited: the pod's status is about to say how (the cause that ended it).
                     let grace = jiff::SignedDuration::from_secs(i64::from(detection));

@@ -158,6 +158,11 @@ pub fn running(
             ),
         ),
         _ if gang.is_some() => ("GangWaiting", gang.clone().unwrap_or_default()),
+        // What keeps the ring from forming names the conditions' reason.
+        _ if !ring.enough && blocked.is_some() => (
+            blocked.map_or("", |b| b.reason.as_str()),
+            status.waiting.clone().unwrap_or_default(),
+        ),
         // Workers of an older spec still leaving: the whole ring is being replaced.
         _ if respec => (
             super::workers::SPEC_CHANGED,
@@ -165,11 +170,6 @@ pub fn running(
                 "the spec changed what the workers run: every worker is replaced at once; {}",
                 status.waiting.clone().unwrap_or_default()
             ),
-        ),
-        // What keeps the ring from forming names the conditions' reason.
-        _ if !ring.enough && blocked.is_some() => (
-            blocked.map_or("", |b| b.reason.as_str()),
-            status.waiting.clone().unwrap_or_default(),
         ),
         _ => (
             phase_reason(phase),

@@ -1638,3 +1638,30 @@ fn a_blamed_member_whose_port_refuses_is_left_to_its_exit_status() {
         .collect();
     assert_eq!(causes, [Cause::Hung]);
 }
+
+#[test]
+fn a_blame_the_ring_stepped_past_is_settled_for_the_rest_of_its_generation() {
+    let j = elastic(2);
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let r = ring(&j, 2, &[0, 1, 2, 3]);
+    let stepped = |at: i64| ProgressReport {
+        generation: 2,
+        step: 50,
+        time: t(at).to_string(),
+        ..ProgressReport::default()
+    };
+    let o = |progress| Observed {
+        reports: vec![report(0, 1, 2, 96), report(2, 1, 2, 96)],
+        now: t(500),
+        progress: Some(progress),
+        ..obs(pods.clone(), Some(r.clone()))
+    };
+    // Rank 0 committed a step after the blames: nobody is a suspect, nobody is counted.
+    let settled = o(stepped(97));
+    assert!(failures::suspects(&j, &settled).is_empty());
+    assert!(plan(&j, &settled).failures.is_empty());
+    // Progress older than the blames settles nothing.
+    let open = o(stepped(95));
+    assert_eq!(failures::suspects(&j, &open).len(), 1);
+    assert_eq!(plan(&j, &open).failures.len(), 1);
+}
