@@ -567,12 +567,15 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
     }
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
+    let (mut obs, mut heartbeat_version) = observe(&ctx.caches, job)?; // from the caches
     // Members the plan would count as hung are asked first whether their process runs; the
     // plan then reads the caches as they are after the asking.
-    let suspects = plan::failures::suspects(job, &observe(&ctx.caches, job)?.0);
-    let probed = probe_suspects(job, &suspects).await;
-    let (mut obs, heartbeat_version) = observe(&ctx.caches, job)?; // from the caches
-    (obs.answering, obs.exited) = probed;
+    let suspects = plan::failures::suspects(job, &obs);
+    if !suspects.is_empty() {
+        let probed = probe_suspects(job, &suspects).await;
+        (obs, heartbeat_version) = observe(&ctx.caches, job)?;
+        (obs.answering, obs.exited) = probed;
+    }
     // A queued job's Kueue Workload (an API read, only for a job with a queue).
     obs.queue = crate::queue::observe(&ctx.client, job).await?;
     obs.workload_refused = ctx
@@ -783,9 +786,6 @@ async fn probe_suspects(
     suspects: &[diphoma_contract::Member],
 ) -> (BTreeSet<String>, BTreeSet<String>) {
     use diphoma_ring::liveness::{Answer, probe_unkeyed};
-    if suspects.is_empty() {
-        return Default::default();
-    }
     let detection = Duration::from_secs(job.spec.fault_tolerance.detection_seconds.max(1) as u64);
     let window = diphoma_ring::k8s::liveness_window(detection).min(PROBE_WINDOW_MAX);
     let probes = suspects.iter().map(|m| {

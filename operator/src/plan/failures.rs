@@ -171,28 +171,14 @@ fn blamed_at(ring: &Membership, reports: &[FailureReport], pod: &str) -> Option<
         .min()
 }
 
-/// Whether a member blamed at `since` and answering probes is cut off now: its ring committed
-/// no step at its generation since (rank 0's progress), for [`CUT_OFF_FACTOR`] ×
-/// `detection_seconds`. Otherwise, when to look again (none once progress shows it is fine).
-fn cut_off(
-    ring: &Membership,
-    obs: &Observed,
-    since: Timestamp,
-    detection_seconds: i32,
-) -> Result<(), Option<Duration>> {
-    let progressed = obs.progress.as_ref().is_some_and(|p| {
-        p.generation >= ring.generation && parse_ts(&p.time).is_some_and(|t| t > since)
-    });
-    if progressed {
-        return Err(None);
-    }
+/// When a member blamed at `since` and answering probes will be cut off (none: it is now), for
+/// [`CUT_OFF_FACTOR`] × `detection_seconds` of blame still in force: a step its ring committed
+/// since would have settled the blame ([`in_force`]).
+fn cut_off_in(since: Timestamp, now: Timestamp, detection_seconds: i32) -> Option<Duration> {
     let bound = jiff::SignedDuration::from_secs(CUT_OFF_FACTOR * i64::from(detection_seconds));
-    let left = (since + bound).duration_since(obs.now);
-    if left.is_positive() {
-        Err(Some(left.unsigned_abs() + Duration::from_millis(100)))
-    } else {
-        Ok(())
-    }
+    let left = (since + bound).duration_since(now);
+    left.is_positive()
+        .then(|| left.unsigned_abs() + Duration::from_millis(100))
 }
 
 /// What the failures step found, for the steps after it.
@@ -301,12 +287,10 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
                 if !obs.answering.contains(p) {
                     return true;
                 }
-                match cut_off(r, obs, since, detection) {
-                    Ok(()) => cut.insert(p.clone()),
-                    Err(look_again) => {
-                        if let Some(w) = look_again {
-                            plan.due_in(w);
-                        }
+                match cut_off_in(since, now, detection) {
+                    None => cut.insert(p.clone()),
+                    Some(look_again) => {
+                        plan.due_in(look_again);
                         false
                     }
                 }
