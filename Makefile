@@ -7,6 +7,8 @@ GPUS ?= 8
 CARGO ?= cargo
 # How the local kubelet runs pods: process (fast) or podman (containers of the local images).
 RUNTIME ?= process
+# 1: cluster-up maps the image diphoma-pytorch (the PyTorch examples) to the cached torch venv.
+PYTORCH ?= 0
 
 .PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair bench-scale cluster-up cluster-down demo wheel test-python images image-pytorch bench-torch bench-balance
 
@@ -70,8 +72,8 @@ bench-scale: tools ## the operator at scale: N=100, 300, 1000 jobs x 4 workers o
 	$(CARGO) build --release --locked -p diphoma-operator --bin diphoma-operator
 	bash e2e/bench/scale/run.sh $(or $(SIZES),100 300 1000)
 
-cluster-up: tools build ## start the control plane and the local kubelet (RUNTIME=process or podman); writes .local/cluster/env
-	@bash e2e/cluster/cluster-up.sh "$(CLUSTER_DIR)" $(NODES) $(GPUS) $(RUNTIME)
+cluster-up: tools build ## start the control plane and the local kubelet (RUNTIME=process or podman; PYTORCH=1 maps the image diphoma-pytorch to the cached torch venv); writes .local/cluster/env
+	@PYTORCH=$(PYTORCH) bash e2e/cluster/cluster-up.sh "$(CLUSTER_DIR)" $(NODES) $(GPUS) $(RUNTIME)
 
 cluster-down: ## stop what cluster-up started
 	@bash e2e/cluster/stop.sh "$(CLUSTER_DIR)"

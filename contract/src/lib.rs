@@ -90,6 +90,18 @@ pub const DEFAULT_RING_PORT: u16 = 29500;
 pub const RING_PORT_NAME: &str = "ring";
 /// Name of the liveness port on the worker container: UDP, the ring port's number.
 pub const LIVENESS_PORT_NAME: &str = "liveness";
+/// Name of the rendezvous store's port on the worker container: TCP, the ring port's number
+/// plus one ([`store_port`]), where rank 0's training process serves torch's `TCPStore`
+/// (`MASTER_PORT`) when `python -m diphoma.run` runs a torchrun script in the pod.
+pub const STORE_PORT_NAME: &str = "store";
+/// Env: the rendezvous store's port ([`store_port`] of the ring port).
+pub const ENV_STORE_PORT: &str = "DIPHOMA_STORE_PORT";
+
+/// The rendezvous store's port of a job whose ring listens on `ring_port` (at most 65534, as
+/// `spec.ringPort` allows): the next one.
+pub fn store_port(ring_port: u16) -> u16 {
+    ring_port.saturating_add(1)
+}
 
 /// Default TCP port of the worker's `/metrics` endpoint (on the pod IP).
 pub const DEFAULT_METRICS_PORT: u16 = 9400;

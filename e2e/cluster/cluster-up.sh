@@ -3,7 +3,10 @@
 # a daemon, for the shell: writes DIR/env (KUBECONFIG, PATH with kubectl, helm and the workspace
 # binaries, DIPHOMA_KUBELET_SOCKET, DIPHOMA_RUNTIME). RUNTIME `process` (default) runs pods as
 # processes of the workspace binaries; `podman` runs them as containers of the local images,
-# built first from the debug binaries (images/build.sh debug). Stop with stop.sh DIR.
+# built first from the debug binaries (images/build.sh debug). With PYTORCH=1 and RUNTIME
+# `process`, the image `diphoma-pytorch` of the PyTorch examples maps to the python of the cached
+# torch venv with the freshly built wheel (python/install.sh: the venv is created once, ~5.4 GB);
+# with `podman`, build that image first (make image-pytorch). Stop with stop.sh DIR.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -15,8 +18,12 @@ rm -rf "$D"; mkdir -p "$D"
 BIN=$(bash "$HERE/build-bins.sh" 2>/dev/null)
 TARGET=$(cd "$ROOT" && cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug
 [[ "$RUNTIME" == podman ]] && bash "$ROOT/images/build.sh" debug >&2
+IMAGES=()
+if [[ "${PYTORCH:-0}" == 1 && "$RUNTIME" == process ]]; then
+  IMAGES=(--image "diphoma-pytorch=$(bash "$ROOT/python/install.sh")/bin/python")
+fi
 bash "$HERE/start.sh" "$BIN" "$D" >/dev/null
-"$TARGET/diphoma-kubelet" run --kubeconfig "$D/admin.kubeconfig" --root "$D/kubelet" \
+"$TARGET/diphoma-kubelet" run "${IMAGES[@]}" --kubeconfig "$D/admin.kubeconfig" --root "$D/kubelet" \
   --socket "$D/kubelet.sock" --nodes "$NODES" --gpus "$GPUS" --bin-dir "$TARGET" --runtime "$RUNTIME" \
   </dev/null >"$D/logs/kubelet.log" 2>&1 &
 echo $! >"$D/kubelet.pid"

@@ -1,7 +1,10 @@
-//! PyTorch jobs on the local control plane: `manifests/examples/pytorch-digits.yaml` (a DDP
-//! script in a ConfigMap, the image `diphoma-pytorch`, which this binary's process kubelet runs
-//! as the python of the cached torch venv with the freshly built `diphoma` wheel,
-//! `python/install.sh`) through a kill -9 of a worker, under the operator installed by its chart.
+//! PyTorch jobs on the local control plane, under the operator installed by its chart, in the
+//! image `diphoma-pytorch` (which this binary's process kubelet runs as the python of the cached
+//! torch venv with the freshly built `diphoma` wheel, `python/install.sh`):
+//! `manifests/examples/pytorch-digits.yaml` (an elastic DDP script in a ConfigMap) through a
+//! kill -9 of a worker; an unchanged torchrun script (`python/tests/scripts/torchrun_ddp.py`)
+//! under `python -m diphoma.run` through a kill -9, restarted in place in the surviving pods;
+//! and a rank that raises, its traceback's last line in the job's status.
 
 mod common;
 
@@ -15,6 +18,8 @@ use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_operator::api::{DiphomaJobStatus, Phase};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
+use kube::api::LogParams;
+use serde_json::json;
 
 fn main() -> Result<()> {
     let venv =
@@ -30,7 +35,11 @@ fn main() -> Result<()> {
     run_tests(
         nodes,
         OperatorMode::Chart,
-        tests![the_pytorch_digits_example_survives_a_killed_worker],
+        tests![
+            the_pytorch_digits_example_survives_a_killed_worker,
+            a_torchrun_script_is_restarted_in_place_through_a_killed_worker,
+            a_raising_rank_fails_the_job_with_its_traceback_in_last_failure
+        ],
     )
 }
 
@@ -113,6 +122,168 @@ async fn the_pytorch_digits_example_survives_a_killed_worker(
         progress.step == i64::try_from(STEPS)? && accuracy >= 0.95,
         "step {} of {STEPS}, test accuracy {accuracy}",
         progress.step
+    );
+    Ok(())
+}
+
+/// A job of `replicas` CPU workers in the `diphoma-pytorch` image running `python -m
+/// diphoma.run SCRIPT ARGS` (the script from `python/tests/scripts`, in a ConfigMap), the
+/// host directory `shared` mounted at /shared (for snapshots), `env` added.
+fn torchrun_job(
+    ctx: &Ctx,
+    ns: &str,
+    name: &str,
+    (replicas, script): (i32, &str),
+    args: &[&str],
+    env: serde_json::Value,
+    shared: &std::path::Path,
+) -> Result<()> {
+    let path = repo_root().join("python/tests/scripts").join(script);
+    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+    apply_json(
+        ctx,
+        ns,
+        &json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": format!("{name}-script")},
+                "data": {"train.py": text}}),
+    )?;
+    let mut command = vec!["python", "-m", "diphoma.run", "/scripts/train.py"];
+    command.extend(args);
+    apply_json(
+        ctx,
+        ns,
+        &json!({
+            "apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "metadata": {"name": name},
+            "spec": {
+                "replicas": replicas, "elastic": {"minReplicas": 2, "maxReplicas": replicas},
+                "gpusPerWorker": 0,
+                "template": {"spec": {
+                    "terminationGracePeriodSeconds": 5,
+                    "containers": [{
+                        "name": "worker", "image": "ghcr.io/diphoma/diphoma-pytorch:0.1.0",
+                        "command": command, "env": env,
+                        "volumeMounts": [{"name": "script", "mountPath": "/scripts"},
+                                         {"name": "shared", "mountPath": "/shared"}]}],
+                    "volumes": [{"name": "script", "configMap": {"name": format!("{name}-script")}},
+                                {"name": "shared", "hostPath": {"path": shared, "type": "DirectoryOrCreate"}}]}}}}),
+    )
+}
+
+/// A host directory for a test's snapshots, removed when dropped.
+struct Shared(PathBuf);
+
+impl Shared {
+    fn new(ns: &str) -> Result<Shared> {
+        let dir = std::env::temp_dir().join(format!("diphoma-shared-{ns}"));
+        std::fs::create_dir_all(&dir)?;
+        Ok(Shared(dir))
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// PyTorch's torchrun tutorial script (changed only in its backend and device) in 3 pods under
+/// `python -m diphoma.run`: a kill -9 of worker 1's pod, and the two survivors' launchers keep
+/// their pod and process and restart the script in place at the new generations; it resumes
+/// from rank 0's snapshot and the job Succeeds.
+async fn a_torchrun_script_is_restarted_in_place_through_a_killed_worker(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    const EPOCHS: &str = "20";
+    let shared = Shared::new(&ns)?;
+    let env = json!([{"name": "EPOCH_SECONDS", "value": "1"}]);
+    let args = [EPOCHS, "/shared/snapshot.pt"];
+    torchrun_job(
+        &ctx,
+        &ns,
+        "torchrun",
+        (3, "torchrun_ddp.py"),
+        &args,
+        env,
+        &shared.0,
+    )?;
+    // Training: rank 0 saved a snapshot (after its first epoch).
+    eventually(180, "rank 0's first snapshot", async || {
+        Ok(shared.0.join("snapshot.pt").exists())
+    })
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let survivors = ["torchrun-worker-0", "torchrun-worker-2"];
+    let mut before = vec![];
+    for name in survivors {
+        before.push(pid_of(&pods.get(name).await?)?);
+    }
+    signal(
+        pid_of(&pods.get("torchrun-worker-1").await?)?,
+        libc::SIGKILL,
+    );
+    let st = finished(&ctx, &ns, "torchrun", 200).await?;
+    ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
+    ensure!(st.repairs.total == 1, "repairs {:?}", st.repairs);
+    let mut logs = String::new();
+    for (name, pid) in survivors.iter().zip(before) {
+        let p = pods.get(name).await?;
+        let restarts = first_container(&p).map_or(-1, |c| c.restart_count);
+        ensure!(
+            terminated(&p).map(|t| t.0) == Some(0) && restarts == 0,
+            "{name} (launcher pid {pid}) did not keep its pod and process: {:?}, {restarts} restarts",
+            terminated(&p)
+        );
+        let log = pods.logs(name, &LogParams::default()).await?;
+        ensure!(
+            log.lines()
+                .any(|l| l.contains(" in place: ") && l.contains("lost torchrun-worker-1")),
+            "{name} was not restarted in place without worker 1:\n{log}"
+        );
+        ensure!(
+            log.contains("Resuming training from snapshot at Epoch"),
+            "{name} did not resume from the snapshot:\n{log}"
+        );
+        logs.push_str(&log);
+    }
+    ensure!(
+        logs.contains(&format!("trained: epochs {EPOCHS} loss")),
+        "rank 0 never finished:\n{logs}"
+    );
+    Ok(())
+}
+
+/// A torchrun-style script whose rank 1 raises `ValueError` after its first collective: the job
+/// fails at once (exit 1 is not retried), and `status.lastFailure.message` and the Failed
+/// condition carry the traceback (the worker container's `FallbackToLogsOnError`).
+async fn a_raising_rank_fails_the_job_with_its_traceback_in_last_failure(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let shared = Shared::new(&ns)?;
+    torchrun_job(
+        &ctx,
+        &ns,
+        "raising",
+        (2, "raise_on_rank.py"),
+        &["1"],
+        json!([]),
+        &shared.0,
+    )?;
+    let st = finished(&ctx, &ns, "raising", 180).await?;
+    ensure!(st.phase == Some(Phase::Failed), "{st:?}");
+    let last = st.last_failure.clone().context("no lastFailure")?;
+    let message = last.message.clone().unwrap_or_default();
+    ensure!(
+        last.pod == "raising-worker-1"
+            && last.exit_code == Some(1)
+            && message.contains("Traceback (most recent call last)")
+            && message.contains("ValueError: bad batch on rank 1"),
+        "{last:?}"
+    );
+    let failed = st.conditions.iter().find(|c| c.type_ == "Failed");
+    ensure!(
+        failed.is_some_and(|c| c.message.contains("ValueError: bad batch on rank 1")),
+        "{failed:?}"
     );
     Ok(())
 }

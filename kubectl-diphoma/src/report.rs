@@ -203,6 +203,9 @@ pub fn why(job: &DiphomaJob, workers: &[Pod], events: &[Event], max_events: usiz
             "last failure: pod {}{rank} lost by {} ({}{code}) at {}",
             f.pod, f.cause, f.reason, f.time
         ));
+        for line in f.message.iter().flat_map(|m| m.lines()) {
+            out.push(format!("  | {line}"));
+        }
     }
     let causes = |c: &diphoma_operator::api::Counts| {
         let by: Vec<String> = c
@@ -369,7 +372,8 @@ mod tests {
                 "failures": {"total": 1, "byCause": {"ProcessExit": 1}},
                 "disruptions": {"total": 2, "byCause": {"Evicted": 2}},
                 "lastFailure": {"pod": "j-worker-1", "rank": 1, "exitCode": 137, "cause": "ProcessExit",
-                    "reason": "Error", "time": "2026-01-01T00:00:00Z"},
+                    "reason": "Error", "time": "2026-01-01T00:00:00Z",
+                    "message": "Traceback (most recent call last):\nValueError: bad shard"},
                 "ring": {"generation": 2, "size": 1, "configMap": "j-ring"}}
         }))
         .unwrap();
@@ -385,6 +389,7 @@ mod tests {
             "waiting: 1 worker short of nvidia.com/gpu",
             "worker j-worker-2 is pending, not scheduled (Unschedulable): 0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
             "last failure: pod j-worker-1 (rank 1) lost by ProcessExit (Error, exit code 137)",
+            "  | Traceback (most recent call last):\n  | ValueError: bad shard\n",
             "repaired 1 time(s): ProcessExit 1; the last took 0.50 s; ring generation 2",
             "failures counted: 1 of backoffLimit 6 (ProcessExit 1)",
             "disruptions counted: 2 no disruptionLimit (Evicted 2)",

@@ -148,7 +148,10 @@ pub struct DiphomaJobSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placement: Option<Placement>,
     /// The worker pod template (image, args, resources, volumes). The operator adds the ring's
-    /// environment, port, labels, GPU limits and the key volume. The fields the operator reads
+    /// environment, port, labels, GPU limits and the key volume; its `serviceAccountName` is
+    /// kept (the workers' Role is bound to it too; unset: the job's `<name>-worker`), its
+    /// affinity merged with `placement`'s, and the worker container's
+    /// `terminationMessagePolicy` defaults to `FallbackToLogsOnError`. The fields the operator reads
     /// (containers, their command, args, env, ports, mounts and resources, volumes, node
     /// selector, labels) are typed, so a template it could not read is refused here. A ring
     /// never mixes specs: an edit of the pod spec here (or of `gpusPerWorker`, `checkpoint`,
@@ -168,9 +171,11 @@ pub struct DiphomaJobSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<Checkpoint>,
     /// TCP port of the ring on each worker's pod IP. Immutable: the running workers listen on
-    /// it, and a replacement published on another port would split the ring.
+    /// it, and a replacement published on another port would split the ring. The next port
+    /// carries torch's rendezvous store for torchrun scripts (`MASTER_PORT` under `python -m
+    /// diphoma.run`).
     #[serde(default = "default_ring_port")]
-    #[schemars(range(min = 1024, max = 65535))]
+    #[schemars(range(min = 1024, max = 65534))]
     #[x_kube(validation = Rule::new("self == oldSelf").message(RING_PORT_MESSAGE))]
     pub ring_port: i32,
     /// The ring's data path.
@@ -361,7 +366,8 @@ pub struct Placement {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "crate::api::preserved_array")]
     pub tolerations: Vec<k8s_openapi::api::core::v1::Toleration>,
-    /// Pod affinity rules.
+    /// Pod affinity rules, holding together with the template's own (its required node terms
+    /// are ANDed with these, every other term list extended).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "crate::api::preserved_object")]
     pub affinity: Option<k8s_openapi::api::core::v1::Affinity>,
@@ -738,6 +744,11 @@ pub struct LastFailure {
     pub cause: String,
     /// Reason (`Error`, `OOMKilled`, `EvictionByEvictionAPI`, …).
     pub reason: String,
+    /// What its container said as it ended: the termination message (with the operator's
+    /// default `terminationMessagePolicy: FallbackToLogsOnError`, the last lines of its log on
+    /// a failed exit: a Python rank's traceback), at most 2048 bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
     /// When it happened: its container's finish time, else its deletion's request (not the
     /// graceful deletion's deadline), else when the operator observed it; never after the
     /// observation (RFC 3339).

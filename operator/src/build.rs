@@ -13,7 +13,7 @@ use diphoma_contract::{
     LABEL_REPLICA_INDEX, MEMBERSHIP_KEY, Membership,
 };
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Container, ContainerPort, EnvVar, EnvVarSource, NodeSelectorRequirement,
+    Affinity, ConfigMap, Container, ContainerPort, EnvVar, EnvVarSource, NodeSelectorRequirement,
     NodeSelectorTerm, ObjectFieldSelector, Pod, PodSpec, Secret, SecretVolumeSource, Service,
     ServiceAccount, ServicePort, ServiceSpec, Toleration, Volume, VolumeMount, WorkloadReference,
 };
@@ -212,7 +212,15 @@ pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Result<Pod, Bui
         ..Default::default()
     });
     pod_spec.restart_policy = Some("Never".into());
-    pod_spec.service_account_name = Some(worker_account_name(&name));
+    // The template's account is kept (IRSA / Workload Identity bind cloud access to it; the
+    // worker Role is bound to it too: `role_binding`), else the job's own.
+    if pod_spec
+        .service_account_name
+        .as_deref()
+        .is_none_or(str::is_empty)
+    {
+        pod_spec.service_account_name = Some(worker_account_name(&name));
+    }
     // The hostname stays per index (a DNS label, ≤ 63 for every name the CRD accepts), while
     // the pod name counts attempts up.
     pod_spec.hostname = Some(pod_name(&name, index, 0));
@@ -241,11 +249,21 @@ pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Result<Pod, Bui
     })
 }
 
+/// The rendezvous store's port of a job whose ring listens on `ring_port`
+/// ([`contract::store_port`]; the API keeps `spec.ringPort` at most 65534).
+fn store_port(ring_port: i32) -> i32 {
+    u16::try_from(ring_port).map_or(ring_port, |p| contract::store_port(p).into())
+}
+
 /// The worker container: the contract env (replacing the template's variables of the same
-/// names), the checkpoint env and volume, the ring and metrics ports, the key mount, GPU limits
-/// (and requests, where the template has requests).
+/// names), the checkpoint env and volume, the ring, store and metrics ports, the key mount, GPU
+/// limits (and requests, where the template has requests), and, unless the template sets one,
+/// `terminationMessagePolicy: FallbackToLogsOnError` (a failed worker's last log lines, such as
+/// a Python traceback, become its termination message and `status.lastFailure.message`).
 fn worker_container(job: &DiphomaJob, c: &mut Container) {
     let spec = &job.spec;
+    c.termination_message_policy
+        .get_or_insert_with(|| "FallbackToLogsOnError".into());
     let name = job.name_any();
     let value = |n: &str, v: String| EnvVar {
         name: n.into(),
@@ -270,6 +288,10 @@ fn worker_container(job: &DiphomaJob, c: &mut Container) {
         field(ENV_POD_NAME, "metadata.name"),
         field(ENV_POD_IP, "status.podIP"),
         value(ENV_RING_PORT, spec.ring_port.to_string()),
+        value(
+            contract::ENV_STORE_PORT,
+            store_port(spec.ring_port).to_string(),
+        ),
         value(ENV_KEY_FILE, format!("{KEY_MOUNT_DIR}/{KEY_FILE_NAME}")),
         value(ENV_MEMBERSHIP, contract::membership_configmap_name(&name)),
         value(
@@ -308,6 +330,7 @@ fn worker_container(job: &DiphomaJob, c: &mut Container) {
     c.ports.get_or_insert_default().extend([
         port(contract::RING_PORT_NAME, spec.ring_port, "TCP"),
         port(contract::LIVENESS_PORT_NAME, spec.ring_port, "UDP"),
+        port(contract::STORE_PORT_NAME, store_port(spec.ring_port), "TCP"),
         port(
             contract::METRICS_PORT_NAME,
             contract::DEFAULT_METRICS_PORT.into(),
@@ -378,9 +401,76 @@ fn place(spec: &crate::api::DiphomaJobSpec, pod_spec: &mut PodSpec) {
     }
     pod_spec.node_selector = (!selector.is_empty()).then_some(selector);
     pod_spec.tolerations = (!tolerations.is_empty()).then_some(tolerations);
-    if placement.affinity.is_some() {
-        pod_spec.affinity = placement.affinity;
+    pod_spec.affinity = merge_affinity(pod_spec.affinity.take(), placement.affinity);
+}
+
+/// Both affinities at once (`None` when neither is set): required node affinity as the pairs of
+/// one term of each (node selector terms are ORed, so `a AND b` is every `a_i AND b_j`), and
+/// every other term list (preferred node terms, pod affinity and anti-affinity, all ANDed or
+/// weighed by the scheduler) concatenated.
+pub fn merge_affinity(a: Option<Affinity>, b: Option<Affinity>) -> Option<Affinity> {
+    let (mut a, b) = match (a, b) {
+        (None, b) => return b,
+        (a, None) => return a,
+        (Some(a), Some(b)) => (a, b),
+    };
+    fn cat<T>(x: &mut Option<Vec<T>>, y: Option<Vec<T>>) {
+        if let Some(y) = y {
+            x.get_or_insert_default().extend(y);
+        }
     }
+    if let Some(bn) = b.node_affinity {
+        let an = a.node_affinity.get_or_insert_default();
+        cat(
+            &mut an.preferred_during_scheduling_ignored_during_execution,
+            bn.preferred_during_scheduling_ignored_during_execution,
+        );
+        an.required_during_scheduling_ignored_during_execution = match (
+            an.required_during_scheduling_ignored_during_execution
+                .take(),
+            bn.required_during_scheduling_ignored_during_execution,
+        ) {
+            (Some(mut x), Some(y)) => {
+                x.node_selector_terms = x
+                    .node_selector_terms
+                    .iter()
+                    .flat_map(|s| {
+                        y.node_selector_terms.iter().map(move |t| {
+                            let mut st = s.clone();
+                            cat(&mut st.match_expressions, t.match_expressions.clone());
+                            cat(&mut st.match_fields, t.match_fields.clone());
+                            st
+                        })
+                    })
+                    .collect();
+                Some(x)
+            }
+            (x, y) => x.or(y),
+        };
+    }
+    if let Some(bp) = b.pod_affinity {
+        let ap = a.pod_affinity.get_or_insert_default();
+        cat(
+            &mut ap.required_during_scheduling_ignored_during_execution,
+            bp.required_during_scheduling_ignored_during_execution,
+        );
+        cat(
+            &mut ap.preferred_during_scheduling_ignored_during_execution,
+            bp.preferred_during_scheduling_ignored_during_execution,
+        );
+    }
+    if let Some(bp) = b.pod_anti_affinity {
+        let ap = a.pod_anti_affinity.get_or_insert_default();
+        cat(
+            &mut ap.required_during_scheduling_ignored_during_execution,
+            bp.required_during_scheduling_ignored_during_execution,
+        );
+        cat(
+            &mut ap.preferred_during_scheduling_ignored_during_execution,
+            bp.preferred_during_scheduling_ignored_during_execution,
+        );
+    }
+    Some(a)
 }
 
 /// Keeps `pod` off `nodes` (nodes found lost): a required node-affinity term excluding their
@@ -433,8 +523,8 @@ pub fn service(job: &DiphomaJob) -> Service {
 }
 
 /// The job's NetworkPolicy (created when the operator runs with `--network-policy`): the ring
-/// port of its workers (TCP, and UDP for liveness pings) accepts only this job's workers; the
-/// metrics port stays open to scrapers.
+/// port of its workers (TCP, and UDP for liveness pings) and the rendezvous store's port accept
+/// only this job's workers; the metrics port stays open to scrapers.
 /// Other ingress to the workers is denied (the policy selects them).
 pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
     let workers = LabelSelector {
@@ -457,7 +547,10 @@ pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
                         pod_selector: Some(workers),
                         ..Default::default()
                     }]),
-                    ports: Some(vec![on("TCP", job.spec.ring_port)]),
+                    ports: Some(vec![
+                        on("TCP", job.spec.ring_port),
+                        on("TCP", store_port(job.spec.ring_port)),
+                    ]),
                 },
                 // The liveness port answers anyone: the operator's probe of a silent member, and
                 // its peers'. A pong is as long as its ping and only a key holder can check it.
@@ -508,9 +601,28 @@ pub fn role(job: &DiphomaJob) -> Role {
     }
 }
 
-/// Binds [`role`] to [`service_account`].
+/// Binds [`role`] to [`service_account`] and to the template's `serviceAccountName` when it names
+/// another (the account its workers then run as).
 pub fn role_binding(job: &DiphomaJob) -> RoleBinding {
     let name = worker_account_name(&job.name_any());
+    let account = |name: String| Subject {
+        kind: "ServiceAccount".into(),
+        name,
+        namespace: job.namespace(),
+        ..Default::default()
+    };
+    let mut subjects = vec![account(name.clone())];
+    // The template's own account, which its workers run as (`worker_pod`).
+    if let Some(own) = job
+        .spec
+        .template
+        .spec
+        .as_ref()
+        .and_then(|s| s.service_account_name.clone())
+        .filter(|s| !s.is_empty() && *s != name)
+    {
+        subjects.push(account(own));
+    }
     RoleBinding {
         metadata: meta(job, name.clone()),
         role_ref: RoleRef {
@@ -518,12 +630,7 @@ pub fn role_binding(job: &DiphomaJob) -> RoleBinding {
             kind: "Role".into(),
             name: name.clone(),
         },
-        subjects: Some(vec![Subject {
-            kind: "ServiceAccount".into(),
-            name,
-            namespace: job.namespace(),
-            ..Default::default()
-        }]),
+        subjects: Some(subjects),
     }
 }
 
@@ -700,6 +807,17 @@ pub(crate) mod tests {
             (29500, Some("UDP")),
             "liveness pings on the ring port's number"
         );
+        assert_eq!(
+            (ports[2].name.as_deref(), ports[2].container_port),
+            (Some(contract::STORE_PORT_NAME), 29501),
+            "torch's rendezvous store on the next port"
+        );
+        assert!(env.contains(&contract::ENV_STORE_PORT));
+        assert_eq!(
+            c.termination_message_policy.as_deref(),
+            Some("FallbackToLogsOnError"),
+            "a failed worker's last log lines reach lastFailure"
+        );
         assert!(
             c.volume_mounts
                 .as_ref()
@@ -814,7 +932,14 @@ pub(crate) mod tests {
             };
         let tcp = || Some("TCP".to_owned());
         let ring_port = Some(IntOrString::Int(basic().spec.ring_port));
-        assert_eq!(ports_of(ring), [(tcp(), ring_port.clone())]);
+        assert_eq!(
+            ports_of(ring),
+            [
+                (tcp(), ring_port.clone()),
+                (tcp(), Some(IntOrString::Int(basic().spec.ring_port + 1)))
+            ],
+            "the ring and torch's rendezvous store"
+        );
         assert!(
             rules[1].from.is_none(),
             "liveness and metrics open to probes and scrapers"
@@ -866,6 +991,66 @@ pub(crate) mod tests {
         let mut untouched = worker_pod(&basic(), 0, 0).unwrap();
         avoid_nodes(&mut untouched, &Default::default());
         assert!(untouched.spec.unwrap().affinity.is_none());
+    }
+
+    #[test]
+    fn the_templates_service_account_is_kept_and_bound_to_the_worker_role() {
+        let mut j = basic();
+        j.spec.template.spec.as_mut().unwrap().service_account_name = Some("s3-reader".into());
+        let p = worker_pod(&j, 0, 0).unwrap();
+        assert_eq!(
+            p.spec.unwrap().service_account_name.as_deref(),
+            Some("s3-reader")
+        );
+        let names: Vec<String> = role_binding(&j)
+            .subjects
+            .unwrap()
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        assert_eq!(names, ["train-worker", "s3-reader"]);
+        let names: Vec<String> = role_binding(&basic())
+            .subjects
+            .unwrap()
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        assert_eq!(
+            names,
+            ["train-worker"],
+            "no template account: the job's own only"
+        );
+    }
+
+    #[test]
+    fn the_templates_affinity_and_the_placements_both_hold() {
+        let term = |k: &str| json!({"matchExpressions": [{"key": k, "operator": "Exists"}]});
+        let anti = json!({"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"a": "b"}}});
+        let mut j = job(json!({"replicas": 1, "template": {"spec": {
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [term("zone-a"), term("zone-b")]}},
+                "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [anti]}},
+            "containers": [{"name": "w", "image": "i"}]}}}));
+        j.spec.placement = Some(serde_json::from_value(json!({"affinity": {"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term("a100")]}}}})).unwrap());
+        let a = serde_json::to_value(worker_pod(&j, 0, 0).unwrap().spec.unwrap().affinity).unwrap();
+        let keys: Vec<Vec<&str>> = a["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["matchExpressions"].as_array().unwrap().iter().map(|e| e["key"].as_str().unwrap()).collect())
+            .collect();
+        assert_eq!(
+            keys,
+            [["zone-a", "a100"], ["zone-b", "a100"]],
+            "(a or b) and a100"
+        );
+        assert_eq!(
+            a["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"],
+            json!([anti])
+        );
+        assert_eq!(merge_affinity(None, None), None);
     }
 
     #[test]

@@ -4,7 +4,8 @@
 allreduce, reduce-scatter, all-gather, broadcast and barrier over authenticated TCP, run with
 the GIL released. ``diphoma.Follower`` follows the ring's generations through ``diphoma-ring``'s
 membership sources (the fixed standalone ring, the ring directory of ``python -m diphoma.run
---elastic``, or the ring ConfigMap in a worker pod). ``import diphoma.torch`` registers the
+--elastic``, or the ring ConfigMap in a worker pod); ``diphoma.RingWatch`` only watches the ring
+ConfigMap (the in-pod launcher, which restarts a torchrun script at each new generation). ``import diphoma.torch`` registers the
 ``torch.distributed`` backend ``"diphoma"``; ``diphoma.torch.elastic`` re-forms the ring without
 restarting the process; ``python -m diphoma.run --nproc N script.py`` starts N ranks on
 127.0.0.1. ``diphoma.report`` publishes training progress on the Rust worker's heartbeat path.
@@ -26,6 +27,7 @@ from diphoma._native import (
     ConfigError,
     Follower,
     Ring,
+    RingWatch,
     RingChanged,
     RingError,
     Speed,
@@ -94,4 +96,4 @@ def report(step=None, loss=None, samples=None, test_accuracy=None, total_steps=N
         follower.publish(p["step"], p["total_steps"], p["loss"], _samples_per_second(), p["last_checkpoint"])
 
 
-__all__ = ["CollectiveMismatch", "ConfigError", "Follower", "Ring", "RingChanged", "RingError", "Speed", "membership_json", "report", "split"]
+__all__ = ["CollectiveMismatch", "ConfigError", "Follower", "Ring", "RingChanged", "RingWatch", "RingError", "Speed", "membership_json", "report", "split"]

@@ -6,6 +6,9 @@ or ``python -m MODULE`` would, with two additions of torchrun's machinery:
   ``torch.distributed.elastic.multiprocessing.errors.ErrorHandler``, what ``@record`` does), so
   the launcher's failure summary names the root-cause rank with its traceback, for unchanged
   scripts too;
+- under the in-pod launcher (``DIPHOMA_LAUNCHER_PID``), the rank dies with the launcher (Linux's
+  ``PR_SET_PDEATHSIG``), as a container's processes die with its first one: a worker pod whose
+  launcher is killed leaves no training process behind;
 - with ``--backend B``, the default process group is initialised with backend ``B`` (``env://``)
   before the script runs, for libraries that choose their own CPU backend and keep a group
   that exists (Hugging Face Accelerate picks gloo on CPU unless one is initialised).
@@ -18,7 +21,22 @@ import sys
 import time
 
 
+def _die_with_launcher():
+    """SIGKILL for this process when the launcher ``DIPHOMA_LAUNCHER_PID`` names dies (at once
+    when it already has)."""
+    pid = os.environ.get("DIPHOMA_LAUNCHER_PID")
+    if not pid or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(pid):
+        os._exit(128 + signal.SIGKILL)
+
+
 def main(argv):
+    _die_with_launcher()
     backend = None
     if argv[:1] == ["--backend"]:
         backend, argv = argv[1], argv[2:]

@@ -26,6 +26,10 @@ process for each lost one and publishes the generation after that with it (the j
 the state by broadcast). Rank 0's progress record (``diphoma.report``) and the failure reports
 land in the same directory (``progress.json``, ``report.<name>``). The launcher exits 0 once
 every remaining rank exited 0, and with the last failure's code when none remains.
+
+In a DiphomaJob's worker pod (the contract's ``DIPHOMA_MEMBERSHIP`` is set) it is torchrun's
+agent for that pod instead: ``diphoma._pod`` runs the script at each ring generation with
+torchrun's variables for it and restarts it in place when the ring changes.
 """
 
 import argparse
@@ -67,17 +71,20 @@ def base_env(nproc, base=None):
     return env
 
 
-def torchrun_env(rank, world, master_port, restart=0, run_id="none", max_restarts=0):
-    """What torchrun sets for rank ``rank`` of ``world`` on one node (``GROUP_RANK`` 0, role
-    ``default``), restarted ``restart`` times: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+def torchrun_env(rank, world, master_port, restart=0, run_id="none", max_restarts=0, local_rank=None,
+                 local_world=None, group_rank=0, group_world=1, master_addr=HOST):
+    """What torchrun sets for rank ``rank`` of ``world``, restarted ``restart`` times, on node
+    ``group_rank`` of ``group_world`` (default: the one node, where the local rank and world are
+    the global ones), role ``default``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_NAME``, ``ROLE_RANK``,
     ``ROLE_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``,
     ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``
     (as strings)."""
     env = dict(
-        RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world, GROUP_RANK=0,
-        GROUP_WORLD_SIZE=1, ROLE_NAME="default", ROLE_RANK=rank, ROLE_WORLD_SIZE=world,
-        MASTER_ADDR=HOST, MASTER_PORT=master_port, TORCHELASTIC_RESTART_COUNT=restart,
+        RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank if local_rank is None else local_rank,
+        LOCAL_WORLD_SIZE=world if local_world is None else local_world, GROUP_RANK=group_rank,
+        GROUP_WORLD_SIZE=group_world, ROLE_NAME="default", ROLE_RANK=rank, ROLE_WORLD_SIZE=world,
+        MASTER_ADDR=master_addr, MASTER_PORT=master_port, TORCHELASTIC_RESTART_COUNT=restart,
         TORCHELASTIC_MAX_RESTARTS=max_restarts, TORCHELASTIC_RUN_ID=run_id,
         TORCH_NCCL_ASYNC_ERROR_HANDLING=1,
     )
@@ -371,6 +378,10 @@ def main(argv=None):
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if os.environ.get("DIPHOMA_MEMBERSHIP"):  # a DiphomaJob's worker pod: the contract's variables
+            from diphoma import _pod
+
+            return _pod.main(a, tmp)
         key_file = os.path.join(tmp, "ring.key")
         fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:

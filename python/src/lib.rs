@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use diphoma_contract::{Member, Membership, balance};
 use diphoma_ring::file::{ENV_RING_DIR, FileRing};
-use diphoma_ring::k8s::{KubeRing, OP_TIMEOUT, WorkerEnv};
+use diphoma_ring::k8s::{KubeRing, Memberships, OP_TIMEOUT, WorkerEnv};
 use diphoma_ring::source::{
     Control, FixedRing, Generation, Progress, RingSource, standalone_config,
 };
@@ -738,11 +738,72 @@ impl Speed {
     }
 }
 
+/// A generation as [`RingWatch::newest`] returns it: (generation, this pod's rank, (pod,
+/// "IP:port") by rank).
+type Seen = (u64, Option<usize>, Vec<(String, String)>);
+
+/// The ring ConfigMap's generations as a worker pod's launcher sees them (`python -m
+/// diphoma.run` in a pod, which restarts its training process at each new generation): a
+/// watch of the contract's ring ConfigMap that binds no port and answers no ping (the training
+/// process it starts does both). `pod` is this pod's name (`DIPHOMA_POD_NAME`).
+#[pyclass(module = "diphoma._native", frozen)]
+pub struct RingWatch {
+    watch: Mutex<Memberships>,
+    #[pyo3(get)]
+    pod: String,
+}
+
+#[pymethods]
+impl RingWatch {
+    /// Starts watching the ring ConfigMap of the contract's variables (`DIPHOMA_MEMBERSHIP`,
+    /// `DIPHOMA_NAMESPACE`, … as in a worker pod). Raises `ConfigError` naming a missing or
+    /// malformed variable or the Kubernetes client that could not be built.
+    #[staticmethod]
+    fn from_env() -> PyResult<RingWatch> {
+        let env = WorkerEnv::from_env().map_err(config_err)?;
+        let watch = Memberships::start(&env).map_err(config_err)?;
+        Ok(RingWatch {
+            watch: Mutex::new(watch),
+            pod: env.pod_name,
+        })
+    }
+
+    /// Waits up to `timeout` seconds for a generation newer than `than` (any, when `None`) and
+    /// returns the newest one seen: `(generation, rank, members)`, `rank` this pod's rank in it
+    /// (`None`: not a member), `members` by rank as `(pod, "IP:port")`; `None` when none came.
+    #[pyo3(signature = (than = None, timeout = 0.0))]
+    fn newest(&self, py: Python<'_>, than: Option<u64>, timeout: f64) -> PyResult<Option<Seen>> {
+        let wait = Duration::try_from_secs_f64(timeout)
+            .map_err(|_| config_err(format!("timeout {timeout} s is not a duration")))?;
+        let latest = py.detach(|| {
+            let mut watch = self.watch.lock().unwrap_or_else(|p| p.into_inner());
+            watch.wait_newer(than, wait);
+            watch.latest.clone()
+        });
+        Ok(latest
+            .filter(|m| than.is_none_or(|t| m.generation > t))
+            .map(|m| {
+                let members = m
+                    .members
+                    .iter()
+                    .map(|x| {
+                        (
+                            x.pod.clone(),
+                            std::net::SocketAddr::new(x.address, x.port).to_string(),
+                        )
+                    })
+                    .collect();
+                (m.generation, m.rank_of(&self.pod), members)
+            }))
+    }
+}
+
 /// The module `diphoma._native`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Ring>()?;
     m.add_class::<Follower>()?;
+    m.add_class::<RingWatch>()?;
     m.add_function(wrap_pyfunction!(membership_json, m)?)?;
     m.add_function(wrap_pyfunction!(split, m)?)?;
     m.add_class::<Speed>()?;

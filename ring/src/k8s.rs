@@ -217,16 +217,142 @@ pub fn decide(current: Option<u64>, m: &Membership, pod: &str) -> Decision {
     }
 }
 
+/// The collective in flight: its generation and the handle that aborts it (see [`Memberships`]).
+pub type InFlight = Arc<Mutex<Option<(u64, AbortHandle)>>>;
+
+/// The ring ConfigMap's memberships as a watch delivers them: a single-object watch of the
+/// ConfigMap, run on a tokio runtime, hands each valid membership to this side (a malformed one
+/// is logged and skipped). With an abort slot, a membership newer than the slot's generation
+/// aborts the collective in flight there ([`KubeRing`]); without one it only reads
+/// ([`Memberships::start`], the in-pod launcher's view, which binds nothing).
+pub struct Memberships {
+    rx: mpsc::Receiver<Membership>,
+    /// The newest membership taken so far.
+    pub latest: Option<Membership>,
+    /// The runtime of [`Memberships::start`] (none when watching on another's).
+    _rt: Option<tokio::runtime::Runtime>,
+}
+
+impl Memberships {
+    /// Watches ConfigMap `name` through `api` on `rt` (see the type).
+    pub fn watch(
+        rt: &tokio::runtime::Handle,
+        api: Api<ConfigMap>,
+        name: &str,
+        abort: Option<InFlight>,
+    ) -> Memberships {
+        let (tx, rx) = mpsc::channel();
+        let fields = format!("metadata.name={name}");
+        rt.spawn(async move {
+            let mut events = watcher(api, watcher::Config::default().fields(&fields))
+                .default_backoff()
+                .boxed();
+            while let Some(ev) = events.next().await {
+                let cm = match ev {
+                    Ok(watcher::Event::Apply(cm) | watcher::Event::InitApply(cm)) => cm,
+                    Ok(_) => continue,
+                    Err(e) => {
+                        tracing::warn!("ring watch: {e}");
+                        continue;
+                    }
+                };
+                let Some(json) = cm.data.as_ref().and_then(|d| d.get(MEMBERSHIP_KEY)) else {
+                    continue;
+                };
+                let m = match Membership::parse(json) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        tracing::warn!("ignoring ring membership: {e}");
+                        continue;
+                    }
+                };
+                if let Some(slot) = &abort
+                    && let Some((g, h)) = slot.lock().expect("slot").as_ref()
+                    && m.generation > *g
+                {
+                    h.abort();
+                }
+                if tx.send(m).is_err() {
+                    break;
+                }
+            }
+        });
+        Memberships {
+            rx,
+            latest: None,
+            _rt: None,
+        }
+    }
+
+    /// Watches the ring ConfigMap `env` names on a runtime of its own, without binding anything
+    /// or answering pings: for a process that starts and restarts the member (the in-pod
+    /// launcher, `python -m diphoma.run`).
+    ///
+    /// # Errors
+    /// [`KubeError::Runtime`] or [`KubeError::Client`] when no runtime or client can be built.
+    pub fn start(env: &WorkerEnv) -> Result<Memberships, KubeError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(KubeError::Runtime)?;
+        let client = rt
+            .block_on(kube::Client::try_default())
+            .map_err(KubeError::Client)?;
+        let api = Api::namespaced(client, &env.namespace);
+        let mut m = Memberships::watch(rt.handle(), api, &env.membership, None);
+        m._rt = Some(rt);
+        Ok(m)
+    }
+
+    /// Takes every membership seen so far; keeps the newest.
+    pub fn drain(&mut self) {
+        while let Ok(m) = self.rx.try_recv() {
+            self.take(m);
+        }
+    }
+
+    fn take(&mut self, m: Membership) {
+        if self
+            .latest
+            .as_ref()
+            .is_none_or(|l| m.generation >= l.generation)
+        {
+            self.latest = Some(m);
+        }
+    }
+
+    /// Waits up to `wait` for a membership newer than `than` (or any, when `None`); the newest
+    /// is then in [`Memberships::latest`].
+    pub fn wait_newer(&mut self, than: Option<u64>, wait: Duration) {
+        let deadline = Instant::now() + wait;
+        loop {
+            self.drain();
+            if self
+                .latest
+                .as_ref()
+                .is_some_and(|l| than.is_none_or(|t| l.generation > t))
+            {
+                return;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok(m) => self.take(m),
+                Err(_) => return,
+            }
+        }
+    }
+}
+
 /// A [`RingSource`] fed by the ring ConfigMap (see the module docs).
 pub struct KubeRing {
     env: WorkerEnv,
     key: Vec<u8>,
     rt: tokio::runtime::Runtime,
     heartbeat: Api<ConfigMap>,
-    rx: mpsc::Receiver<Membership>,
-    latest: Option<Membership>,
+    watch: Memberships,
     current: Option<Membership>,
-    in_flight: Arc<Mutex<Option<(u64, AbortHandle)>>>,
+    in_flight: InFlight,
     last_progress: Option<Instant>,
     last_report: Option<ProgressReport>,
     /// The progress write still in flight (the next one waits for it: writes land in order).
@@ -334,50 +460,14 @@ impl KubeRing {
             .map_err(KubeError::Client)?;
         let ring: Api<ConfigMap> = Api::namespaced(client.clone(), &env.namespace);
         let heartbeat = Api::namespaced(client, &env.namespace);
-        let (tx, rx) = mpsc::channel();
-        let in_flight: Arc<Mutex<Option<(u64, AbortHandle)>>> = Arc::default();
-        let slot = in_flight.clone();
-        let fields = format!("metadata.name={}", env.membership);
-        rt.spawn(async move {
-            let mut events = watcher(ring, watcher::Config::default().fields(&fields))
-                .default_backoff()
-                .boxed();
-            while let Some(ev) = events.next().await {
-                let cm = match ev {
-                    Ok(watcher::Event::Apply(cm) | watcher::Event::InitApply(cm)) => cm,
-                    Ok(_) => continue,
-                    Err(e) => {
-                        tracing::warn!("ring watch: {e}");
-                        continue;
-                    }
-                };
-                let Some(json) = cm.data.as_ref().and_then(|d| d.get(MEMBERSHIP_KEY)) else {
-                    continue;
-                };
-                let m = match Membership::parse(json) {
-                    Ok(m) => m,
-                    Err(e) => {
-                        tracing::warn!("ignoring ring membership: {e}");
-                        continue;
-                    }
-                };
-                if let Some((g, h)) = slot.lock().expect("slot").as_ref()
-                    && m.generation > *g
-                {
-                    h.abort();
-                }
-                if tx.send(m).is_err() {
-                    break;
-                }
-            }
-        });
+        let in_flight: InFlight = Arc::default();
+        let watch = Memberships::watch(rt.handle(), ring, &env.membership, Some(in_flight.clone()));
         Ok(KubeRing {
             env,
             key,
             rt,
             heartbeat,
-            rx,
-            latest: None,
+            watch,
             current: None,
             in_flight,
             last_progress: None,
@@ -389,51 +479,6 @@ impl KubeRing {
             op_timeout: OP_TIMEOUT,
             _responder: responder,
         })
-    }
-
-    /// Takes every membership seen so far; keeps the newest.
-    fn drain(&mut self) {
-        while let Ok(m) = self.rx.try_recv() {
-            if self
-                .latest
-                .as_ref()
-                .is_none_or(|l| m.generation >= l.generation)
-            {
-                self.latest = Some(m);
-            }
-        }
-    }
-
-    /// Waits up to `wait` for a membership newer than `than` (or any, when `None`).
-    fn wait_newer(&mut self, than: Option<u64>, wait: Duration) {
-        let deadline = Instant::now() + wait;
-        loop {
-            self.drain();
-            if self
-                .latest
-                .as_ref()
-                .is_some_and(|l| than.is_none_or(|t| l.generation > t))
-            {
-                return;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return;
-            }
-            match self.rx.recv_timeout(left) {
-                Ok(m) => {
-                    if self
-                        .latest
-                        .as_ref()
-                        .is_none_or(|l| m.generation >= l.generation)
-                    {
-                        self.latest = Some(m);
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => return,
-                Err(mpsc::RecvTimeoutError::Disconnected) => return,
-            }
-        }
     }
 
     /// Binds the ring port and builds generation `m` for rank `rank`.
@@ -488,8 +533,8 @@ impl KubeRing {
     pub fn first_generation(&mut self) -> Result<Option<Generation>, KubeError> {
         let mut seen = None;
         while !self.terminating() {
-            self.wait_newer(seen, Duration::from_millis(500));
-            let Some(m) = self.latest.clone() else {
+            self.watch.wait_newer(seen, Duration::from_millis(500));
+            let Some(m) = self.watch.latest.clone() else {
                 continue;
             };
             if let Some(r) = m.rank_of(&self.env.pod_name) {
@@ -516,9 +561,9 @@ impl KubeRing {
     }
 
     fn decision(&mut self) -> Control {
-        self.drain();
+        self.watch.drain();
         let cur = self.current.as_ref().map(|m| m.generation);
-        let Some(m) = self.latest.clone() else {
+        let Some(m) = self.watch.latest.clone() else {
             return Control::Continue;
         };
         match decide(cur, &m, &self.env.pod_name) {
@@ -665,8 +710,8 @@ impl RingSource for KubeRing {
         }
         // Prefer a newer generation; else re-form the newest known one (possibly the same).
         // Not a member of it: give up (the operator has removed this pod).
-        self.wait_newer(cur, REJOIN_WAIT);
-        let m = self.latest.clone()?;
+        self.watch.wait_newer(cur, REJOIN_WAIT);
+        let m = self.watch.latest.clone()?;
         let Some(r) = m.rank_of(&self.env.pod_name) else {
             self.removed = true;
             return None;

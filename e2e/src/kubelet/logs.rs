@@ -231,6 +231,22 @@ async fn write_lines(
     live.0.lock().unwrap().remove(&path);
 }
 
+/// The lines the kubelet keeps of a run's log `content` (CRI lines) as a failed container's
+/// termination message under `FallbackToLogsOnError`: its last 80 lines, of those the last
+/// 2048 bytes (cut at a character boundary), as `pkg/kubelet/kuberuntime` does.
+pub fn termination_message(content: &str) -> String {
+    let text = LogQuery {
+        tail_lines: Some(80),
+        ..LogQuery::default()
+    }
+    .select(content, Timestamp::now());
+    let mut start = text.len().saturating_sub(2048);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    text[start..].to_owned()
+}
+
 /// Every run's text in order (CRI prefixes removed), as one string: what a container printed
 /// across its restarts. Errors: [`Error::Io`] naming a run that cannot be read.
 pub fn read_text(dir: &Path) -> Result<String, Error> {
@@ -307,6 +323,23 @@ mod tests {
             Some((at("2026-01-01T00:00:20.5Z"), "a b  c"))
         );
         assert_eq!(parse_cri("plain text"), None);
+    }
+
+    #[test]
+    fn a_termination_message_is_the_logs_last_80_lines_within_2048_bytes() {
+        let t = at("2026-01-01T00:00:00Z");
+        let lines: String = (0..100)
+            .map(|i| cri_line(t, "stderr", &format!("line {i}")))
+            .collect();
+        let m = termination_message(&lines);
+        assert!(
+            m.starts_with("line 20\n") && m.ends_with("line 99\n"),
+            "{m}"
+        );
+        let long =
+            cri_line(t, "stderr", &"é".repeat(2000)) + &cri_line(t, "stderr", "ValueError: x");
+        let m = termination_message(&long);
+        assert!(m.len() <= 2048 && m.ends_with("ValueError: x\n"));
     }
 
     #[test]

@@ -483,8 +483,38 @@ impl Worker {
         }
     }
 
-    /// Records a process exit; schedules a restart when the restart policy says so.
-    fn exited(&mut self, i: usize, st: ExitStatus, deleting: bool) {
+    /// What container `i`, which exited with `st`, leaves as its termination message: under
+    /// `terminationMessagePolicy: FallbackToLogsOnError` after a failed exit, the end of its
+    /// run's log ([`logs::termination_message`]), read once the log's writer has taken the
+    /// process's last lines (at most 2 s: a child may still hold the pipes).
+    async fn fallback_message(&self, i: usize, st: ExitStatus) -> Option<String> {
+        let spec = self.pod.spec.as_ref()?.containers.get(i)?;
+        if spec.termination_message_policy.as_deref() != Some("FallbackToLogsOnError")
+            || status::termination(st).0 == 0
+        {
+            return None;
+        }
+        let m = &self.pod.metadata;
+        let s = |o: &Option<String>| o.clone().unwrap_or_default();
+        let dir = logs::container_dir(
+            &self.sh.cfg.root,
+            &s(&m.namespace),
+            &s(&m.name),
+            &s(&m.uid),
+            &spec.name,
+        );
+        let log = logs::run_file(&dir, self.records[i].restart_count);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while self.sh.live_logs.get(&log).is_some() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let content = tokio::fs::read_to_string(&log).await.ok()?;
+        Some(logs::termination_message(&content)).filter(|m| !m.is_empty())
+    }
+
+    /// Records a process exit (with its termination `message`); schedules a restart when the
+    /// restart policy says so.
+    fn exited(&mut self, i: usize, st: ExitStatus, deleting: bool, message: Option<String>) {
         let RunState::Running { started, .. } = self.records[i].state.clone() else {
             return;
         };
@@ -496,6 +526,7 @@ impl Worker {
             reason: reason.into(),
             started,
             finished: now(),
+            message,
         };
         let policy = self
             .pod
@@ -601,7 +632,8 @@ impl Worker {
                     Some(PodEvent::Deleted) | None => return self.kill_and_reap(my_exits).await,
                 },
                 Some((i, st)) = my_exits.recv() => {
-                    self.exited(i, st, false);
+                    let message = self.fallback_message(i, st).await;
+                    self.exited(i, st, false, message);
                     self.report().await;
                 }
                 Some(v) = verdicts.recv() => self.verdict(v).await,
@@ -647,7 +679,7 @@ impl Worker {
         self.signal_all(libc::SIGKILL);
         while !self.pids().is_empty() {
             match exits.recv().await {
-                Some((i, st)) => self.exited(i, st, true),
+                Some((i, st)) => self.exited(i, st, true, None),
                 None => break,
             }
         }
@@ -667,7 +699,7 @@ impl Worker {
         let deadline = Instant::now() + Duration::from_secs(grace);
         while !self.pids().is_empty() {
             match tokio::time::timeout_at(deadline, exits.recv()).await {
-                Ok(Some((i, st))) => self.exited(i, st, true),
+                Ok(Some((i, st))) => self.exited(i, st, true, None),
                 Ok(None) => break,
                 Err(_) => {
                     self.kill_and_reap(exits).await;
@@ -683,6 +715,7 @@ impl Worker {
                     reason: "Error".into(),
                     started: t.clone(),
                     finished: t,
+                    message: None,
                 };
             }
         }

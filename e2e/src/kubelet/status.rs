@@ -33,6 +33,9 @@ pub enum RunState {
         started: Time,
         /// When it exited.
         finished: Time,
+        /// Its termination message (under `FallbackToLogsOnError`, the end of its log after a
+        /// failed exit: [`super::logs::termination_message`]).
+        message: Option<String>,
     },
 }
 
@@ -154,8 +157,10 @@ fn state_json(s: &RunState) -> Value {
             reason,
             started,
             finished,
+            message,
         } => json!({"terminated": {
-            "exitCode": exit_code, "reason": reason, "startedAt": started, "finishedAt": finished}}),
+            "exitCode": exit_code, "reason": reason, "startedAt": started, "finishedAt": finished,
+            "message": message}}),
     }
 }
 
@@ -243,6 +248,7 @@ mod tests {
             reason: "x".into(),
             started: t(),
             finished: t(),
+            message: None,
         }
     }
 

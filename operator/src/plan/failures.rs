@@ -70,6 +70,29 @@ pub fn classify(p: &Pod, lost_nodes: &BTreeSet<String>) -> Option<(Cause, String
     None
 }
 
+/// The most a failure's message keeps of its container's termination message (the kubelet's
+/// own bound): the end, where a traceback names the exception.
+pub const MESSAGE_BYTES: usize = 2048;
+
+/// What the failed container of `p` said as it ended: its termination message (the last log
+/// lines under `FallbackToLogsOnError`), trimmed, its last [`MESSAGE_BYTES`] at most; `None`
+/// when it said nothing.
+pub fn termination_message(p: &Pod) -> Option<String> {
+    let cs = p.status.as_ref()?.container_statuses.as_ref()?;
+    let text = cs
+        .iter()
+        .filter_map(|c| c.state.as_ref()?.terminated.as_ref())
+        .find(|t| t.exit_code != 0)?
+        .message
+        .as_deref()?
+        .trim();
+    let mut start = text.len().saturating_sub(MESSAGE_BYTES);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    (!text.is_empty()).then(|| text[start..].to_owned())
+}
+
 /// Members of `ring` that neighbours blame in reports of its generation and that did not report
 /// themselves: (pods, when to look again if the reports are still young). Reports get
 /// `detection_seconds / 2` to arrive, so that a live member whose own report is late is not taken
@@ -253,6 +276,7 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
             cause,
             reason,
             exit_code,
+            message: termination_message(p),
             retryable,
             exists: true,
             at: loss_time(p).map_or(now, |t| t.min(now)),
@@ -317,6 +341,7 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
                 cause,
                 reason: reason.into(),
                 exit_code: None,
+                message: None,
                 retryable: true,
                 exists: true,
                 at: now,
@@ -336,6 +361,7 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
                 cause: Cause::PodDeleted,
                 reason: "Deleted".into(),
                 exit_code: None,
+                message: None,
                 retryable: true,
                 exists: false,
                 at: now,
@@ -437,6 +463,7 @@ fn record(
         exit_code: f.exit_code,
         cause: f.cause.as_str().into(),
         reason: f.reason.clone(),
+        message: f.message.clone(),
         time: ts(f.at),
     });
     let note = match f.exit_code {

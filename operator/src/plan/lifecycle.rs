@@ -105,9 +105,14 @@ fn failed(
         (
             "NonRetryableExit",
             format!(
-                "worker {} exited with non-retryable code {}",
+                "worker {} exited with non-retryable code {}{}",
                 f.pod,
-                f.exit_code.unwrap_or_default()
+                f.exit_code.unwrap_or_default(),
+                // The last line of what it said: a traceback's exception.
+                f.message
+                    .as_deref()
+                    .and_then(|m| m.lines().rev().find(|l| !l.trim().is_empty()))
+                    .map_or(String::new(), |l| format!(": {}", l.trim()))
             ),
         )
     });

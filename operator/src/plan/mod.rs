@@ -178,6 +178,8 @@ pub struct Failure {
     pub reason: String,
     /// Exit code, for process exits.
     pub exit_code: Option<i32>,
+    /// Its container's termination message ([`failures::termination_message`]).
+    pub message: Option<String>,
     /// Whether the worker is replaced (false: the job fails).
     pub retryable: bool,
     /// Whether the pod still exists (its failure is then recorded on it).

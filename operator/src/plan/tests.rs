@@ -330,6 +330,53 @@ fn joiner_enters_at_the_next_generation_once_ready() {
 }
 
 #[test]
+fn a_failed_workers_last_log_lines_reach_last_failure_and_the_condition() {
+    let j = with_status(basic(), Phase::Running);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    let mut failed = exited(pods[1].clone(), 1, "Error");
+    let long = "x".repeat(3000);
+    let said = format!(
+        "{long}\nTraceback (most recent call last):\n  File \"train.py\", line 3\nValueError: bad shard 7\n"
+    );
+    let cs = failed
+        .status
+        .as_mut()
+        .unwrap()
+        .container_statuses
+        .as_mut()
+        .unwrap();
+    cs[0]
+        .state
+        .as_mut()
+        .unwrap()
+        .terminated
+        .as_mut()
+        .unwrap()
+        .message = Some(said.clone());
+    pods[1] = failed;
+    let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
+    let last = p.status.last_failure.clone().unwrap();
+    let message = last.message.unwrap();
+    assert_eq!(
+        message.len(),
+        failures::MESSAGE_BYTES,
+        "the end kept, within the bound"
+    );
+    assert!(said.trim_end().ends_with(&message));
+    let condition = p
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Failed")
+        .unwrap();
+    assert!(
+        condition.message.ends_with(": ValueError: bad shard 7"),
+        "{}",
+        condition.message
+    );
+}
+
+#[test]
 fn non_retryable_exit_fails_the_job_with_last_failure() {
     let j = with_status(basic(), Phase::Running);
     let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();

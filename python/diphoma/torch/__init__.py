@@ -26,6 +26,7 @@ fixed across world sizes.
 """
 
 import atexit
+import os
 import queue
 import secrets
 import threading
@@ -645,6 +646,12 @@ def _create(store, rank, size, timeout):
                 "ring's variables with torchrun's (not torchrun, mp.spawn or plain python), or run it in a DiphomaJob"
             ) from None
         ring = follower.connect()
+        expected = os.environ.get("DIPHOMA_GENERATION")  # the in-pod launcher's (diphoma._pod)
+        if expected and ring.generation != int(expected):
+            raise RingChanged(
+                f"diphoma: the ring moved on to generation {ring.generation} since this process was started for "
+                f"generation {expected} (RANK and WORLD_SIZE are that generation's): the launcher restarts it"
+            )
         diphoma._set_follower(follower)
     if (ring.rank, ring.world) != (rank, size):
         raise ConfigError(

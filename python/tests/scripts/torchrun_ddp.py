@@ -5,10 +5,12 @@ when it starts; changed only in its backend name ("diphoma") and device (CPU).
 
 ``python torchrun_ddp.py EPOCHS SNAPSHOT [FAIL_EPOCH]``: with FAIL_EPOCH, rank 1 of the first
 attempt (TORCHELASTIC_RESTART_COUNT 0) dies with os._exit(1) at the start of that epoch, so a
-launcher run with --max-restarts resumes from the snapshot. Rank 0 prints the final loss."""
+launcher run with --max-restarts resumes from the snapshot. Rank 0 prints the final loss.
+EPOCH_SECONDS (default 0) paces the epochs, for tests that stop a worker while it trains."""
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -66,6 +68,7 @@ class Trainer:
                 print("rank 1: dying", flush=True)
                 os._exit(1)
             loss = self._run_epoch(epoch)
+            time.sleep(float(os.environ.get("EPOCH_SECONDS", "0")))
             dist.barrier()
             if self.global_rank == 0:
                 self._save_snapshot(epoch + 1)

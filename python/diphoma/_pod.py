@@ -1,0 +1,198 @@
+"""``python -m diphoma.run SCRIPT`` in a DiphomaJob's worker pod: torchrun's agent for one pod.
+
+The pod is one member of the job's ring; its training process (``SCRIPT`` through
+``diphoma._boot``, unchanged: it reads ``RANK``/``LOCAL_RANK``, joins with
+``init_process_group(backend="diphoma")`` through ``env://`` and resumes from its own
+snapshot) runs at one ring generation with torchrun's variables for it (``pod_env``): ``RANK``
+is the pod's rank in that generation, ``WORLD_SIZE`` its size, ``MASTER_ADDR`` rank 0's pod IP,
+``MASTER_PORT`` the job's rendezvous store port (``DIPHOMA_STORE_PORT``, the ring port + 1),
+``TORCHELASTIC_RESTART_COUNT`` this pod's restarts so far, ``TORCHELASTIC_RUN_ID`` the job's
+UID, and ``DIPHOMA_GENERATION`` the generation (its ``init_process_group`` raises
+``RingChanged`` when the ring has moved past it by then: the launcher starts it again).
+The launcher watches the ring ConfigMap (``diphoma.RingWatch``: it binds nothing, the process
+does) and, as torchrun restarts its workers after a rendezvous, restarts the process in place
+at each new generation that lists the pod (``decide``): the pod, its node and its GPUs stay.
+The process has ``--grace`` seconds to exit by itself (its collective in flight fails at once
+with ``RingChanged``) before SIGKILL. A process that fails because its ring lost a peer waits
+for the operator's next generation (at most twice ``detectionSeconds``, then the same one
+again; 1 s when it was torch's rendezvous store, served by rank 0's process, that went away);
+one that fails for any other reason ends the launcher with its exit code, so the job's
+``faultTolerance.restartOnExitCodes`` decides (exit 1, a Python exception: the job fails, its
+traceback's last lines in ``status.lastFailure.message``). Exit 0 of the process, a generation
+without this pod (scale-down) or SIGTERM (the pod deleted) end the launcher with 0.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from diphoma.run import base_env, command, exit_code, torchrun_env
+
+# What a process's error says when the ring under it failed (diphoma's exceptions: a peer lost, a
+# newer generation), and when torch's rendezvous store did (rank 0's process, which serves it,
+# was restarted or stopped under a peer that had just connected).
+RING_FAULTS = ("RingChanged", "RingError")
+STORE_FAULTS = ("DistNetworkError", "DistStoreError")
+
+
+def host_of(address):
+    """The IP of an ``IP:port`` address (``[v6]:port`` too)."""
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def pod_env(generation, rank, members, restart, store_port, run_id, base):
+    """The environment of the pod's training process at ring generation ``generation``, where
+    this pod is ``rank`` of ``members`` (``(pod, "IP:port")`` by rank): ``base`` with torchrun's
+    variables (``torchrun_env``) for one process on node ``rank`` of ``len(members)``, the
+    rendezvous store at rank 0's IP and ``store_port``, restarted ``restart`` times, and
+    ``DIPHOMA_GENERATION`` (the generation the process must join, see ``diphoma.torch``)."""
+    world = len(members)
+    env = base_env(1, base)
+    env.update(torchrun_env(rank, world, store_port, restart, run_id, local_rank=0, local_world=1,
+                            group_rank=rank, group_world=world, master_addr=host_of(members[0][1])))
+    env["DIPHOMA_GENERATION"] = str(generation)
+    return env
+
+
+def fault(error):
+    """What failed under a process, by its error file's text (``error_text``): ``"ring"``
+    (diphoma's ``RingChanged``/``RingError``), ``"store"`` (torch's rendezvous store), or
+    ``None``: the script's own error, a ``CollectiveMismatch`` (the ranks called different
+    collectives) included."""
+    if "CollectiveMismatch" in error:
+        return None
+    if any(f in error for f in RING_FAULTS):
+        return "ring"
+    return "store" if any(f in error for f in STORE_FAULTS) else None
+
+
+def decide(running, rc, error, newest):
+    """What the pod's launcher does next (pure). ``running``: the generation the process was
+    started at; ``rc``: its exit status (``None`` while it runs; negative: a signal);
+    ``error``: its error file's text; ``newest``: ``(generation, rank)`` of the newest
+    generation seen after ``running``, or ``None``. Returns ``"wait"`` (nothing to do yet),
+    ``"restart"`` (a newer generation lists this pod: stop the process if it runs and start it
+    there), ``"leave"`` (exit 0: done, or no longer a member), ``"rejoin"`` (the ring failed
+    under it, ``fault``: start again once the next generation is known) or ``"fail"`` (exit
+    with its code). A process that exited 0 is done even when a newer generation came."""
+    if rc == 0:
+        return "leave"
+    if newest is not None:
+        return "restart" if newest[1] is not None else "leave"
+    if rc is None:
+        return "wait"
+    return "rejoin" if fault(error) else "fail"
+
+
+def changes(before, after):
+    """What changed from members ``before`` to ``after`` (``(pod, address)`` by rank), for the
+    restart's log line: ``" (lost A; added B)"``, empty when nothing did."""
+    if before is None:
+        return ""
+    old, new = [p for p, _ in before], [p for p, _ in after]
+    parts = [f"{w} {', '.join(ps)}" for w, ps in (("lost", [p for p in old if p not in new]),
+                                                    ("added", [p for p in new if p not in old])) if ps]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def error_text(path):
+    """The exception an error file (torch's ``ErrorHandler`` layout) records, with its
+    traceback; empty when there is none."""
+    try:
+        with open(path) as f:
+            m = json.load(f)["message"]
+        return m.get("message", "") + "\n" + m.get("extraInfo", {}).get("py_callstack", "")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""
+
+
+def log(text):
+    print(f"diphoma.run: {text}", file=sys.stderr, flush=True)
+
+
+def stop(proc, grace):
+    """Gives ``proc`` ``grace`` s to exit by itself, then SIGKILL (its ring's SIGTERM handler
+    would only ask it to leave at a step boundary, which an unchanged script never reaches)."""
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def main(a, tmp):
+    """Runs ``a.script`` in this pod (see the module doc) until it is done; returns the exit code."""
+    from diphoma import ConfigError, RingWatch
+
+    if a.max_restarts:
+        log(f"--max-restarts {a.max_restarts} is ignored in a worker pod: the job's faultTolerance.restartOnExitCodes "
+            "and runPolicy.backoffLimit decide what a failure costs")
+    if a.nproc != 1:
+        raise ConfigError(f"--nproc-per-node {a.nproc}: a worker pod runs one training process (one per GPU is "
+                          "issue 27's spec.processesPerWorker); scale the job's replicas instead")
+    try:
+        store_port = int(os.environ["DIPHOMA_STORE_PORT"])
+        detection = float(os.environ.get("DIPHOMA_DETECTION_SECONDS", "10"))
+        run_id = os.environ["DIPHOMA_JOB_UID"]
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"the worker pod's environment: {e} (set by the operator)") from None
+    watch = RingWatch.from_env()
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    entry, args = command(a)
+    proc, running, restart, seen, members = None, None, 0, None, None
+    while not stopping:
+        if proc is None:  # wait for a generation that lists this pod
+            g = watch.newest(seen, 0.5)
+            if g is None:
+                continue
+            seen = g[0]
+            if g[1] is None:
+                if running is not None:
+                    log(f"generation {g[0]} does not list {watch.pod}: leaving")
+                    return 0
+                continue
+            before = members if running is not None else None
+            running, rank, members = g
+            error_file = os.path.join(tmp, f"error-{restart}.json")
+            env = pod_env(running, rank, members, restart, store_port, run_id, os.environ)
+            env.update(TORCHELASTIC_ERROR_FILE=error_file, DIPHOMA_LAUNCHER_PID=str(os.getpid()))
+            if restart:
+                log(f"restart {restart} in place: rank {rank} of {len(members)} at generation {running}"
+                    f"{changes(before, members)}")
+            proc = subprocess.Popen([entry, *args], env=env)
+            continue
+        g = watch.newest(running, 0.2)
+        rc = proc.poll()
+        action = decide(running, rc, error_text(error_file) if rc else "", g and g[:2])
+        if action == "wait":
+            continue
+        if action == "rejoin":
+            # The ring's loss makes the operator publish a new generation (within
+            # detectionSeconds); a store that went away was rank 0's restarting process.
+            what = fault(error_text(error_file))
+            log(f"rank {rank}'s {what} failed at generation {running} (exit {exit_code(rc)}): waiting for the next")
+            g = watch.newest(running, 2 * detection if what == "ring" else 1.0)
+            action = decide(running, rc, "", g and g[:2]) if g else "restart"
+            g = g or (running, rank, members)
+        if action == "fail":
+            said = error_text(error_file).splitlines()[:1]  # the exception, as the last log line
+            log(f"rank {rank} ({watch.pod}) failed at generation {running} with exit {exit_code(rc)}"
+                + "".join(f": {line}" for line in said))
+            return exit_code(rc)
+        if rc is None:
+            stop(proc, a.grace)
+        proc = None
+        if action == "leave":
+            if rc != 0:
+                log(f"generation {g[0]} does not list {watch.pod}: leaving")
+            return 0
+        restart += 1
+        seen = g[0] - 1  # start at it: the next wait returns it
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        stop(proc, a.grace)
+    return 0

@@ -1,0 +1,47 @@
+"""The in-pod launcher's decisions (``diphoma._pod``, pure): when ``python -m diphoma.run``
+restarts a torchrun script in place, waits, leaves or fails, and the torchrun variables it
+gives the process at each ring generation. Its run on the local cluster, through a kill -9 of
+a worker, is e2e/tests/python.rs."""
+
+from diphoma._pod import changes, decide, fault, host_of, pod_env
+
+MEMBERS = [("w-0", "127.0.0.2:29500"), ("w-2", "127.0.0.4:29500"), ("w-3", "127.0.0.5:29500")]
+
+
+def test_each_rank_gets_torchruns_variables_for_its_generation():
+    env = pod_env(7, 1, MEMBERS, 2, 29501, "uid-1", {"PATH": "/bin", "RANK": "stale"})
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "DIPHOMA_GENERATION")} == {
+        "RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "3", "ROLE_RANK": "1", "ROLE_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.2",
+        "MASTER_PORT": "29501", "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "uid-1",
+        "DIPHOMA_GENERATION": "7"}
+    assert env["PATH"] == "/bin" and "OMP_NUM_THREADS" not in env  # one process: torch's own threads
+    assert host_of("[fd00::5]:29500") == "fd00::5"
+
+
+def test_a_newer_generation_restarts_the_process_or_ends_a_removed_member():
+    assert decide(3, None, "", None) == "wait"
+    assert decide(3, None, "", (4, 1)) == "restart"
+    assert decide(3, 1, "RingChanged: peer 1 lost", (4, 0)) == "restart"
+    assert decide(3, None, "", (4, None)) == "leave", "scaled down"
+    assert decide(3, 0, "", (4, 0)) == "leave", "done is done"
+
+
+def test_a_ring_or_store_fault_rejoins_and_the_scripts_own_error_fails():
+    ring = 'RingChanged: all_reduce: peer rank 2 lost\nTraceback ...'
+    assert fault(ring) == "ring" and decide(3, 1, ring, None) == "rejoin"
+    store = "torch.distributed.DistNetworkError: failed to recv, got 0 bytes"
+    assert fault(store) == "store" and decide(3, 1, store, None) == "rejoin"
+    mismatch = "CollectiveMismatch: all_reduce of 10 elements on rank 0, 12 on rank 1 (a RingError)"
+    assert fault(mismatch) is None and decide(3, 1, mismatch, None) == "fail"
+    assert decide(3, 1, "ValueError: bad shard", None) == "fail"
+    assert decide(3, -9, "", None) == "fail", "killed by someone else: this worker failed"
+    assert decide(3, 0, "", None) == "leave"
+
+
+def test_the_restart_log_says_who_left_and_who_came():
+    assert changes(None, MEMBERS) == ""
+    assert changes(MEMBERS, MEMBERS[:1] + [("w-4", "127.0.0.6:29500")]) == " (lost w-2, w-3; added w-4)"
+    assert changes(MEMBERS, MEMBERS) == ""
