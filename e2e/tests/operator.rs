@@ -754,37 +754,6 @@ async fn a_training_job_survives_a_killed_worker_and_succeeds(
     Ok(())
 }
 
-/// `kubectl diphoma ARGS` (kubectl finds the plugin on `PATH`); its output.
-fn plugin(ctx: &Ctx, args: &[&str]) -> Result<std::process::Output> {
-    let exe = bin_dir().join("kubectl-diphoma");
-    ensure!(
-        exe.exists(),
-        "{} missing: cargo build -p kubectl-diphoma",
-        exe.display()
-    );
-    let path = std::env::join_paths(std::iter::once(bin_dir()).chain(std::env::split_paths(
-        &std::env::var_os("PATH").unwrap_or_default(),
-    )))?;
-    Ok(ctx
-        .cp
-        .kubectl()
-        .arg("diphoma")
-        .args(args)
-        .env("PATH", path)
-        .output()?)
-}
-
-/// [`plugin`]'s stdout, or an error with its stderr.
-fn plugin_ok(ctx: &Ctx, args: &[&str]) -> Result<String> {
-    let out = plugin(ctx, args)?;
-    ensure!(
-        out.status.success(),
-        "kubectl diphoma {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8(out.stdout)?)
-}
-
 /// The plugin on a training job after a `kill -9` and its repair: `ring` (every member, its
 /// node and step), `logs --rank` (plain and `-f`), `why` (the failure and the repair in words),
 /// `top` (samples/s and allreduce share per rank); exit codes for a missing job and no cluster.

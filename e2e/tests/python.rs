@@ -4,7 +4,8 @@
 //! `manifests/examples/pytorch-digits.yaml` (an elastic DDP script in a ConfigMap) through a
 //! kill -9 of a worker; an unchanged torchrun script (`python/tests/scripts/torchrun_ddp.py`)
 //! under `python -m diphoma.run` through a kill -9, restarted in place in the surviving pods;
-//! and a rank that raises, its traceback's last line in the job's status.
+//! a rank that raises, its traceback's last line in the job's status; and `kubectl diphoma
+//! submit` of a script.
 
 mod common;
 
@@ -16,7 +17,7 @@ use common::*;
 use diphoma_e2e::kit::{pid_of, signal};
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_operator::api::{DiphomaJobStatus, Phase};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::Api;
 use kube::api::LogParams;
 use serde_json::json;
@@ -38,7 +39,8 @@ fn main() -> Result<()> {
         tests![
             the_pytorch_digits_example_survives_a_killed_worker,
             a_torchrun_script_is_restarted_in_place_through_a_killed_worker,
-            a_raising_rank_fails_the_job_with_its_traceback_in_last_failure
+            a_raising_rank_fails_the_job_with_its_traceback_in_last_failure,
+            kubectl_diphoma_submit_runs_a_script_as_a_job
         ],
     )
 }
@@ -286,4 +288,48 @@ async fn a_raising_rank_fails_the_job_with_its_traceback_in_last_failure(
         "{failed:?}"
     );
     Ok(())
+}
+
+/// `kubectl diphoma submit SCRIPT --workers 2 -- ARGS` of a torchrun-style script: the job
+/// (named after the script) runs it under `python -m diphoma.run` to Succeeded, with the
+/// script's ConfigMap owned by the job; a second submit of the same name is refused with exit
+/// code 5 and changes nothing; deleting the job takes the ConfigMap with it.
+async fn kubectl_diphoma_submit_runs_a_script_as_a_job(ctx: Arc<Ctx>, ns: String) -> Result<()> {
+    let script = repo_root().join("python/tests/scripts/raise_on_rank.py");
+    let script = script.to_str().context("script path")?;
+    let args = ["-n", &ns, "submit", script, "--workers", "2", "--", "-1"];
+    let said = plugin_ok(&ctx, &args)?;
+    ensure!(said.contains("raise-on-rank submitted"), "{said}");
+    let st = finished(&ctx, &ns, "raise-on-rank", 180).await?;
+    ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let log = pods
+        .logs("raise-on-rank-worker-0", &LogParams::default())
+        .await?;
+    ensure!(log.contains("local 0 restart 0 run "), "{log}");
+    let again = plugin(&ctx, &args)?;
+    ensure!(again.status.code() == Some(5), "a second submit: {again:?}");
+    let job = job_status(&ctx.client, &ns, "raise-on-rank").await?;
+    let cms: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
+    let cm = cms.get("raise-on-rank-script").await?;
+    ensure!(
+        cm.metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| Some(&o.uid) == job.metadata.uid.as_ref()),
+        "the script's ConfigMap is not the job's: {:?}",
+        cm.metadata.owner_references
+    );
+    run_ok(
+        ctx.cp
+            .kubectl()
+            .args(["-n", &ns, "delete", "dpj", "raise-on-rank"]),
+    )?;
+    eventually(
+        60,
+        "the script's ConfigMap collected with its job",
+        async || Ok(cms.get_opt("raise-on-rank-script").await?.is_none()),
+    )
+    .await
 }

@@ -1,4 +1,5 @@
-//! `kubectl-diphoma`: a kubectl plugin for DiphomaJobs (`kubectl diphoma ring|logs|why|top JOB`).
+//! `kubectl-diphoma`: a kubectl plugin for DiphomaJobs (`kubectl diphoma ring|logs|why|top JOB`,
+//! `kubectl diphoma submit SCRIPT`).
 //!
 //! # Layout
 //! - `main.rs` (this file): the CLI, the API calls (the job, its ring ConfigMap, its pods, events,
@@ -6,15 +7,18 @@
 //!   pod IP when it is a loopback address, as on the local cluster, whose API server refuses to
 //!   proxy to loopback), errors and exit codes.
 //! - [`report`]: what is printed, from the fetched objects. Pure.
+//! - [`submit`]: the script's ConfigMap and the DiphomaJob `submit` creates. Pure.
 //!
 //! The job is read with the operator's own types (`diphoma_operator::api`, nothing else of that
 //! crate) and the ring with the contract's `Membership`, so the plugin cannot drift from what the
-//! operator writes. It only reads; it never changes the cluster.
+//! operator writes. It only reads, but for `submit`, which creates a job and its script.
 //!
-//! Exit codes: 0 done, 1 the job (or the rank) does not exist, 2 bad usage, 3 no cluster (no
-//! kubeconfig, or the API server cannot be reached), 4 any other API error.
+//! Exit codes: 0 done, 1 the job (or the rank) does not exist, 2 bad usage (a bad argument, an
+//! unreadable script), 3 no cluster (no kubeconfig, or the API server cannot be reached), 4 any
+//! other API error, 5 `submit`: the job exists already.
 
 mod report;
+mod submit;
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -26,7 +30,7 @@ use diphoma_contract::{DEFAULT_METRICS_PORT, LABEL_JOB_NAME, METRICS_PORT_NAME};
 use diphoma_operator::api::DiphomaJob;
 use futures::{AsyncBufReadExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{ConfigMap, Event, Pod};
-use kube::api::{ListParams, LogParams};
+use kube::api::{ListParams, LogParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 
 use report::Samples;
@@ -82,6 +86,44 @@ enum Command {
         #[arg(long, default_value_t = 2.0)]
         interval: f64,
     },
+    /// Submit a PyTorch script: its ConfigMap (`NAME-script`, owned by the job) and a
+    /// DiphomaJob running it, by default as an unchanged torchrun script
+    /// (`python -m diphoma.run SCRIPT ARGS`, restarted in place at each ring generation).
+    Submit {
+        /// The training script (one file).
+        script: std::path::PathBuf,
+        /// The job's name (default: the script's file name, as a DNS label).
+        #[arg(long)]
+        name: Option<String>,
+        /// Workers (`spec.replicas`).
+        #[arg(long, default_value_t = 2)]
+        workers: i32,
+        /// Elastic: the fewest workers to train with (with `--max`).
+        #[arg(long)]
+        min: Option<i32>,
+        /// Elastic: the most workers (with `--min`).
+        #[arg(long)]
+        max: Option<i32>,
+        /// GPUs per worker (`spec.gpusPerWorker`).
+        #[arg(long, default_value_t = 0)]
+        gpus: i32,
+        /// The worker image: Python with torch and the `diphoma` wheel.
+        #[arg(long, default_value = concat!("ghcr.io/diphoma/diphoma-pytorch:", env!("CARGO_PKG_VERSION")))]
+        image: String,
+        /// The script is a `diphoma.torch.elastic` one: run it as `python SCRIPT` (its process
+        /// re-forms in place) instead of under `python -m diphoma.run`.
+        #[arg(long)]
+        elastic: bool,
+        /// A worker environment variable, `NAME=VALUE` (repeatable).
+        #[arg(long = "env", value_parser = submit::env_var)]
+        env: Vec<(String, String)>,
+        /// Print the two objects (JSON) instead of creating them.
+        #[arg(long)]
+        dry_run: bool,
+        /// The script's arguments (after `--`).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
 }
 
 /// Why a command failed; each maps to an exit code.
@@ -96,6 +138,12 @@ enum CliError {
     /// The API server refused a request.
     #[error("kubernetes API: {0}")]
     Api(#[source] kube::Error),
+    /// A bad argument or an unreadable file, named.
+    #[error("{0}")]
+    Usage(String),
+    /// `submit`: a job of that name exists.
+    #[error("{0}")]
+    Exists(String),
 }
 
 impl CliError {
@@ -104,6 +152,8 @@ impl CliError {
             CliError::NotFound(_) => 1,
             CliError::NoCluster(_) => 3,
             CliError::Api(_) => 4,
+            CliError::Usage(_) => 2,
+            CliError::Exists(_) => 5,
         }
     }
 }
@@ -258,6 +308,39 @@ async fn http_get(url: &str) -> Option<String> {
 
 async fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
+        Command::Submit {
+            script,
+            name,
+            workers,
+            min,
+            max,
+            gpus,
+            image,
+            elastic,
+            env,
+            dry_run,
+            args,
+        } => {
+            let text = std::fs::read_to_string(&script)
+                .map_err(|e| CliError::Usage(format!("{}: {e}", script.display())))?;
+            let file = script
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .ok_or_else(|| CliError::Usage(format!("{}: no file name", script.display())))?;
+            let s = submit::Submission {
+                name: name.unwrap_or_else(|| submit::default_name(&script)),
+                script: (file, text),
+                args,
+                workers,
+                min,
+                max,
+                gpus,
+                image,
+                elastic,
+                env,
+            };
+            submit_job(cli.namespace, &s, dry_run).await?;
+        }
         Command::Ring { job } => {
             let t = Target::open(cli.namespace, &job).await?;
             let ring = t.ring().await?;
@@ -334,6 +417,64 @@ async fn run(cli: Cli) -> Result<(), CliError> {
             print!("{}", report::top(&ring, &before, &after, elapsed));
         }
     }
+    Ok(())
+}
+
+/// Creates the script's ConfigMap and the job (`dry_run`: prints them), then makes the job
+/// the ConfigMap's owner so that deleting the job deletes it. Errors: [`CliError::Usage`] for
+/// a refused submission, [`CliError::Exists`] when the job exists, the API's otherwise.
+async fn submit_job(
+    ns: Option<String>,
+    s: &submit::Submission,
+    dry_run: bool,
+) -> Result<(), CliError> {
+    let objects = |ns: &str| {
+        s.objects(ns)
+            .map_err(|e| CliError::Usage(format!("submit: {e}")))
+    };
+    if dry_run {
+        let (cm, job) = objects(ns.as_deref().unwrap_or("default"))?;
+        println!("{cm:#}\n{job:#}");
+        return Ok(());
+    }
+    let client = Client::try_default()
+        .await
+        .map_err(|e| CliError::NoCluster(format!("no usable kubeconfig: {e}")))?;
+    let ns = ns.unwrap_or_else(|| client.default_namespace().to_owned());
+    let (cm, job) = objects(&ns)?;
+    let jobs = Api::<DiphomaJob>::namespaced(client.clone(), &ns);
+    if jobs.get_opt(&s.name).await?.is_some() {
+        return Err(CliError::Exists(format!(
+            "diphomajob {ns}/{} exists: choose another --name, or delete it first",
+            s.name
+        )));
+    }
+    let cms = Api::<ConfigMap>::namespaced(client.clone(), &ns);
+    let cm_name = format!("{}-script", s.name);
+    let apply = PatchParams::apply("kubectl-diphoma").force();
+    cms.patch(&cm_name, &apply, &Patch::Apply(&cm)).await?;
+    let job: DiphomaJob = serde_json::from_value(job)
+        .map_err(|e| CliError::Usage(format!("submit: the job does not decode: {e}")))?;
+    let created = jobs
+        .create(&PostParams::default(), &job)
+        .await
+        .map_err(|e| match e {
+            kube::Error::Api(a) if a.code == 409 => CliError::Exists(format!(
+                "diphomajob {ns}/{} exists: choose another --name, or delete it first",
+                s.name
+            )),
+            e => e.into(),
+        })?;
+    let owner = serde_json::json!({"metadata": {"ownerReferences": [{
+        "apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "name": s.name,
+        "uid": created.metadata.uid}]}});
+    cms.patch(&cm_name, &PatchParams::default(), &Patch::Merge(&owner))
+        .await?;
+    println!(
+        "diphomajob {ns}/{} submitted: {} worker(s) run {}; watch it with `kubectl get dpj {} -w` \
+         and `kubectl diphoma logs {} --rank 0 -f`",
+        s.name, s.workers, s.script.0, s.name, s.name
+    );
     Ok(())
 }
 
