@@ -16,12 +16,10 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
 use common::*;
-use diphoma_contract::LABEL_JOB_NAME;
 use diphoma_e2e::kit::{JobManifest, alive, pid_of, signal};
 use diphoma_e2e::kubelet::node::NodeConfig;
-use diphoma_e2e::prometheus::{Prometheus, prometheus_bin, promtool_bin, write_targets};
+use diphoma_e2e::prometheus::{Prometheus, promtool_bin};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::ListParams;
 use kube::{Api, ResourceExt};
 
 const SELECT_RELEASE: &str = "app.kubernetes.io/instance=diphoma-operator";
@@ -423,31 +421,6 @@ async fn helm_test_finds_the_operator_answering(ctx: Arc<Ctx>, _ns: String) -> R
     Ok(())
 }
 
-/// Every PromQL expression of a dashboard: (panel or annotation title, expression).
-fn dashboard_queries(board: &serde_json::Value) -> Vec<(String, String)> {
-    let mut out = vec![];
-    for p in board["panels"].as_array().into_iter().flatten() {
-        for t in p["targets"].as_array().into_iter().flatten() {
-            let title = p["title"].as_str().unwrap_or_default();
-            out.push((
-                title.to_owned(),
-                t["expr"].as_str().unwrap_or_default().to_owned(),
-            ));
-        }
-    }
-    for a in board["annotations"]["list"]
-        .as_array()
-        .into_iter()
-        .flatten()
-    {
-        if let Some(expr) = a["expr"].as_str() {
-            let name = a["name"].as_str().unwrap_or_default();
-            out.push((format!("annotation {name}"), expr.to_owned()));
-        }
-    }
-    out
-}
-
 /// The dashboard's conventions: `${DS_PROMETHEUS}`, variables namespace and job, a unit and a
 /// description on every panel. Returns what is missing.
 fn dashboard_conventions(name: &str, board: &serde_json::Value) -> Vec<String> {
@@ -484,71 +457,12 @@ fn dashboard_conventions(name: &str, board: &serde_json::Value) -> Vec<String> {
     missing
 }
 
-/// Grafana's variables and interval macros replaced for a query against Prometheus.
-fn substitute(expr: &str, namespace: &str, job: &str) -> String {
-    expr.replace("$namespace", namespace)
-        .replace("$job", job)
-        .replace("$__rate_interval", "10s")
-        .replace("$__interval", "2s")
-        .replace("$__range", "10m")
-}
-
-/// When (Unix seconds) Prometheus last scraped `scrape_job`; `None` before its first scrape.
-fn last_scrape(prom: &Prometheus, scrape_job: &str) -> Result<Option<f64>> {
-    let now = jiff::Timestamp::now().as_second() as f64;
-    let expr = format!("max(timestamp(up{{job=\"{scrape_job}\"}}))");
-    let result = prom.query_range(&expr, now, now, 1.0)?;
-    Ok(result
-        .first()
-        .and_then(|s| s["values"][0][1].as_str()?.parse().ok()))
-}
-
-/// Whether a query_range answer has at least one finite sample.
-fn has_data(result: &[serde_json::Value]) -> bool {
-    result.iter().any(|s| {
-        s["values"].as_array().into_iter().flatten().any(|v| {
-            v[1].as_str()
-                .and_then(|x| x.parse::<f64>().ok())
-                .is_some_and(f64::is_finite)
-        })
-    })
-}
-
 async fn a_job_run_by_the_chart_operator_feeds_every_dashboard_query(
     ctx: Arc<Ctx>,
     ns: String,
 ) -> Result<()> {
-    let prom = Prometheus::start(
-        &prometheus_bin()?,
-        &ctx.cp.dir.join("prometheus"),
-        &["diphoma-operator", "diphoma-workers"],
-    )
-    .await?;
-    // Service discovery (Debian's Prometheus has no Kubernetes SD): the operator's and this
-    // job's pods, every second, with the labels of docs/prometheus-scrape.yaml.
-    let discovery = {
-        let (client, prom_dir, ns) = (ctx.client.clone(), prom.dir.clone(), ns.clone());
-        tokio::spawn(async move {
-            loop {
-                for (scrape_job, namespace) in
-                    [("diphoma-operator", OPERATOR_NS), ("diphoma-workers", &ns)]
-                {
-                    if let Ok(pods) = Api::<Pod>::namespaced(client.clone(), namespace)
-                        .list(&ListParams::default())
-                        .await
-                    {
-                        let _ = write_targets(&prom_dir, scrape_job, &pods.items, LABEL_JOB_NAME);
-                    }
-                }
-                // Deliberate: re-discover every second (as the scrape interval), for as long as
-                // the test runs.
-                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-            }
-        })
-    };
-    let result = train_and_query(&ctx, &ns, &prom).await;
-    discovery.abort();
-    result
+    let scraped = Scraped::start(&ctx, &ns).await?;
+    train_and_query(&ctx, &ns, &scraped.prom).await
 }
 
 async fn train_and_query(ctx: &Ctx, ns: &str, prom: &Prometheus) -> Result<()> {
@@ -618,17 +532,13 @@ async fn train_and_query(ctx: &Ctx, ns: &str, prom: &Prometheus) -> Result<()> {
         let board: serde_json::Value =
             serde_json::from_str(&text).with_context(|| format!("dashboards/{file}"))?;
         missing.extend(dashboard_conventions(file, &board));
-        let queries = dashboard_queries(&board);
-        ensure!(queries.len() >= 8, "{file}: only {} queries", queries.len());
-        for (title, expr) in queries {
-            let q = substitute(&expr, namespace, scrape_job);
-            let result = prom
-                .query_range(&q, start, end, 1.0)
-                .with_context(|| format!("{file}/{title}"))?;
-            if !has_data(&result) {
-                missing.push(format!("{file}/{title}: no data for {q}"));
-            }
-        }
+        missing.extend(dashboard_gaps(
+            prom,
+            file,
+            &board,
+            (namespace, scrape_job),
+            (start, end),
+        )?);
     }
     ensure!(
         missing.is_empty(),

@@ -2,7 +2,8 @@
 //! image `diphoma-pytorch` (which this binary's process kubelet runs as the python of the cached
 //! torch venv with the freshly built `diphoma` wheel, `python/install.sh`):
 //! `manifests/examples/pytorch-digits.yaml` (an elastic DDP script in a ConfigMap) through a
-//! kill -9 of a worker; an unchanged torchrun script (`python/tests/scripts/torchrun_ddp.py`)
+//! kill -9 of a worker, scraped by a real Prometheus that finds every worker up and data for every
+//! query of the Training dashboard; an unchanged torchrun script (`python/tests/scripts/torchrun_ddp.py`)
 //! under `python -m diphoma.run` through a kill -9, restarted in place in the surviving pods;
 //! a rank that raises, its traceback's last line in the job's status; and `kubectl diphoma
 //! submit` of a script.
@@ -77,9 +78,19 @@ async fn the_pytorch_digits_example_survives_a_killed_worker(
             .status
             .unwrap_or_default())
     };
-    // Training: rank 0's progress record reached the status.
-    eventually(240, "progress in the status", async || {
-        Ok(status().await?.progress.is_some_and(|p| p.step > 0))
+    let scraped = Scraped::start(&ctx, &ns).await?;
+    let start = jiff::Timestamp::now().as_second() as f64;
+    // Training: rank 0's progress record reached the status, and Prometheus scrapes all four
+    // workers' /metrics (the chart's PodMonitor labels: docs/prometheus-scrape.yaml).
+    eventually(240, "progress in the status, every worker scraped", async || {
+        let now = jiff::Timestamp::now().as_second() as f64;
+        let up = scraped.prom.query_range(
+            &format!("up{{job=\"diphoma-workers\", diphoma_job=\"pytorch-digits\", namespace=\"{ns}\"}} == 1"),
+            now - 1.0,
+            now,
+            1.0,
+        )?;
+        Ok(up.len() == 4 && status().await?.progress.is_some_and(|p| p.step > 0))
     })
     .await?;
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
@@ -124,6 +135,23 @@ async fn the_pytorch_digits_example_survives_a_killed_worker(
         progress.step == i64::try_from(STEPS)? && accuracy >= 0.95,
         "step {} of {STEPS}, test accuracy {accuracy}",
         progress.step
+    );
+    // The Training dashboard shows the PyTorch job as it shows a Rust one: every query has data.
+    let end = jiff::Timestamp::now().as_second() as f64;
+    let file = "diphoma-training.json";
+    let text = std::fs::read_to_string(chart().join("dashboards").join(file))?;
+    let board: serde_json::Value = serde_json::from_str(&text)?;
+    let gaps = dashboard_gaps(
+        &scraped.prom,
+        file,
+        &board,
+        (&ns, "pytorch-digits"),
+        (start, end),
+    )?;
+    ensure!(
+        gaps.is_empty(),
+        "{gaps:#?}\nprometheus log:\n{}",
+        scraped.prom.log_tail()
     );
     Ok(())
 }

@@ -95,34 +95,11 @@ enum Command {
         /// The job's name (default: the script's file name, as a DNS label).
         #[arg(long)]
         name: Option<String>,
-        /// Workers (`spec.replicas`).
-        #[arg(long, default_value_t = 2)]
-        workers: i32,
-        /// Elastic: the fewest workers to train with (with `--max`).
-        #[arg(long)]
-        min: Option<i32>,
-        /// Elastic: the most workers (with `--min`).
-        #[arg(long)]
-        max: Option<i32>,
-        /// GPUs per worker (`spec.gpusPerWorker`).
-        #[arg(long, default_value_t = 0)]
-        gpus: i32,
-        /// The worker image: Python with torch and the `diphoma` wheel.
-        #[arg(long, default_value = concat!("ghcr.io/diphoma/diphoma-pytorch:", env!("CARGO_PKG_VERSION")))]
-        image: String,
-        /// The script is a `diphoma.torch.elastic` one: run it as `python SCRIPT` (its process
-        /// re-forms in place) instead of under `python -m diphoma.run`.
-        #[arg(long)]
-        elastic: bool,
-        /// A worker environment variable, `NAME=VALUE` (repeatable).
-        #[arg(long = "env", value_parser = submit::env_var)]
-        env: Vec<(String, String)>,
         /// Print the two objects (JSON) instead of creating them.
         #[arg(long)]
         dry_run: bool,
-        /// The script's arguments (after `--`).
-        #[arg(last = true)]
-        args: Vec<String>,
+        #[command(flatten)]
+        options: submit::Options,
     },
 }
 
@@ -311,15 +288,8 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Submit {
             script,
             name,
-            workers,
-            min,
-            max,
-            gpus,
-            image,
-            elastic,
-            env,
             dry_run,
-            args,
+            options,
         } => {
             let text = std::fs::read_to_string(&script)
                 .map_err(|e| CliError::Usage(format!("{}: {e}", script.display())))?;
@@ -330,14 +300,7 @@ async fn run(cli: Cli) -> Result<(), CliError> {
             let s = submit::Submission {
                 name: name.unwrap_or_else(|| submit::default_name(&script)),
                 script: (file, text),
-                args,
-                workers,
-                min,
-                max,
-                gpus,
-                image,
-                elastic,
-                env,
+                options,
             };
             submit_job(cli.namespace, &s, dry_run).await?;
         }
@@ -473,7 +436,7 @@ async fn submit_job(
     println!(
         "diphomajob {ns}/{} submitted: {} worker(s) run {}; watch it with `kubectl get dpj {} -w` \
          and `kubectl diphoma logs {} --rank 0 -f`",
-        s.name, s.workers, s.script.0, s.name, s.name
+        s.name, s.options.workers, s.script.0, s.name, s.name
     );
     Ok(())
 }

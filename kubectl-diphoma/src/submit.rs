@@ -8,6 +8,37 @@ use serde_json::{Value, json};
 /// Where the script's ConfigMap is mounted in the workers.
 pub const SCRIPT_DIR: &str = "/scripts";
 
+/// How the job runs the script: `submit`'s flags.
+#[derive(clap::Args, Debug, Clone, PartialEq)]
+pub struct Options {
+    /// Workers (`spec.replicas`).
+    #[arg(long, default_value_t = 2)]
+    pub workers: i32,
+    /// Elastic: the fewest workers to train with (`spec.elastic.minReplicas`, with `--max`).
+    #[arg(long)]
+    pub min: Option<i32>,
+    /// Elastic: the most workers (`spec.elastic.maxReplicas`, with `--min`).
+    #[arg(long)]
+    pub max: Option<i32>,
+    /// GPUs per worker (`spec.gpusPerWorker`).
+    #[arg(long, default_value_t = 0)]
+    pub gpus: i32,
+    /// The worker image: Python with torch and the `diphoma` wheel.
+    #[arg(long, default_value = concat!("ghcr.io/diphoma/diphoma-pytorch:", env!("CARGO_PKG_VERSION")))]
+    pub image: String,
+    /// The script is a `diphoma.torch.elastic` one: run it as `python SCRIPT` (its process
+    /// re-forms in place) instead of under `python -m diphoma.run` (an unchanged torchrun
+    /// script, restarted in place at each ring generation).
+    #[arg(long)]
+    pub elastic: bool,
+    /// A worker environment variable, `NAME=VALUE` (repeatable).
+    #[arg(long = "env", value_parser = env_var)]
+    pub env: Vec<(String, String)>,
+    /// The script's arguments (after `--`).
+    #[arg(last = true)]
+    pub args: Vec<String>,
+}
+
 /// What `submit` was asked for.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Submission {
@@ -15,24 +46,8 @@ pub struct Submission {
     pub name: String,
     /// The script's file name and text.
     pub script: (String, String),
-    /// Its arguments.
-    pub args: Vec<String>,
-    /// `spec.replicas`.
-    pub workers: i32,
-    /// `spec.elastic.minReplicas` / `maxReplicas` (`None`: fixed size).
-    pub min: Option<i32>,
-    /// See `min`.
-    pub max: Option<i32>,
-    /// `spec.gpusPerWorker`.
-    pub gpus: i32,
-    /// The worker image (Python with torch and the `diphoma` wheel).
-    pub image: String,
-    /// `python SCRIPT` for a `diphoma.torch.elastic` script (its process re-forms in place);
-    /// otherwise `python -m diphoma.run SCRIPT` (an unchanged torchrun script, restarted in
-    /// place at each ring generation).
-    pub elastic: bool,
-    /// Environment variables of the worker, `NAME=VALUE`.
-    pub env: Vec<(String, String)>,
+    /// How the job runs it.
+    pub options: Options,
 }
 
 /// Why a submission is refused; the message names the argument.
@@ -91,7 +106,7 @@ impl Submission {
     /// [`diphoma_operator::api::MAX_NAME_LEN`]; [`SubmitError::Sizes`] when `workers` is not
     /// positive, `min` or `max` is set alone, or `min ≤ workers ≤ max` does not hold.
     pub fn objects(&self, ns: &str) -> Result<(Value, Value), SubmitError> {
-        let n = &self.name;
+        let (n, o) = (&self.name, &self.options);
         let label = !n.is_empty()
             && n.len() <= diphoma_operator::api::MAX_NAME_LEN
             && n.chars()
@@ -101,21 +116,21 @@ impl Submission {
         if !label {
             return Err(SubmitError::Name(n.clone()));
         }
-        if self.workers < 1 {
+        if o.workers < 1 {
             return Err(SubmitError::Sizes(format!(
                 "--workers {}: at least 1",
-                self.workers
+                o.workers
             )));
         }
-        let elastic = match (self.min, self.max) {
+        let elastic = match (o.min, o.max) {
             (None, None) => None,
-            (Some(min), Some(max)) if 1 <= min && min <= self.workers && self.workers <= max => {
+            (Some(min), Some(max)) if 1 <= min && min <= o.workers && o.workers <= max => {
                 Some(json!({"minReplicas": min, "maxReplicas": max}))
             }
             (Some(min), Some(max)) => {
                 return Err(SubmitError::Sizes(format!(
                     "--min {min} --workers {} --max {max}: needs 1 <= min <= workers <= max",
-                    self.workers
+                    o.workers
                 )));
             }
             _ => {
@@ -126,14 +141,14 @@ impl Submission {
         };
         let (file, text) = &self.script;
         let path = format!("{SCRIPT_DIR}/{file}");
-        let mut command: Vec<String> = if self.elastic {
+        let mut command: Vec<String> = if o.elastic {
             vec!["python".into(), path]
         } else {
             vec!["python".into(), "-m".into(), "diphoma.run".into(), path]
         };
-        command.extend(self.args.iter().cloned());
+        command.extend(o.args.iter().cloned());
         let script_cm = format!("{n}-script");
-        let env: Vec<Value> = self
+        let env: Vec<Value> = o
             .env
             .iter()
             .map(|(k, v)| json!({"name": k, "value": v}))
@@ -145,10 +160,10 @@ impl Submission {
             "data": {file: text},
         });
         let mut spec = json!({
-            "replicas": self.workers,
-            "gpusPerWorker": self.gpus,
+            "replicas": o.workers,
+            "gpusPerWorker": o.gpus,
             "template": {"spec": {"containers": [{
-                "name": "worker", "image": self.image, "command": command, "env": env,
+                "name": "worker", "image": o.image, "command": command, "env": env,
                 "volumeMounts": [{"name": "script", "mountPath": SCRIPT_DIR}]}],
                 "volumes": [{"name": "script", "configMap": {"name": script_cm}}]}},
         });
@@ -168,9 +183,7 @@ mod tests {
     use super::*;
 
     fn sub() -> Submission {
-        Submission {
-            name: "train-ddp".into(),
-            script: ("train_ddp.py".into(), "print(1)\n".into()),
+        with(Options {
             args: vec!["--epochs".into(), "3".into()],
             workers: 4,
             min: Some(2),
@@ -179,6 +192,14 @@ mod tests {
             image: "ghcr.io/diphoma/diphoma-pytorch:0.1.0".into(),
             elastic: false,
             env: vec![("STEPS".into(), "10".into())],
+        })
+    }
+
+    fn with(options: Options) -> Submission {
+        Submission {
+            name: "train-ddp".into(),
+            script: ("train_ddp.py".into(), "print(1)\n".into()),
+            options,
         }
     }
 
@@ -213,12 +234,12 @@ mod tests {
         let job: diphoma_operator::api::DiphomaJob =
             serde_json::from_value(job).expect("the operator's own types read it");
         assert_eq!(job.spec.replicas, 4);
-        let elastic = Submission {
+        let elastic = with(Options {
             elastic: true,
             min: None,
             max: None,
-            ..sub()
-        };
+            ..sub().options
+        });
         let (_, job) = elastic.objects("ml").unwrap();
         assert_eq!(
             job["spec"]["template"]["spec"]["containers"][0]["command"],
@@ -238,10 +259,10 @@ mod tests {
             ..sub()
         };
         assert!(matches!(bad_name.objects("ml"), Err(SubmitError::Name(_))));
-        let bad_sizes = Submission {
+        let bad_sizes = with(Options {
             min: Some(5),
-            ..sub()
-        };
+            ..sub().options
+        });
         assert!(
             bad_sizes
                 .objects("ml")
@@ -249,7 +270,10 @@ mod tests {
                 .to_string()
                 .contains("--min 5 --workers 4 --max 6")
         );
-        let alone = Submission { max: None, ..sub() };
+        let alone = with(Options {
+            max: None,
+            ..sub().options
+        });
         assert!(matches!(alone.objects("ml"), Err(SubmitError::Sizes(_))));
         assert_eq!(env_var("A=b=c").unwrap(), ("A".into(), "b=c".into()));
         assert_eq!(env_var("=x"), Err(SubmitError::Env("=x".into())));

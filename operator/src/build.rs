@@ -448,28 +448,24 @@ pub fn merge_affinity(a: Option<Affinity>, b: Option<Affinity>) -> Option<Affini
             (x, y) => x.or(y),
         };
     }
-    if let Some(bp) = b.pod_affinity {
-        let ap = a.pod_affinity.get_or_insert_default();
-        cat(
-            &mut ap.required_during_scheduling_ignored_during_execution,
-            bp.required_during_scheduling_ignored_during_execution,
-        );
-        cat(
-            &mut ap.preferred_during_scheduling_ignored_during_execution,
-            bp.preferred_during_scheduling_ignored_during_execution,
-        );
+    // Pod affinity and anti-affinity: two types of the same two term lists.
+    macro_rules! both_terms {
+        ($field:ident) => {
+            if let Some(bp) = b.$field {
+                let ap = a.$field.get_or_insert_default();
+                cat(
+                    &mut ap.required_during_scheduling_ignored_during_execution,
+                    bp.required_during_scheduling_ignored_during_execution,
+                );
+                cat(
+                    &mut ap.preferred_during_scheduling_ignored_during_execution,
+                    bp.preferred_during_scheduling_ignored_during_execution,
+                );
+            }
+        };
     }
-    if let Some(bp) = b.pod_anti_affinity {
-        let ap = a.pod_anti_affinity.get_or_insert_default();
-        cat(
-            &mut ap.required_during_scheduling_ignored_during_execution,
-            bp.required_during_scheduling_ignored_during_execution,
-        );
-        cat(
-            &mut ap.preferred_during_scheduling_ignored_during_execution,
-            bp.preferred_during_scheduling_ignored_during_execution,
-        );
-    }
+    both_terms!(pod_affinity);
+    both_terms!(pod_anti_affinity);
     Some(a)
 }
 

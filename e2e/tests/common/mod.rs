@@ -16,6 +16,7 @@ use diphoma_e2e::kit::{JobManifest, merge};
 pub use diphoma_e2e::kubelet::Runtime;
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::kubelet::{Kubelet, KubeletConfig};
+use diphoma_e2e::prometheus::{Prometheus, prometheus_bin, write_targets};
 use diphoma_operator::api::{DiphomaJob, DiphomaJobStatus, Phase};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{ListParams, PostParams};
@@ -767,4 +768,137 @@ pub fn plugin_ok(ctx: &Ctx, args: &[&str]) -> Result<String> {
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(String::from_utf8(out.stdout)?)
+}
+
+/// Every PromQL expression of a dashboard: (panel or annotation title, expression).
+pub fn dashboard_queries(board: &serde_json::Value) -> Vec<(String, String)> {
+    let mut out = vec![];
+    for p in board["panels"].as_array().into_iter().flatten() {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            let title = p["title"].as_str().unwrap_or_default();
+            out.push((
+                title.to_owned(),
+                t["expr"].as_str().unwrap_or_default().to_owned(),
+            ));
+        }
+    }
+    for a in board["annotations"]["list"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        if let Some(expr) = a["expr"].as_str() {
+            let name = a["name"].as_str().unwrap_or_default();
+            out.push((format!("annotation {name}"), expr.to_owned()));
+        }
+    }
+    out
+}
+
+/// Grafana's variables and interval macros replaced for a query against Prometheus.
+pub fn substitute(expr: &str, namespace: &str, job: &str) -> String {
+    expr.replace("$namespace", namespace)
+        .replace("$job", job)
+        .replace("$__rate_interval", "10s")
+        .replace("$__interval", "2s")
+        .replace("$__range", "10m")
+}
+
+/// When (Unix seconds) Prometheus last scraped `scrape_job`; `None` before its first scrape.
+pub fn last_scrape(prom: &Prometheus, scrape_job: &str) -> Result<Option<f64>> {
+    let now = jiff::Timestamp::now().as_second() as f64;
+    let expr = format!("max(timestamp(up{{job=\"{scrape_job}\"}}))");
+    let result = prom.query_range(&expr, now, now, 1.0)?;
+    Ok(result
+        .first()
+        .and_then(|s| s["values"][0][1].as_str()?.parse().ok()))
+}
+
+/// Whether a query_range answer has at least one finite sample.
+pub fn has_data(result: &[serde_json::Value]) -> bool {
+    result.iter().any(|s| {
+        s["values"].as_array().into_iter().flatten().any(|v| {
+            v[1].as_str()
+                .and_then(|x| x.parse::<f64>().ok())
+                .is_some_and(f64::is_finite)
+        })
+    })
+}
+
+/// A real Prometheus (Debian's package) scraping the chart-installed operator's pods (scrape
+/// job `diphoma-operator`) and namespace `ns`'s workers (`diphoma-workers`), their targets
+/// re-discovered every second with the labels of docs/prometheus-scrape.yaml (Debian's
+/// Prometheus has no Kubernetes service discovery). Stops both when dropped.
+pub struct Scraped {
+    /// The server.
+    pub prom: Prometheus,
+    discovery: tokio::task::JoinHandle<()>,
+}
+
+impl Scraped {
+    /// Starts the server and the discovery (see the type).
+    pub async fn start(ctx: &Ctx, ns: &str) -> Result<Scraped> {
+        let prom = Prometheus::start(
+            &prometheus_bin()?,
+            &ctx.cp.dir.join(format!("prometheus-{ns}")),
+            &["diphoma-operator", "diphoma-workers"],
+        )
+        .await?;
+        let (client, prom_dir, ns) = (ctx.client.clone(), prom.dir.clone(), ns.to_owned());
+        let discovery = tokio::spawn(async move {
+            loop {
+                for (scrape_job, namespace) in
+                    [("diphoma-operator", OPERATOR_NS), ("diphoma-workers", &ns)]
+                {
+                    if let Ok(pods) = Api::<Pod>::namespaced(client.clone(), namespace)
+                        .list(&ListParams::default())
+                        .await
+                    {
+                        let _ = write_targets(
+                            &prom_dir,
+                            scrape_job,
+                            &pods.items,
+                            diphoma_contract::LABEL_JOB_NAME,
+                        );
+                    }
+                }
+                // Deliberate: re-discover every second (as the scrape interval), for as long as
+                // the test runs.
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+        Ok(Scraped { prom, discovery })
+    }
+}
+
+impl Drop for Scraped {
+    fn drop(&mut self) {
+        self.discovery.abort();
+    }
+}
+
+/// The queries of dashboard `file` (`board`, the chart's JSON) that return no finite sample
+/// between `start` and `end` (Unix seconds) for the namespace and scrape job `(namespace, job)`,
+/// each named with its panel and query; an error when the board has fewer than 8 queries or
+/// Prometheus refuses one.
+pub fn dashboard_gaps(
+    prom: &Prometheus,
+    file: &str,
+    board: &serde_json::Value,
+    (namespace, job): (&str, &str),
+    (start, end): (f64, f64),
+) -> Result<Vec<String>> {
+    let queries = dashboard_queries(board);
+    ensure!(queries.len() >= 8, "{file}: only {} queries", queries.len());
+    let mut missing = vec![];
+    for (title, expr) in queries {
+        let q = substitute(&expr, namespace, job);
+        let result = prom
+            .query_range(&q, start, end, 1.0)
+            .with_context(|| format!("{file}/{title}"))?;
+        if !has_data(&result) {
+            missing.push(format!("{file}/{title}: no data for {q}"));
+        }
+    }
+    Ok(missing)
 }
