@@ -62,11 +62,22 @@ fn example(steps: u64) -> Result<String> {
     ))
 }
 
+/// The example as shipped, in a namespace that enforces Pod Security "restricted", through a
+/// kill -9 of worker 1: one repair, the survivors keep their process, Succeeded with a test
+/// accuracy of at least 95 %; Prometheus scrapes every worker and every query of the Training
+/// dashboard has data.
 async fn the_pytorch_digits_example_survives_a_killed_worker(
     ctx: Arc<Ctx>,
     ns: String,
 ) -> Result<()> {
     const STEPS: u64 = 300;
+    // As users run it: in a namespace that enforces Pod Security "restricted".
+    run_ok(ctx.cp.kubectl().args([
+        "label",
+        "namespace",
+        &ns,
+        "pod-security.kubernetes.io/enforce=restricted",
+    ]))?;
     let file = std::env::temp_dir().join(format!("pytorch-digits-{ns}.yaml"));
     std::fs::write(&file, example(STEPS)?)?;
     let applied = run_ok(ctx.cp.kubectl().args(["-n", &ns, "apply", "-f"]).arg(&file));
