@@ -23,7 +23,7 @@ if [[ "${PYTORCH:-0}" == 1 && "$RUNTIME" == process ]]; then
   IMAGES=(--image "diphoma-pytorch=$(bash "$ROOT/python/install.sh")/bin/python")
 fi
 bash "$HERE/start.sh" "$BIN" "$D" >/dev/null
-"$TARGET/diphoma-kubelet" run "${IMAGES[@]}" --kubeconfig "$D/admin.kubeconfig" --root "$D/kubelet" \
+"$TARGET/diphoma-kubelet" run ${IMAGES[@]+"${IMAGES[@]}"} --kubeconfig "$D/admin.kubeconfig" --root "$D/kubelet" \
   --socket "$D/kubelet.sock" --nodes "$NODES" --gpus "$GPUS" --bin-dir "$TARGET" --runtime "$RUNTIME" \
   </dev/null >"$D/logs/kubelet.log" 2>&1 &
 echo $! >"$D/kubelet.pid"

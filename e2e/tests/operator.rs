@@ -117,6 +117,21 @@ async fn invalid_manifests_are_refused_with_the_field_named(
             "spec.ringPort",
         ),
         (
+            "store-on-metrics-port",
+            with("store-on-metrics-port", 2, json!({"spec": {"ringPort": 9399}})).to_string(),
+            "spec.ringPort",
+        ),
+        (
+            "default-account",
+            with(
+                "default-account",
+                2,
+                json!({"spec": {"template": {"spec": {"serviceAccountName": "default"}}}}),
+            )
+            .to_string(),
+            "spec.template.spec.serviceAccountName",
+        ),
+        (
             "bad-resume-from",
             with(
                 "bad-resume-from",

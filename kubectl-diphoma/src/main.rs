@@ -383,9 +383,11 @@ async fn run(cli: Cli) -> Result<(), CliError> {
     Ok(())
 }
 
-/// Creates the script's ConfigMap and the job (`dry_run`: prints them), then makes the job
-/// the ConfigMap's owner so that deleting the job deletes it. Errors: [`CliError::Usage`] for
-/// a refused submission, [`CliError::Exists`] when the job exists, the API's otherwise.
+/// Creates the script's ConfigMap (never over an existing one) and the job (`dry_run`: prints
+/// them, in the kubeconfig's namespace when there is one), then makes the job the ConfigMap's
+/// owner so that deleting the job deletes it; a job the API server refuses takes its ConfigMap
+/// back. Errors: [`CliError::Usage`] for a refused submission, [`CliError::Exists`] when the
+/// job or the ConfigMap exists (nothing is changed), the API's otherwise.
 async fn submit_job(
     ns: Option<String>,
     s: &submit::Submission,
@@ -396,7 +398,11 @@ async fn submit_job(
             .map_err(|e| CliError::Usage(format!("submit: {e}")))
     };
     if dry_run {
-        let (cm, job) = objects(ns.as_deref().unwrap_or("default"))?;
+        let inferred = kube::Config::infer()
+            .await
+            .ok()
+            .map(|c| c.default_namespace);
+        let (cm, job) = objects(ns.or(inferred).as_deref().unwrap_or("default"))?;
         println!("{cm:#}\n{job:#}");
         return Ok(());
     }
@@ -405,29 +411,37 @@ async fn submit_job(
         .map_err(|e| CliError::NoCluster(format!("no usable kubeconfig: {e}")))?;
     let ns = ns.unwrap_or_else(|| client.default_namespace().to_owned());
     let (cm, job) = objects(&ns)?;
+    let taken = |what: &str| {
+        CliError::Exists(format!(
+            "{what} exists: choose another --name, or delete it first"
+        ))
+    };
+    let exists = |what: String| {
+        move |e: kube::Error| match e {
+            kube::Error::Api(a) if a.code == 409 => taken(&what),
+            e => e.into(),
+        }
+    };
     let jobs = Api::<DiphomaJob>::namespaced(client.clone(), &ns);
     if jobs.get_opt(&s.name).await?.is_some() {
-        return Err(CliError::Exists(format!(
-            "diphomajob {ns}/{} exists: choose another --name, or delete it first",
-            s.name
-        )));
+        return Err(taken(&format!("diphomajob {ns}/{}", s.name)));
     }
-    let cms = Api::<ConfigMap>::namespaced(client.clone(), &ns);
     let cm_name = format!("{}-script", s.name);
-    let apply = PatchParams::apply("kubectl-diphoma").force();
-    cms.patch(&cm_name, &apply, &Patch::Apply(&cm)).await?;
+    let cm: ConfigMap = serde_json::from_value(cm)
+        .map_err(|e| CliError::Usage(format!("submit: the ConfigMap does not decode: {e}")))?;
+    let cms = Api::<ConfigMap>::namespaced(client.clone(), &ns);
+    cms.create(&PostParams::default(), &cm)
+        .await
+        .map_err(exists(format!("configmap {ns}/{cm_name}")))?;
     let job: DiphomaJob = serde_json::from_value(job)
         .map_err(|e| CliError::Usage(format!("submit: the job does not decode: {e}")))?;
-    let created = jobs
-        .create(&PostParams::default(), &job)
-        .await
-        .map_err(|e| match e {
-            kube::Error::Api(a) if a.code == 409 => CliError::Exists(format!(
-                "diphomajob {ns}/{} exists: choose another --name, or delete it first",
-                s.name
-            )),
-            e => e.into(),
-        })?;
+    let created = match jobs.create(&PostParams::default(), &job).await {
+        Ok(j) => j,
+        Err(e) => {
+            let _ = cms.delete(&cm_name, &Default::default()).await;
+            return Err(exists(format!("diphomajob {ns}/{}", s.name))(e));
+        }
+    };
     let owner = serde_json::json!({"metadata": {"ownerReferences": [{
         "apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "name": s.name,
         "uid": created.metadata.uid}]}});

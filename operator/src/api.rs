@@ -52,6 +52,7 @@ const GANG_MESSAGE: &str = "spec.gang is immutable: the workers point at their g
 /// scheduler) is `None`, so writing that default explicitly is no change.
 pub(crate) const GANG_RULE: &str = "(has(self.gang) && has(self.gang.scheduler) ? self.gang.scheduler : 'None') == (has(oldSelf.gang) && has(oldSelf.gang.scheduler) ? oldSelf.gang.scheduler : 'None')";
 
+const RING_PORT_METRICS_MESSAGE: &str = "spec.ringPort and the rendezvous store's port after it (spec.ringPort + 1) must not be 9400, the workers' metrics port";
 const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers listen on it (delete and re-create the job to change it)";
 
 /// A distributed data-parallel training job: a ring of worker pods that the operator keeps alive,
@@ -177,6 +178,7 @@ pub struct DiphomaJobSpec {
     #[serde(default = "default_ring_port")]
     #[schemars(range(min = 1024, max = 65534))]
     #[x_kube(validation = Rule::new("self == oldSelf").message(RING_PORT_MESSAGE))]
+    #[x_kube(validation = Rule::new("self != 9399 && self != 9400").message(RING_PORT_METRICS_MESSAGE))]
     pub ring_port: i32,
     /// The ring's data path.
     #[serde(default)]
@@ -795,7 +797,8 @@ pub fn template_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
         "nodeSelector": string_map,
         "tolerations": objects(open(serde_json::json!({}))),
         "restartPolicy": {"type": "string"},
-        "serviceAccountName": {"type": "string"},
+        "serviceAccountName": {"type": "string", "x-kubernetes-validations": [{"rule": "self != 'default'",
+            "message": "the workers' Role is bound to the template's serviceAccountName: name an account of the job's own, not the namespace's default (leave it unset for the job's <name>-worker)"}]},
         "terminationGracePeriodSeconds": {"type": "integer"},
     }));
     spec["required"] = serde_json::json!(["containers"]);

@@ -12,14 +12,17 @@ UID, and ``DIPHOMA_GENERATION`` the generation (its ``init_process_group`` raise
 The launcher watches the ring ConfigMap (``diphoma.RingWatch``: it binds nothing, the process
 does) and, as torchrun restarts its workers after a rendezvous, restarts the process in place
 at each new generation that lists the pod (``decide``): the pod, its node and its GPUs stay.
-The process has ``--grace`` seconds to exit by itself (its collective in flight fails at once
-with ``RingChanged``) before SIGKILL. A process that fails because its ring lost a peer waits
+The process (in a session of its own) has ``--grace`` seconds to exit by itself (its collective
+in flight fails at once with ``RingChanged``) before SIGKILL, and whatever it left in its
+session (data-loader workers, helpers) is killed with it. A process that fails because its ring lost a peer waits
 for the operator's next generation (at most twice ``detectionSeconds``, then the same one
-again; 1 s when it was torch's rendezvous store, served by rank 0's process, that went away);
-one that fails for any other reason ends the launcher with its exit code, so the job's
+again, at most ``MAX_STUCK`` times in a row; 1 s when it was torch's rendezvous store, served
+by rank 0's process, that went away); one that fails for any other reason ends the launcher with its exit code, so the job's
 ``faultTolerance.restartOnExitCodes`` decides (exit 1, a Python exception: the job fails, its
 traceback's last lines in ``status.lastFailure.message``). Exit 0 of the process, a generation
 without this pod (scale-down) or SIGTERM (the pod deleted) end the launcher with 0.
+``--no-python`` is refused in a pod (the error file tells the ring's faults from the script's);
+torchrun's output and rendezvous flags are ignored there, with a log line.
 """
 
 import json
@@ -36,6 +39,9 @@ from diphoma.run import base_env, command, exit_code, torchrun_env
 # was restarted or stopped under a peer that had just connected).
 RING_FAULTS = ("RingChanged", "RingError")
 STORE_FAULTS = ("DistNetworkError", "DistStoreError")
+# Restarts at one generation after ring faults, with no newer generation coming, before the
+# launcher gives up: the operator re-forms a ring that lost a member within detectionSeconds.
+MAX_STUCK = 3
 
 
 def host_of(address):
@@ -58,15 +64,14 @@ def pod_env(generation, rank, members, restart, store_port, run_id, base):
 
 
 def fault(error):
-    """What failed under a process, by its error file's text (``error_text``): ``"ring"``
-    (diphoma's ``RingChanged``/``RingError``), ``"store"`` (torch's rendezvous store), or
-    ``None``: the script's own error, a ``CollectiveMismatch`` (the ranks called different
-    collectives) included."""
-    if "CollectiveMismatch" in error:
-        return None
-    if any(f in error for f in RING_FAULTS):
+    """What failed under a process, by the type of the exception its error file records
+    (``error_text``: ``"Type: message"`` first): ``"ring"`` (diphoma's ``RingChanged`` or
+    ``RingError``), ``"store"`` (torch's rendezvous store), or ``None``: the script's own
+    error, a ``CollectiveMismatch`` (the ranks called different collectives) included."""
+    kind = error.split(":", 1)[0].strip().rsplit(".", 1)[-1]
+    if kind in RING_FAULTS:
         return "ring"
-    return "store" if any(f in error for f in STORE_FAULTS) else None
+    return "store" if kind in STORE_FAULTS else None
 
 
 def decide(running, rc, error, newest):
@@ -77,9 +82,12 @@ def decide(running, rc, error, newest):
     ``"restart"`` (a newer generation lists this pod: stop the process if it runs and start it
     there), ``"leave"`` (exit 0: done, or no longer a member), ``"rejoin"`` (the ring failed
     under it, ``fault``: start again once the next generation is known) or ``"fail"`` (exit
-    with its code). A process that exited 0 is done even when a newer generation came."""
+    with its code). A process that exited 0 is done, and one whose error file records an
+    exception of its own has failed, even when a newer generation came."""
     if rc == 0:
         return "leave"
+    if rc is not None and error and not fault(error):
+        return "fail"
     if newest is not None:
         return "restart" if newest[1] is not None else "leave"
     if rc is None:
@@ -96,6 +104,17 @@ def changes(before, after):
     parts = [f"{w} {', '.join(ps)}" for w, ps in (("lost", [p for p in old if p not in new]),
                                                     ("added", [p for p in new if p not in old])) if ps]
     return f" ({'; '.join(parts)})" if parts else ""
+
+
+def wait_newest(watch, than, seconds, stopping):
+    """``watch.newest(than, …)`` for up to ``seconds``, in slices of at most 0.5 s so that a
+    SIGTERM (``stopping``) is seen at once; ``None`` when no newer generation came."""
+    deadline = time.monotonic() + seconds
+    while not stopping:
+        g = watch.newest(than, max(0.0, min(0.5, deadline - time.monotonic())))
+        if g is not None or time.monotonic() >= deadline:
+            return g
+    return None
 
 
 def error_text(path):
@@ -115,18 +134,36 @@ def log(text):
 
 def stop(proc, grace):
     """Gives ``proc`` ``grace`` s to exit by itself, then SIGKILL (its ring's SIGTERM handler
-    would only ask it to leave at a step boundary, which an unchanged script never reaches)."""
+    would only ask it to leave at a step boundary, which an unchanged script never reaches);
+    then SIGKILL to what is left of its session (data-loader workers, helpers: it was started
+    in a session of its own). Returns its exit status."""
     try:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return proc.returncode
 
 
 def main(a, tmp):
     """Runs ``a.script`` in this pod (see the module doc) until it is done; returns the exit code."""
     from diphoma import ConfigError, RingWatch
 
+    stopping = []  # SIGTERM (the pod deleted): stop the process, exit 0
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    if a.no_python:
+        raise ConfigError("--no-python in a worker pod: the launcher tells the ring's faults from the script's own "
+                          "errors by the error file diphoma._boot writes for a Python script")
+    for flag, value in (("--log-dir", a.log_dir), ("--redirects", a.redirects != "0"), ("--tee", a.tee != "0"),
+                        ("--local-ranks-filter", a.local_ranks_filter), ("--run-id", a.run_id),
+                        ("--master-port", a.master_port)):
+        if value:
+            log(f"{flag} is ignored in a worker pod: one process, its output the pod's log, the job's UID as run id, "
+                "the rendezvous store on spec.ringPort + 1")
     if a.max_restarts:
         log(f"--max-restarts {a.max_restarts} is ignored in a worker pod: the job's faultTolerance.restartOnExitCodes "
             "and runPolicy.backoffLimit decide what a failure costs")
@@ -140,10 +177,9 @@ def main(a, tmp):
     except (KeyError, ValueError) as e:
         raise ConfigError(f"the worker pod's environment: {e} (set by the operator)") from None
     watch = RingWatch.from_env()
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     entry, args = command(a)
     proc, running, restart, seen, members = None, None, 0, None, None
+    stuck = 0  # restarts at the same generation in a row (the ring failed, none newer came)
     while not stopping:
         if proc is None:  # wait for a generation that lists this pod
             g = watch.newest(seen, 0.5)
@@ -163,10 +199,12 @@ def main(a, tmp):
             if restart:
                 log(f"restart {restart} in place: rank {rank} of {len(members)} at generation {running}"
                     f"{changes(before, members)}")
-            proc = subprocess.Popen([entry, *args], env=env)
+            proc = subprocess.Popen([entry, *args], env=env, start_new_session=True)
             continue
         g = watch.newest(running, 0.2)
         rc = proc.poll()
+        if rc is not None:
+            stop(proc, 0)  # what it left of its session
         action = decide(running, rc, error_text(error_file) if rc else "", g and g[:2])
         if action == "wait":
             continue
@@ -175,24 +213,34 @@ def main(a, tmp):
             # detectionSeconds); a store that went away was rank 0's restarting process.
             what = fault(error_text(error_file))
             log(f"rank {rank}'s {what} failed at generation {running} (exit {exit_code(rc)}): waiting for the next")
-            g = watch.newest(running, 2 * detection if what == "ring" else 1.0)
+            g = wait_newest(watch, running, 2 * detection if what == "ring" else 1.0, stopping)
+            if stopping:
+                break
+            stuck = 0 if g else stuck + 1
+            if stuck > MAX_STUCK:
+                log(f"rank {rank}'s {what} failed {stuck} times in a row at generation {running}, and no newer one "
+                    f"came: giving up with exit {exit_code(rc)}")
+                return exit_code(rc)
             action = decide(running, rc, "", g and g[:2]) if g else "restart"
             g = g or (running, rank, members)
+        if action == "restart" and g[0] > running:
+            stuck = 0
         if action == "fail":
             said = error_text(error_file).splitlines()[:1]  # the exception, as the last log line
             log(f"rank {rank} ({watch.pod}) failed at generation {running} with exit {exit_code(rc)}"
                 + "".join(f": {line}" for line in said))
             return exit_code(rc)
-        if rc is None:
-            stop(proc, a.grace)
+        if rc is None and stop(proc, a.grace) == 0:
+            action = "leave"  # it finished while it had its grace: done
         proc = None
         if action == "leave":
-            if rc != 0:
+            if g and g[1] is None:
                 log(f"generation {g[0]} does not list {watch.pod}: leaving")
             return 0
         restart += 1
         seen = g[0] - 1  # start at it: the next wait returns it
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+    if proc is not None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
         stop(proc, a.grace)
     return 0

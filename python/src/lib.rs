@@ -564,6 +564,12 @@ impl Follower {
         })
     }
 
+    /// The generation `connect` joins next (`None`: none is known).
+    #[getter]
+    fn pending_generation(&self) -> Option<u64> {
+        self.lock().pending.as_ref().map(|g| g.config.generation)
+    }
+
     /// After a committed step: publishes the progress (rank 0, every few seconds and at the
     /// last step; only when `total_steps` is known) and returns the source's decision:
     /// "continue", "switch" (a newer generation lists this process: `connect` joins it) or

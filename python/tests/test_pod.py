@@ -25,8 +25,10 @@ def test_a_newer_generation_restarts_the_process_or_ends_a_removed_member():
     assert decide(3, None, "", None) == "wait"
     assert decide(3, None, "", (4, 1)) == "restart"
     assert decide(3, 1, "RingChanged: peer 1 lost", (4, 0)) == "restart"
+    assert decide(3, 1, "", (4, 0)) == "restart", "no exception of its own: the ring change ended it"
     assert decide(3, None, "", (4, None)) == "leave", "scaled down"
     assert decide(3, 0, "", (4, 0)) == "leave", "done is done"
+    assert decide(3, 1, "ValueError: bad shard\nTraceback ...", (4, 0)) == "fail", "its own error, whatever came"
 
 
 def test_a_ring_or_store_fault_rejoins_and_the_scripts_own_error_fails():
@@ -36,6 +38,8 @@ def test_a_ring_or_store_fault_rejoins_and_the_scripts_own_error_fails():
     assert fault(store) == "store" and decide(3, 1, store, None) == "rejoin"
     mismatch = "CollectiveMismatch: all_reduce of 10 elements on rank 0, 12 on rank 1 (a RingError)"
     assert fault(mismatch) is None and decide(3, 1, mismatch, None) == "fail"
+    quoted = 'ValueError: expected RingChanged\n  File "train.py", line 3, in <module>\n    except RingChanged:'
+    assert fault(quoted) is None, "the exception's type decides, not words in its traceback"
     assert decide(3, 1, "ValueError: bad shard", None) == "fail"
     assert decide(3, -9, "", None) == "fail", "killed by someone else: this worker failed"
     assert decide(3, 0, "", None) == "leave"

@@ -74,15 +74,16 @@ pub fn classify(p: &Pod, lost_nodes: &BTreeSet<String>) -> Option<(Cause, String
 /// own bound): the end, where a traceback names the exception.
 pub const MESSAGE_BYTES: usize = 2048;
 
-/// What the failed container of `p` said as it ended: its termination message (the last log
-/// lines under `FallbackToLogsOnError`), trimmed, its last [`MESSAGE_BYTES`] at most; `None`
-/// when it said nothing.
+/// What the container whose exit [`classify`] reads (the first terminated one) said as it
+/// ended, after a failed exit: its termination message (the last log lines under
+/// `FallbackToLogsOnError`), trimmed, its last [`MESSAGE_BYTES`] at most; `None` when it said
+/// nothing.
 pub fn termination_message(p: &Pod) -> Option<String> {
     let cs = p.status.as_ref()?.container_statuses.as_ref()?;
     let text = cs
         .iter()
-        .filter_map(|c| c.state.as_ref()?.terminated.as_ref())
-        .find(|t| t.exit_code != 0)?
+        .find_map(|c| c.state.as_ref()?.terminated.as_ref())
+        .filter(|t| t.exit_code != 0)?
         .message
         .as_deref()?
         .trim();

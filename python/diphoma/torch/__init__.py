@@ -645,13 +645,15 @@ def _create(store, rank, size, timeout):
                 f"{e}: start it with python -m diphoma.run, which takes torchrun's flags and sets the "
                 "ring's variables with torchrun's (not torchrun, mp.spawn or plain python), or run it in a DiphomaJob"
             ) from None
-        ring = follower.connect()
-        expected = os.environ.get("DIPHOMA_GENERATION")  # the in-pod launcher's (diphoma._pod)
-        if expected and ring.generation != int(expected):
+        # The in-pod launcher's (diphoma._pod): checked before joining, so that a process started
+        # for a generation the ring has left never breaks the newer one its peers are forming.
+        expected = os.environ.get("DIPHOMA_GENERATION")
+        if expected and follower.pending_generation != int(expected):
             raise RingChanged(
-                f"diphoma: the ring moved on to generation {ring.generation} since this process was started for "
-                f"generation {expected} (RANK and WORLD_SIZE are that generation's): the launcher restarts it"
+                f"diphoma: the ring moved on to generation {follower.pending_generation} since this process was "
+                f"started for generation {expected} (RANK and WORLD_SIZE are that generation's): the launcher restarts it"
             )
+        ring = follower.connect()
         diphoma._set_follower(follower)
     if (ring.rank, ring.world) != (rank, size):
         raise ConfigError(
