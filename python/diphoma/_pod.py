@@ -14,12 +14,13 @@ does) and, as torchrun restarts its workers after a rendezvous, restarts the pro
 at each new generation that lists the pod (``decide``): the pod, its node and its GPUs stay.
 The process (in a session of its own) has ``--grace`` seconds to exit by itself (its collective
 in flight fails at once with ``RingChanged``) before SIGKILL, and whatever it left in its
-session (data-loader workers, helpers) is killed with it. A process that fails because its ring lost a peer waits
-for the operator's next generation (at most twice ``detectionSeconds``, then the same one
-again, at most ``MAX_STUCK`` times in a row; 1 s when it was torch's rendezvous store, served
-by rank 0's process, that went away); one that fails for any other reason ends the launcher with its exit code, so the job's
-``faultTolerance.restartOnExitCodes`` decides (exit 1, a Python exception: the job fails, its
-traceback's last lines in ``status.lastFailure.message``). Exit 0 of the process, a generation
+session (data-loader workers, helpers) is killed with it. A process that fails because its
+ring lost a peer waits for the operator's next generation (at most twice ``detectionSeconds``,
+then the same one again, at most ``MAX_STUCK`` times in a row; 1 s when it was torch's
+rendezvous store, served by rank 0's process, that went away); one that fails for any other
+reason ends the launcher with its exit code, so the job's ``faultTolerance.restartOnExitCodes``
+decides (exit 1, a Python exception: the job fails, its traceback's last lines in
+``status.lastFailure.message``). Exit 0 of the process, a generation
 without this pod (scale-down) or SIGTERM (the pod deleted) end the launcher with 0.
 ``--no-python`` is refused in a pod (the error file tells the ring's faults from the script's);
 torchrun's output and rendezvous flags are ignored there, with a log line.
