@@ -821,14 +821,18 @@ async fn the_kubectl_plugin_shows_the_ring_logs_why_and_top_of_a_repaired_job(
         );
     }
 
-    let logs = plugin_ok(
-        &ctx,
-        &["logs", "plugged", "--rank", "0", "--tail", "3", "-n", &ns],
-    )?;
-    ensure!(
-        logs.lines().count() == 3 && logs.contains("step "),
-        "{logs}"
-    );
+    // Rank 0 may be a worker that has just joined (its first lines are its model's): it logs a
+    // step every 20 steps.
+    let mut logs = String::new();
+    eventually(60, "rank 0's last 3 log lines with a step", async || {
+        logs = plugin_ok(
+            &ctx,
+            &["logs", "plugged", "--rank", "0", "--tail", "3", "-n", &ns],
+        )?;
+        Ok(logs.lines().count() == 3 && logs.contains("step "))
+    })
+    .await
+    .with_context(|| logs.clone())?;
     let mut follow = tokio::process::Command::from(ctx.cp.kubectl());
     let path = std::env::join_paths(std::iter::once(bin_dir()).chain(std::env::split_paths(
         &std::env::var_os("PATH").unwrap_or_default(),
@@ -842,15 +846,24 @@ async fn the_kubectl_plugin_shows_the_ring_logs_why_and_top_of_a_repaired_job(
         .kill_on_drop(true)
         .spawn()?;
     let mut lines = tokio::io::BufReader::new(child.stdout.take().context("no stdout")?).lines();
-    // The deadline only guards against a hang: rank 0 logs every 20 steps.
-    let line = tokio::time::timeout(std::time::Duration::from_secs(60), lines.next_line())
-        .await
-        .context("no line from logs -f in 60 s")??;
+    // The deadline only guards against a hang: rank 0 logs every 20 steps (a worker that has
+    // just joined may first log other lines).
+    let mut seen = vec![];
+    let stepped = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        while let Some(l) = lines.next_line().await? {
+            if l.starts_with("step ") {
+                return Ok::<_, anyhow::Error>(true);
+            }
+            seen.push(l);
+        }
+        Ok(false)
+    })
+    .await;
     child.start_kill()?;
     child.wait().await?;
     ensure!(
-        line.as_deref().is_some_and(|l| l.starts_with("step ")),
-        "{line:?}"
+        matches!(stepped, Ok(Ok(true))),
+        "no step line from logs -f in 60 s ({stepped:?}), only {seen:?}"
     );
 
     let why = plugin_ok(&ctx, &["why", "plugged", "-n", &ns])?;
