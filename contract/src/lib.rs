@@ -97,6 +97,28 @@ pub const STORE_PORT_NAME: &str = "store";
 /// Env: the rendezvous store's port ([`store_port`] of the ring port).
 pub const ENV_STORE_PORT: &str = "DIPHOMA_STORE_PORT";
 
+/// The most of a container's termination message Kubernetes keeps (the kubelet's bound, also
+/// `status.lastFailure.message`'s).
+pub const TERMINATION_MESSAGE_BYTES: usize = 2048;
+
+/// The end of `text`, at most `max_bytes` long, cut at a character boundary (where a log or a
+/// traceback says what happened last).
+pub fn tail(text: &str, max_bytes: usize) -> &str {
+    let mut start = text.len().saturating_sub(max_bytes);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    &text[start..]
+}
+
+#[cfg(test)]
+#[test]
+fn a_tail_keeps_the_end_at_a_character_boundary() {
+    assert_eq!(tail("abcdef", 3), "def");
+    assert_eq!(tail("ab", 3), "ab");
+    assert_eq!(tail("aéb", 2), "b", "the é's second byte is no boundary");
+}
+
 /// The rendezvous store's port of a job whose ring listens on `ring_port` (at most 65534, as
 /// `spec.ringPort` allows): the next one.
 pub fn store_port(ring_port: u16) -> u16 {

@@ -240,11 +240,7 @@ pub fn termination_message(content: &str) -> String {
         ..LogQuery::default()
     }
     .select(content, Timestamp::now());
-    let mut start = text.len().saturating_sub(2048);
-    while !text.is_char_boundary(start) {
-        start += 1;
-    }
-    text[start..].to_owned()
+    diphoma_contract::tail(&text, diphoma_contract::TERMINATION_MESSAGE_BYTES).to_owned()
 }
 
 /// Every run's text in order (CRI prefixes removed), as one string: what a container printed

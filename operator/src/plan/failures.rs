@@ -72,7 +72,7 @@ pub fn classify(p: &Pod, lost_nodes: &BTreeSet<String>) -> Option<(Cause, String
 
 /// The most a failure's message keeps of its container's termination message (the kubelet's
 /// own bound): the end, where a traceback names the exception.
-pub const MESSAGE_BYTES: usize = 2048;
+pub const MESSAGE_BYTES: usize = diphoma_contract::TERMINATION_MESSAGE_BYTES;
 
 /// What the container whose exit [`classify`] reads (the first terminated one) said as it
 /// ended, after a failed exit: its termination message (the last log lines under
@@ -87,11 +87,7 @@ pub fn termination_message(p: &Pod) -> Option<String> {
         .message
         .as_deref()?
         .trim();
-    let mut start = text.len().saturating_sub(MESSAGE_BYTES);
-    while !text.is_char_boundary(start) {
-        start += 1;
-    }
-    (!text.is_empty()).then(|| text[start..].to_owned())
+    (!text.is_empty()).then(|| diphoma_contract::tail(text, MESSAGE_BYTES).to_owned())
 }
 
 /// Members of `ring` that neighbours blame in reports of its generation and that did not report

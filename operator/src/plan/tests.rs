@@ -65,11 +65,17 @@ fn pod(j: &DiphomaJob, i: i32, phase: &str) -> Pod {
     p
 }
 
-fn exited(mut p: Pod, code: i32, reason: &str) -> Pod {
+fn exited(p: Pod, code: i32, reason: &str) -> Pod {
+    exited_saying(p, code, reason, None)
+}
+
+/// [`exited`], its container's termination message `message`.
+fn exited_saying(mut p: Pod, code: i32, reason: &str, message: Option<&str>) -> Pod {
     p.status = Some(serde_json::from_value(json!({
         "phase": "Failed", "podIP": "127.0.0.9",
         "containerStatuses": [{"name": "w", "image": "x", "imageID": "", "ready": false, "restartCount": 0,
-            "state": {"terminated": {"exitCode": code, "reason": reason, "finishedAt": "2027-01-15T08:01:30Z"}}}]
+            "state": {"terminated": {"exitCode": code, "reason": reason, "finishedAt": "2027-01-15T08:01:30Z",
+                "message": message}}}]
     })).unwrap());
     p
 }
@@ -333,27 +339,11 @@ fn joiner_enters_at_the_next_generation_once_ready() {
 fn a_failed_workers_last_log_lines_reach_last_failure_and_the_condition() {
     let j = with_status(basic(), Phase::Running);
     let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
-    let mut failed = exited(pods[1].clone(), 1, "Error");
     let long = "x".repeat(3000);
     let said = format!(
         "{long}\nTraceback (most recent call last):\n  File \"train.py\", line 3\nValueError: bad shard 7\n"
     );
-    let cs = failed
-        .status
-        .as_mut()
-        .unwrap()
-        .container_statuses
-        .as_mut()
-        .unwrap();
-    cs[0]
-        .state
-        .as_mut()
-        .unwrap()
-        .terminated
-        .as_mut()
-        .unwrap()
-        .message = Some(said.clone());
-    pods[1] = failed;
+    pods[1] = exited_saying(pods[1].clone(), 1, "Error", Some(&said));
     let p = plan(&j, &obs(pods, Some(ring(&j, 1, &[0, 1, 2, 3]))));
     let last = p.status.last_failure.clone().unwrap();
     let message = last.message.unwrap();
