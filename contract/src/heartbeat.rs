@@ -15,6 +15,35 @@ pub const PROGRESS_KEY: &str = "progress.json";
 /// latest [`FailureReport`] (JSON).
 pub const REPORT_KEY_PREFIX: &str = "report.";
 
+/// Prefix of the in-place restart keys in the heartbeat ConfigMap: `restarts.<pod>` holds that
+/// pod's [`RestartReport`] (JSON), kept for the job's life (a departed pod's restarts still
+/// count).
+pub const RESTARTS_KEY_PREFIX: &str = "restarts.";
+
+/// Causes of a [`RestartReport`]: the new generation lacks a member the process's had.
+pub const RESTART_MEMBER_LOST: &str = "MemberLost";
+/// … it only adds members (a replacement or a scale-up joined).
+pub const RESTART_MEMBER_JOINED: &str = "MemberJoined";
+/// … the same generation again, after the ring failed under the process with no newer one.
+pub const RESTART_RING_FAULT: &str = "RingFault";
+
+/// How often a worker pod's launcher (`python -m diphoma.run` in a pod) restarted its training
+/// process in place at a new ring generation, by cause ([`RESTART_MEMBER_LOST`], …): written by
+/// the launcher at each restart, summed over the pods into `status.inPlaceRestarts`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RestartReport {
+    /// Restarts so far, by cause.
+    pub by_cause: std::collections::BTreeMap<String, i32>,
+    /// The generation the process was last restarted at.
+    pub generation: u64,
+    /// When it was written (RFC 3339).
+    pub time: String,
+    /// UID of the job (see [`ProgressReport::job_uid`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_uid: Option<String>,
+}
+
 /// Training progress, written by rank 0 every few seconds (one write per job, whatever the
 /// number of workers): the operator copies it into the job's status.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]

@@ -34,8 +34,9 @@ pub mod heartbeat;
 pub mod membership;
 
 pub use heartbeat::{
-    FailureReport, PROGRESS_KEY, ProgressReport, REPORT_KEY_PREFIX, heartbeat_configmap_name,
-    share_range,
+    FailureReport, PROGRESS_KEY, ProgressReport, REPORT_KEY_PREFIX, RESTART_MEMBER_JOINED,
+    RESTART_MEMBER_LOST, RESTART_RING_FAULT, RESTARTS_KEY_PREFIX, RestartReport,
+    heartbeat_configmap_name, share_range,
 };
 pub use membership::{
     ContractError, MEMBERSHIP_KEY, Member, Membership, membership_configmap_name, parse_key,

@@ -1020,11 +1020,40 @@ async fn a_job_the_operator_cannot_read_is_reported_on_itself_and_others_go_on(
         &empty.to_string(),
         &["spec.template.spec.containers"],
     )?;
-    // A field the schema keeps as is, wrongly typed: accepted, and reported on the job itself
-    // after an operator restart, while the other job is reconciled.
+    // The template is Kubernetes' whole PodTemplateSpec: a misspelled field is refused, named
+    // (kubectl's strict field validation), not dropped, and so is a field of the wrong type.
+    let mut misspelled = probe_job("misspelled", 1).build();
+    misspelled["spec"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = json!("Never");
+    misspelled["spec"]["template"]["spec"]["restartPolcy"] = json!("Never");
+    refused(
+        &ctx,
+        &ns,
+        "misspelled template fields",
+        &misspelled.to_string(),
+        &[
+            "unknown field \"spec.template.spec.containers[0].imagePullPolcy\"",
+            "unknown field \"spec.template.spec.restartPolcy\"",
+        ],
+    )?;
+    let host_network = json!({"spec": {"template": {"spec": {"hostNetwork": "yes"}}}});
+    let yaml = JobManifest {
+        extra: host_network,
+        ..probe_job("host-network", 1)
+    }
+    .to_string();
+    refused(
+        &ctx,
+        &ns,
+        "a string hostNetwork",
+        &yaml,
+        &["spec.template.spec.hostNetwork"],
+    )?;
+    // A field the schema keeps as is (the placement's affinity, merged into the template's),
+    // wrongly typed: accepted, and reported on the job itself after an operator restart,
+    // while the other job is reconciled.
     let good = start_job(&ctx, &ns, &probe_job("good", 1), 1).await?;
     ctx.stop_operator().await;
-    let bad = json!({"spec": {"template": {"spec": {"hostNetwork": "yes"}}}});
+    let bad = json!({"spec": {"placement": {"affinity": {"nodeAffinity": "yes"}}}});
     let out = kubectl_apply(
         &ctx,
         &ns,
@@ -1048,7 +1077,7 @@ async fn a_job_the_operator_cannot_read_is_reported_on_itself_and_others_go_on(
         ring(&ctx.client, &ns, "good").await? == Some(good),
         "the good ring changed"
     );
-    let field = "spec.template.spec.hostNetwork";
+    let field = "spec.placement.affinity.nodeAffinity";
     let raw = Api::<kube::api::DynamicObject>::namespaced_with(
         ctx.client.clone(),
         &ns,

@@ -152,9 +152,9 @@ pub struct DiphomaJobSpec {
     /// environment, port, labels, GPU limits and the key volume; its `serviceAccountName` is
     /// kept (the workers' Role is bound to it too; unset: the job's `<name>-worker`), its
     /// affinity merged with `placement`'s, and the worker container's
-    /// `terminationMessagePolicy` defaults to `FallbackToLogsOnError`. The fields the operator reads
-    /// (containers, their command, args, env, ports, mounts and resources, volumes, node
-    /// selector, labels) are typed, so a template it could not read is refused here. A ring
+    /// `terminationMessagePolicy` defaults to `FallbackToLogsOnError`. Its schema is Kubernetes'
+    /// own `PodTemplateSpec`, so a misspelled or mistyped field is refused at apply, named
+    /// (`kubectl apply`'s strict field validation). A ring
     /// never mixes specs: an edit of the pod spec here (or of `gpusPerWorker`, `checkpoint`,
     /// `ring`, `balance`, `sync` or `faultTolerance.detectionSeconds`) while workers
     /// run replaces every worker at once with one built from the new spec, and the new workers
@@ -238,7 +238,8 @@ pub struct Balance {
     /// worker (an older GPU, a noisy neighbour) computes fewer samples instead of setting the
     /// pace of every step. The samples of each step stay the same, so with every-step
     /// synchronisation the model does not depend on the split. `false`: equal shares. Passed
-    /// to the workers as `DIPHOMA_SPEED_WEIGHTED`.
+    /// to the workers as `DIPHOMA_SPEED_WEIGHTED`; a PyTorch script's `ElasticSampler` splits
+    /// by speed only with `reduction="sum"` (a mean loss keeps equal shares).
     #[serde(default = "default_true")]
     pub speed_weighted: bool,
     /// Steps between two re-splits (`DIPHOMA_BALANCE_EVERY`).
@@ -556,6 +557,14 @@ pub struct DiphomaJobStatus {
     /// Ring repairs (members lost and the ring re-formed), by cause.
     #[serde(default)]
     pub repairs: Counts,
+    /// Training processes restarted in place inside their running pods by `python -m
+    /// diphoma.run` (a torchrun script, at each new ring generation that lists its pod), summed
+    /// over the pods, by cause: `MemberLost` (the new generation lacks a member the process
+    /// had), `MemberJoined` (it only adds members), `RingFault` (the same members again after
+    /// the ring failed under them). An elastic script (`diphoma.torch.elastic`) keeps its
+    /// process and counts none.
+    #[serde(default)]
+    pub in_place_restarts: Counts,
     /// The job's own failures, counted against `backoffLimit`, by cause (`ProcessExit`,
     /// `PodDeleted`, `Hung`).
     #[serde(default)]
@@ -763,51 +772,43 @@ pub fn preserved_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({"type": "object", "x-kubernetes-preserve-unknown-fields": true})
 }
 
-/// Schema of the worker pod template: the fields the operator reads or extends are typed (so a
-/// template it could not decode is refused at apply, with the field named), everything else is
-/// kept as is and validated by the API server when the operator creates the pods. A template
-/// must have at least one container (the first is the worker).
-pub fn template_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-    let open = |props: serde_json::Value| serde_json::json!({"type": "object", "x-kubernetes-preserve-unknown-fields": true, "properties": props});
-    let named = |props: serde_json::Value| {
-        let mut o = open(props);
-        o["required"] = serde_json::json!(["name"]);
-        o
-    };
-    let strings = serde_json::json!({"type": "array", "items": {"type": "string"}});
-    let string_map =
-        serde_json::json!({"type": "object", "additionalProperties": {"type": "string"}});
-    let quantities = serde_json::json!({"type": "object", "additionalProperties": {"x-kubernetes-int-or-string": true}});
-    let objects = |item: serde_json::Value| serde_json::json!({"type": "array", "items": item});
-    let container = named(serde_json::json!({
-        "name": {"type": "string"},
-        "image": {"type": "string"},
-        "command": strings,
-        "args": strings,
-        "env": objects(named(serde_json::json!({"name": {"type": "string"}, "value": {"type": "string"}}))),
-        "ports": objects(open(serde_json::json!({"containerPort": {"type": "integer"}, "name": {"type": "string"}}))),
-        "volumeMounts": objects(named(serde_json::json!({"name": {"type": "string"}, "mountPath": {"type": "string"}}))),
-        "resources": open(serde_json::json!({"limits": quantities, "requests": quantities})),
-    }));
-    let mut spec = open(serde_json::json!({
-        "containers": {"type": "array", "minItems": 1, "items": container,
-            "description": "At least one container; the first is the worker."},
-        "initContainers": objects(container.clone()),
-        "volumes": objects(named(serde_json::json!({"name": {"type": "string"}}))),
-        "nodeSelector": string_map,
-        "tolerations": objects(open(serde_json::json!({}))),
-        "restartPolicy": {"type": "string"},
-        "serviceAccountName": {"type": "string", "x-kubernetes-validations": [{"rule": "self != 'default'",
-            "message": "the workers' Role is bound to the template's serviceAccountName: name an account of the job's own, not the namespace's default (leave it unset for the job's <name>-worker)"}]},
-        "terminationGracePeriodSeconds": {"type": "integer"},
-    }));
+/// Schema of the worker pod template: Kubernetes' own `PodTemplateSpec` (k8s-openapi's
+/// schema, as controller-gen CRDs embed it), so that a misspelled or misplaced field is refused
+/// at apply with its path (`kubectl apply`'s strict field validation: `unknown field
+/// "spec.template.spec.containers[0].imagePullPolcy"`) and a value of the wrong type too,
+/// instead of being dropped. Its descriptions are left out (they would make the CRD too big for
+/// `kubectl apply`'s last-applied annotation; `kubectl explain pod.spec` has them). A template
+/// must have at least one container (the first is the worker), and may not name the
+/// namespace's `default` service account.
+pub fn template_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let mut template = generator.subschema_for::<PodTemplateSpec>().to_value();
+    strip_descriptions(&mut template, false);
+    let spec = &mut template["properties"]["spec"];
     spec["required"] = serde_json::json!(["containers"]);
-    let mut template = open(serde_json::json!({
-        "metadata": open(serde_json::json!({"labels": string_map, "annotations": string_map})),
-        "spec": spec,
-    }));
+    let containers = &mut spec["properties"]["containers"];
+    containers["minItems"] = 1.into();
+    containers["description"] = "At least one container; the first is the worker.".into();
+    spec["properties"]["serviceAccountName"]["x-kubernetes-validations"] = serde_json::json!([{
+        "rule": "self != 'default'",
+        "message": "the workers' Role is bound to the template's serviceAccountName: name an account of the job's own, not the namespace's default (leave it unset for the job's <name>-worker)"
+    }]);
     template["required"] = serde_json::json!(["spec"]);
     serde_json::from_value(template).expect("a valid schema")
+}
+
+/// Removes every schema's `description` under `v` (not a property that happens to be called
+/// so: `in_properties` is true for the map of a `properties` keyword).
+fn strip_descriptions(v: &mut serde_json::Value, in_properties: bool) {
+    if let serde_json::Value::Object(map) = v {
+        if !in_properties {
+            map.remove("description");
+        }
+        for (k, child) in map.iter_mut() {
+            strip_descriptions(child, !in_properties && k == "properties");
+        }
+    } else if let serde_json::Value::Array(items) = v {
+        items.iter_mut().for_each(|i| strip_descriptions(i, false));
+    }
 }
 
 /// Decodes a job as stored by the API server. Errors: the field that does not decode, as a path

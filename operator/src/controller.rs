@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use diphoma_contract::{
-    self as contract, FailureReport, MEMBERSHIP_KEY, Membership, ProgressReport,
+    self as contract, FailureReport, MEMBERSHIP_KEY, Membership, ProgressReport, RestartReport,
 };
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -705,7 +705,7 @@ fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String
     let version = heartbeat
         .as_ref()
         .and_then(|cm| cm.metadata.resource_version.clone());
-    let (progress, reports) = read_heartbeat(
+    let (progress, reports, restarts) = read_heartbeat(
         heartbeat.and_then(|cm| cm.data.clone()).unwrap_or_default(),
         &uid,
     );
@@ -729,6 +729,7 @@ fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String
         nodes,
         progress,
         reports,
+        restarts,
         now: jiff::Timestamp::now(),
         refused: BTreeMap::new(),
         queue: Default::default(),
@@ -741,17 +742,22 @@ fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String
     Ok((observed, version))
 }
 
-/// Progress and failure reports of job `uid` from the heartbeat ConfigMap's data; entries that
-/// do not parse are skipped with a warning (a worker's bad write must not stop the reconciler),
-/// and so are records of another job (`jobUid`: an orphaned worker of a deleted job of the same
-/// name still writing).
+/// Progress, failure and in-place restart reports of job `uid` from the heartbeat ConfigMap's
+/// data; entries that do not parse are skipped with a warning (a worker's bad write must not
+/// stop the reconciler), and so are records of another job (`jobUid`: an orphaned worker of a
+/// deleted job of the same name still writing).
 fn read_heartbeat(
     data: std::collections::BTreeMap<String, String>,
     uid: &str,
-) -> (Option<ProgressReport>, Vec<FailureReport>) {
+) -> (
+    Option<ProgressReport>,
+    Vec<FailureReport>,
+    Vec<RestartReport>,
+) {
     let ours = |job_uid: &Option<String>| job_uid.as_deref().is_none_or(|u| u == uid);
     let mut progress = None;
     let mut reports = vec![];
+    let mut restarts = vec![];
     for (k, v) in data {
         if k == contract::PROGRESS_KEY {
             match serde_json::from_str::<ProgressReport>(&v) {
@@ -765,9 +771,15 @@ fn read_heartbeat(
                 Ok(_) => tracing::debug!(key = %k, "a failure report of another job"),
                 Err(e) => tracing::warn!(key = %k, error = %e, "unreadable failure report"),
             }
+        } else if k.starts_with(contract::RESTARTS_KEY_PREFIX) {
+            match serde_json::from_str::<RestartReport>(&v) {
+                Ok(r) if ours(&r.job_uid) => restarts.push(r),
+                Ok(_) => tracing::debug!(key = %k, "a restart report of another job"),
+                Err(e) => tracing::warn!(key = %k, error = %e, "unreadable restart report"),
+            }
         }
     }
-    (progress, reports)
+    (progress, reports, restarts)
 }
 
 /// The longest the operator waits for a suspect's pong (a live process answers in one round

@@ -9,6 +9,10 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
 /// own reference (affinity, tolerations, …).
 const MAX_DEPTH: usize = 3;
 
+/// Fields of a Kubernetes type as a whole, left to its own reference (`kubectl explain`): the
+/// pod template is core/v1's `PodTemplateSpec`, with its own reference.
+const KUBERNETES_TYPES: [(&str, &str); 1] = [("spec.template", "core/v1 PodTemplateSpec")];
+
 /// The reference page of `crd`'s first version: printer columns, then one table per top-level
 /// section (`spec`, `status`) with each field's path, type, constraints and description, then the
 /// CEL validation rules with their messages.
@@ -92,7 +96,11 @@ fn fields(
     let required = s.required.clone().unwrap_or_default();
     for (name, p) in s.properties.iter().flatten() {
         let child = format!("{path}.{name}");
-        let (ty, inner) = type_of(p);
+        let kubernetes = KUBERNETES_TYPES.iter().find(|(at, _)| *at == child);
+        let (ty, inner) = match kubernetes {
+            Some((_, name)) => (format!("object ({name})"), None),
+            None => type_of(p),
+        };
         let mut constraints = constraints(p);
         if required.contains(name) {
             constraints.insert(0, "required".into());
@@ -102,7 +110,7 @@ fn fields(
             constraints.join(", "),
             one_line(p.description.as_deref().unwrap_or_default())
         ));
-        if depth < MAX_DEPTH {
+        if depth < MAX_DEPTH && kubernetes.is_none() {
             let next = if inner.is_some() {
                 format!("{child}[]")
             } else {
@@ -186,7 +194,7 @@ mod tests {
             "| `spec.replicas` | integer | required, ≥ 1, ≤ 4096 |",
             "| `spec.elastic.minReplicas` |",
             "| `spec.runPolicy.backoffLimit` |",
-            "| `spec.template` | object (free-form) | required |",
+            "| `spec.template` | object (core/v1 PodTemplateSpec) | required |",
             "| `status.conditions[].type` |",
             "| Phase | `.status.phase` |",
             "spec.elastic.minReplicas must not exceed spec.elastic.maxReplicas",
@@ -194,7 +202,8 @@ mod tests {
             assert!(md.contains(needle), "{needle} missing from:\n{md}");
         }
         assert!(
-            !md.contains("spec.placement.affinity.nodeAffinity"),
+            !md.contains("spec.placement.affinity.nodeAffinity")
+                && !md.contains("| `spec.template.spec"),
             "Kubernetes types are not expanded"
         );
     }

@@ -41,10 +41,11 @@ for _e in (ConfigError, RingError, RingChanged, CollectiveMismatch):
     _e.__module__ = __name__  # shown as diphoma.ConfigError in tracebacks
 
 # The follower of the process group in use (set by the torch backend and the elastic runner),
-# and what report() was told so far.
+# and what report() was told so far ("explicit": the script reports or commits itself, so the
+# automatic steps of _optimizer_stepped stop; "batch": the global batch of ElasticSampler).
 _current = {"follower": None}
 _progress = {"total_steps": None, "step": 0, "loss": float("nan"), "samples": 0, "since": None,
-             "last_checkpoint": None}
+             "last_checkpoint": None, "explicit": False, "auto_steps": 0, "batch": None}
 
 
 def _set_follower(follower):
@@ -62,12 +63,19 @@ def report(step=None, loss=None, samples=None, test_accuracy=None, total_steps=N
     ``python -m diphoma.run --elastic``), written at most every 5 s and at the last step, which
     the operator copies into ``status.progress`` (``kubectl get dpj``, ``/metrics``).
 
-    ``step``: steps done; ``total_steps``: steps in the run (needed once, before the first
-    record); ``loss``: the step's training loss; ``samples``: samples the step trained over the
-    whole ring (for samples/s); ``test_accuracy`` (in [0, 1]): the final record, written at
-    once. Other ranks and a ring without membership source write nothing. Raises
-    ``ConfigError`` when ``total_steps`` was never given or ``test_accuracy`` is outside [0, 1].
+    ``step``: steps done; ``total_steps``: steps in the run (once is enough; without it the
+    status shows no percentage or ETA); ``loss``: the step's training loss; ``samples``:
+    samples the step trained over the whole ring (for samples/s); ``test_accuracy`` (in
+    [0, 1]): the final record, written at once. Other ranks and a ring without membership
+    source write nothing. A script that never calls it still shows its steps: the library
+    counts optimizer steps (``_optimizer_stepped``) until the first call or
+    ``elastic.State.commit``. Raises ``ConfigError`` when ``test_accuracy`` is outside [0, 1].
     """
+    _progress["explicit"] = True
+    _publish(step, loss, samples, test_accuracy, total_steps)
+
+
+def _publish(step=None, loss=None, samples=None, test_accuracy=None, total_steps=None):
     p = _progress
     if total_steps is not None:
         p["total_steps"] = int(total_steps)
@@ -90,10 +98,21 @@ def report(step=None, loss=None, samples=None, test_accuracy=None, total_steps=N
         if follower is not None:
             follower.report_test_accuracy(float(test_accuracy))
         return
-    if p["total_steps"] is None:
-        raise ConfigError("diphoma.report: total_steps was never given")
     if follower is not None:
         follower.publish(p["step"], p["total_steps"], p["loss"], _samples_per_second(), p["last_checkpoint"])
+
+
+def _optimizer_stepped(optimizer, args, kwargs):
+    """``torch.optim``'s global post-step hook (registered by ``diphoma.torch`` with its
+    process group): while the script reports nothing itself, each optimizer step of a
+    ``diphoma`` job is a training step, its samples the ``ElasticSampler``'s global batch when
+    it uses one, so a torchrun script or a framework's loop (Lightning, Accelerate) shows
+    progress. The count is this process's: a process restarted in place counts from 0."""
+    p = _progress
+    if p["explicit"] or _current["follower"] is None:
+        return
+    p["auto_steps"] += 1
+    _publish(step=p["auto_steps"], samples=p["batch"])
 
 
 __all__ = ["CollectiveMismatch", "ConfigError", "Follower", "Ring", "RingChanged", "RingWatch", "RingError", "Speed", "membership_json", "report", "split"]

@@ -107,6 +107,18 @@ def changes(before, after):
     return f" ({'; '.join(parts)})" if parts else ""
 
 
+def restart_cause(before, after):
+    """Why the process restarts in place going from members ``before`` to ``after`` (``(pod,
+    address)`` by rank), as the contract names it for ``status.inPlaceRestarts``: a member
+    lost, else one joined, else the same members again after the ring failed under them."""
+    from diphoma._native import RESTART_MEMBER_JOINED, RESTART_MEMBER_LOST, RESTART_RING_FAULT
+
+    old, new = {p for p, _ in before}, {p for p, _ in after}
+    if old - new:
+        return RESTART_MEMBER_LOST
+    return RESTART_MEMBER_JOINED if new - old else RESTART_RING_FAULT
+
+
 def wait_newest(watch, than, seconds, stopping):
     """``watch.newest(than, …)`` for up to ``seconds``, in slices of at most 0.5 s so that a
     SIGTERM (``stopping``) is seen at once; ``None`` when no newer generation came."""
@@ -180,6 +192,7 @@ def main(a, tmp):
     watch = RingWatch.from_env()
     entry, args = command(a)
     proc, running, restart, seen, members = None, None, 0, None, None
+    causes = {}  # in-place restarts by cause, reported to the operator at each one
     stuck = 0  # restarts at the same generation in a row (the ring failed, none newer came)
     while not stopping:
         if proc is None:  # wait for a generation that lists this pod
@@ -200,6 +213,9 @@ def main(a, tmp):
             if restart:
                 log(f"restart {restart} in place: rank {rank} of {len(members)} at generation {running}"
                     f"{changes(before, members)}")
+                why = restart_cause(before, members)
+                causes[why] = causes.get(why, 0) + 1
+                watch.report_restarts(causes, running)
             proc = subprocess.Popen([entry, *args], env=env, start_new_session=True)
             continue
         g = watch.newest(running, 0.2)

@@ -450,7 +450,7 @@ impl Follower {
 fn progress(
     current: (u64, usize),
     step: u64,
-    total_steps: u64,
+    total_steps: Option<u64>,
     loss: f32,
     samples_per_second: f64,
     last_checkpoint: Option<u64>,
@@ -571,7 +571,7 @@ impl Follower {
     }
 
     /// After a committed step: publishes the progress (rank 0, every few seconds and at the
-    /// last step; only when `total_steps` is known) and returns the source's decision:
+    /// last step, the total left out when `total_steps` is None) and returns the source's decision:
     /// "continue", "switch" (a newer generation lists this process: `connect` joins it) or
     /// "leave" (scale-down, SIGTERM in a pod).
     #[pyo3(signature = (step, total_steps = None, loss = f32::NAN, samples_per_second = 0.0, last_checkpoint = None))]
@@ -587,15 +587,12 @@ impl Follower {
         let mut p = progress(
             st.current,
             step,
-            total_steps.unwrap_or(0),
+            total_steps,
             loss,
             samples_per_second,
             last_checkpoint,
         );
         p.shares.clone_from(&st.shares);
-        if total_steps.is_none() {
-            p.rank = usize::MAX; // the sources publish rank 0's progress only
-        }
         match st.source.ring().after_commit(&p) {
             Control::Continue => "continue",
             Control::Switch(g) => {
@@ -624,11 +621,11 @@ impl Follower {
 
     /// Publishes a progress record between commits (rank 0 only; at most every few seconds
     /// except at the last step), as `commit` does, without asking for a decision.
-    #[pyo3(signature = (step, total_steps, loss = f32::NAN, samples_per_second = 0.0, last_checkpoint = None))]
+    #[pyo3(signature = (step, total_steps = None, loss = f32::NAN, samples_per_second = 0.0, last_checkpoint = None))]
     fn publish(
         &self,
         step: u64,
-        total_steps: u64,
+        total_steps: Option<u64>,
         loss: f32,
         samples_per_second: f64,
         last_checkpoint: Option<u64>,
@@ -757,6 +754,7 @@ pub struct RingWatch {
     watch: Mutex<Memberships>,
     #[pyo3(get)]
     pod: String,
+    job_uid: Option<String>,
 }
 
 #[pymethods]
@@ -771,6 +769,7 @@ impl RingWatch {
         Ok(RingWatch {
             watch: Mutex::new(watch),
             pod: env.pod_name,
+            job_uid: Some(env.job_uid),
         })
     }
 
@@ -802,6 +801,30 @@ impl RingWatch {
                 (m.generation, m.rank_of(&self.pod), members)
             }))
     }
+
+    /// Writes this pod's in-place restarts (`by_cause`: cause → count so far, the contract's
+    /// `MemberLost`, `MemberJoined`, `RingFault`; `generation`: the latest restart's) into the
+    /// job's heartbeat as `restarts.<pod>`, which the operator sums into
+    /// `status.inPlaceRestarts`; waits up to 10 s, a failed write is logged.
+    fn report_restarts(
+        &self,
+        py: Python<'_>,
+        by_cause: std::collections::BTreeMap<String, i32>,
+        generation: u64,
+    ) {
+        let report = diphoma_contract::RestartReport {
+            by_cause,
+            generation,
+            time: jiff::Timestamp::now().to_string(),
+            job_uid: self.job_uid.clone(),
+        };
+        let key = format!("{}{}", diphoma_contract::RESTARTS_KEY_PREFIX, self.pod);
+        let value = serde_json::to_string(&report).expect("serializable");
+        py.detach(|| {
+            let watch = self.watch.lock().unwrap_or_else(|p| p.into_inner());
+            watch.write_heartbeat(key, value);
+        });
+    }
 }
 
 /// The module `diphoma._native`.
@@ -817,6 +840,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_BALANCE_EVERY", balance::DEFAULT_EVERY)?;
     m.add("ENV_SPEED_WEIGHTED", diphoma_contract::ENV_SPEED_WEIGHTED)?;
     m.add("ENV_BALANCE_EVERY", diphoma_contract::ENV_BALANCE_EVERY)?;
+    m.add("RESTART_MEMBER_LOST", diphoma_contract::RESTART_MEMBER_LOST)?;
+    m.add(
+        "RESTART_MEMBER_JOINED",
+        diphoma_contract::RESTART_MEMBER_JOINED,
+    )?;
+    m.add("RESTART_RING_FAULT", diphoma_contract::RESTART_RING_FAULT)?;
     m.add("RingError", m.py().get_type::<RingError>())?;
     m.add("RingChanged", m.py().get_type::<RingChanged>())?;
     m.add(

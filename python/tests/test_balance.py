@@ -78,8 +78,13 @@ def test_bad_balance_settings_are_named(monkeypatch):
         ElasticSampler(100, 10)
     monkeypatch.delenv("DIPHOMA_SPEED_WEIGHTED")
     monkeypatch.delenv("DIPHOMA_BALANCE_EVERY")
-    s = ElasticSampler(100, 10)
+    s = ElasticSampler(100, 10, reduction="sum")
     assert s.speed_weighted and s.balance_every == 10  # spec.balance's defaults
+    assert not ElasticSampler(100, 10).speed_weighted  # a mean loss (the default) keeps equal shares
+    with pytest.raises(ConfigError, match="speed_weighted=True needs reduction='sum'.*sampler.scale"):
+        ElasticSampler(100, 10, speed_weighted=True)
+    with pytest.raises(ConfigError, match="reduction 'avg'"):
+        ElasticSampler(100, 10, reduction="avg")
     with pytest.raises(ConfigError, match="balance_every"):
         ElasticSampler(100, 10, balance_every=0)
 
@@ -133,10 +138,12 @@ def wait_for(launcher, out, ready, what, limit=240):
         time.sleep(0.05)
 
 
-def train(tmp_path, speed_weighted):
-    """A whole run of 4 ranks, local-3 with 8 extra forward passes per step; returns (final
-    parameters, records, rank 0's progress record)."""
-    env = {"BALANCE_EXTRA": "3:8", "DIPHOMA_SPEED_WEIGHTED": str(speed_weighted).lower(), "DIPHOMA_BALANCE_EVERY": "4"}
+def train(tmp_path, speed_weighted, loss="sum"):
+    """A whole run of 4 ranks, local-3 with 8 extra forward passes per step, the loss reduced
+    by ``loss`` (``"mean"``: the sampler's default); returns (final parameters, records, rank
+    0's progress record)."""
+    env = {"BALANCE_EXTRA": "3:8", "DIPHOMA_SPEED_WEIGHTED": str(speed_weighted).lower(), "DIPHOMA_BALANCE_EVERY": "4",
+           "BALANCE_LOSS": loss}
     launcher, out, ring = start(tmp_path, STEPS, env)
     try:
         output, _ = launcher.communicate(timeout=300)
@@ -168,6 +175,17 @@ def test_speed_weighted_shares_train_the_same_parameters_as_equal_shares(tmp_pat
     torch.testing.assert_close(equal, ref, **TOL)
     # The tolerance sees one sample missing from each batch.
     assert not torch.allclose(weighted, reference(STEPS, drop_one=True), **TOL)
+
+
+@pytest.mark.timeout(600)
+def test_a_mean_loss_under_the_default_sampler_trains_the_global_batch_mean(tmp_path):
+    """spec.balance asks for speed-weighted shares (as by default) and the script writes its
+    loss as most do, a mean over its share with the sampler's defaults: the shares stay equal,
+    so DDP's average is the global batch's mean gradient (speed-weighted shares would weigh the
+    slow rank's fewer samples more)."""
+    params, rec, _ = train(tmp_path, True, loss="mean")
+    assert rec["local-0"]["shares"] == [16, 16, 16, 16], rec["local-0"]
+    torch.testing.assert_close(params, reference(STEPS), **TOL)
 
 
 @pytest.mark.timeout(600)  # several runs of 4 processes on a loaded machine

@@ -3,7 +3,7 @@ restarts a torchrun script in place, waits, leaves or fails, and the torchrun va
 gives the process at each ring generation. Its run on the local cluster, through a kill -9 of
 a worker, is e2e/tests/python.rs."""
 
-from diphoma._pod import changes, decide, fault, host_of, pod_env
+from diphoma._pod import changes, decide, fault, host_of, pod_env, restart_cause
 
 MEMBERS = [("w-0", "127.0.0.2:29500"), ("w-2", "127.0.0.4:29500"), ("w-3", "127.0.0.5:29500")]
 
@@ -49,3 +49,10 @@ def test_the_restart_log_says_who_left_and_who_came():
     assert changes(None, MEMBERS) == ""
     assert changes(MEMBERS, MEMBERS[:1] + [("w-4", "127.0.0.6:29500")]) == " (lost w-2, w-3; added w-4)"
     assert changes(MEMBERS, MEMBERS) == ""
+
+
+def test_each_restart_in_place_has_the_cause_the_status_counts():
+    assert restart_cause(MEMBERS, MEMBERS[:2]) == "MemberLost"
+    assert restart_cause(MEMBERS, MEMBERS[1:] + [("w-4", "127.0.0.6:29500")]) == "MemberLost", "lost and joined"
+    assert restart_cause(MEMBERS[:2], MEMBERS) == "MemberJoined"
+    assert restart_cause(MEMBERS, MEMBERS) == "RingFault", "the same members again"

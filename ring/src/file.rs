@@ -20,7 +20,7 @@ use diphoma_contract::{
     self as contract, FailureReport, MEMBERSHIP_KEY, Membership, ProgressReport,
 };
 
-use crate::k8s::{Decision, PROGRESS_EVERY, REJOIN_WAIT, decide};
+use crate::k8s::{Decision, REJOIN_WAIT, decide};
 use crate::source::{Control, Generation, Progress, RingSource};
 use crate::{AbortHandle, CommError, Config};
 
@@ -188,33 +188,14 @@ impl FileRing {
         }
     }
 
-    /// Rank 0 writes `p` as `progress.json` when it is the last step or [`PROGRESS_EVERY`] has
+    /// Rank 0 writes `p` as `progress.json` when it is the last step or [`crate::k8s::PROGRESS_EVERY`] has
     /// passed since its previous write (the rule of [`crate::k8s::KubeRing`]).
     pub fn publish_progress(&mut self, p: &Progress) {
-        let last = p.step == p.total_steps;
-        if p.rank != 0
-            || !(last
-                || self
-                    .last_progress
-                    .is_none_or(|t| t.elapsed() >= PROGRESS_EVERY))
-        {
+        let Some(report) = p.record(self.last_progress, jiff::Timestamp::now().to_string(), None)
+        else {
             return;
-        }
-        self.last_progress = Some(Instant::now());
-        let (min_share, max_share) = contract::share_range(&p.shares);
-        let report = ProgressReport {
-            generation: p.generation,
-            step: p.step,
-            total_steps: Some(p.total_steps),
-            loss: Some(f64::from(p.loss)),
-            samples_per_second: Some(p.samples_per_second),
-            last_checkpoint_step: p.last_checkpoint,
-            test_accuracy: None,
-            min_share,
-            max_share,
-            time: jiff::Timestamp::now().to_string(),
-            job_uid: None,
         };
+        self.last_progress = Some(Instant::now());
         self.write(
             contract::PROGRESS_KEY,
             serde_json::to_string(&report).expect("serializable"),
@@ -357,7 +338,7 @@ mod tests {
                         // c stops taking part: the others block until generation 2 aborts them.
                         let p = Progress {
                             step: 1,
-                            total_steps: 5,
+                            total_steps: Some(5),
                             generation: 1,
                             rank: comm.rank(),
                             loss: 0.0,
@@ -382,7 +363,7 @@ mod tests {
                     comm.allreduce(&mut v, crate::ReduceOp::Sum).unwrap();
                     let p = Progress {
                         step: 5,
-                        total_steps: 5,
+                        total_steps: Some(5),
                         generation: 2,
                         rank: comm.rank(),
                         loss: 0.5,

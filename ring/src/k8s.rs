@@ -231,6 +231,8 @@ pub struct Memberships {
     pub latest: Option<Membership>,
     /// The runtime of [`Memberships::start`] (none when watching on another's).
     _rt: Option<tokio::runtime::Runtime>,
+    /// [`Memberships::start`]'s heartbeat ConfigMap, for [`Memberships::write_heartbeat`].
+    heartbeat: Option<(Api<ConfigMap>, String)>,
 }
 
 impl Memberships {
@@ -281,6 +283,7 @@ impl Memberships {
             rx,
             latest: None,
             _rt: None,
+            heartbeat: None,
         }
     }
 
@@ -300,9 +303,20 @@ impl Memberships {
             .block_on(kube::Client::try_default())
             .map_err(KubeError::Client)?;
         let api = Api::namespaced(client, &env.namespace);
-        let mut m = Memberships::watch(rt.handle(), api, &env.membership, None);
+        let mut m = Memberships::watch(rt.handle(), api.clone(), &env.membership, None);
         m._rt = Some(rt);
+        m.heartbeat = Some((api, contract::heartbeat_configmap_name(&env.job_name)));
         Ok(m)
+    }
+
+    /// Patches `key: value` into the job's heartbeat ConfigMap (a watch of
+    /// [`Memberships::start`] only; otherwise nothing), waiting up to 10 s; a failed write is
+    /// logged. The in-pod launcher's restart reports.
+    pub fn write_heartbeat(&self, key: String, value: String) {
+        if let (Some(rt), Some((api, name))) = (&self._rt, &self.heartbeat) {
+            let write = patch_heartbeat(api.clone(), name.clone(), key, value);
+            let _ = rt.block_on(tokio::time::timeout(Duration::from_secs(10), write));
+        }
     }
 
     /// Takes every membership seen so far; keeps the newest.
@@ -547,17 +561,8 @@ impl KubeRing {
     }
 
     fn patch_heartbeat(&self, key: String, value: String) -> impl Future<Output = ()> + use<> {
-        let api = self.heartbeat.clone();
         let name = contract::heartbeat_configmap_name(&self.env.job_name);
-        async move {
-            let body = serde_json::json!({"data": {key.clone(): value}});
-            if let Err(e) = api
-                .patch(&name, &PatchParams::default(), &Patch::Merge(&body))
-                .await
-            {
-                tracing::warn!("writing {key} into {name}: {e}");
-            }
-        }
+        patch_heartbeat(self.heartbeat.clone(), name, key, value)
     }
 
     fn decision(&mut self) -> Control {
@@ -589,29 +594,9 @@ impl KubeRing {
     /// waits). Other ranks write nothing. [`RingSource::after_commit`] calls it; a training loop
     /// that reports between commits (`diphoma.report` in Python) may too.
     pub fn publish_progress(&mut self, p: &Progress) {
-        let last = p.step == p.total_steps;
-        if p.rank == 0
-            && (last
-                || self
-                    .last_progress
-                    .is_none_or(|t| t.elapsed() >= PROGRESS_EVERY))
-        {
+        if let Some(report) = p.record(self.last_progress, now(), Some(self.env.job_uid.clone())) {
             self.last_progress = Some(Instant::now());
-            let (min_share, max_share) = contract::share_range(&p.shares);
-            let report = ProgressReport {
-                generation: p.generation,
-                step: p.step,
-                total_steps: Some(p.total_steps),
-                loss: Some(f64::from(p.loss)),
-                samples_per_second: Some(p.samples_per_second),
-                last_checkpoint_step: p.last_checkpoint,
-                test_accuracy: None,
-                min_share,
-                max_share,
-                time: now(),
-                job_uid: Some(self.env.job_uid.clone()),
-            };
-            self.write_progress(&report, last);
+            self.write_progress(&report, p.is_last());
             self.last_report = Some(report);
         }
     }
@@ -647,6 +632,17 @@ impl KubeRing {
         } else {
             self.pending_progress = Some(self.rt.spawn(in_order));
         }
+    }
+}
+
+/// Merge-patches `key: value` into ConfigMap `name` (the heartbeat); a failure is logged.
+async fn patch_heartbeat(api: Api<ConfigMap>, name: String, key: String, value: String) {
+    let body = serde_json::json!({"data": {key.clone(): value}});
+    if let Err(e) = api
+        .patch(&name, &PatchParams::default(), &Patch::Merge(&body))
+        .await
+    {
+        tracing::warn!("writing {key} into {name}: {e}");
     }
 }
 

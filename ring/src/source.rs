@@ -11,9 +11,9 @@
 
 use std::net::{SocketAddr, TcpListener};
 
-use diphoma_contract::{ENV_JOB_UID, ENV_KEY_FILE, ENV_RING_PROTECTION};
+use diphoma_contract::{ENV_JOB_UID, ENV_KEY_FILE, ENV_RING_PROTECTION, ProgressReport};
 
-use crate::k8s::{EnvError, protection_var};
+use crate::k8s::{EnvError, PROGRESS_EVERY, protection_var};
 use crate::{AbortHandle, CommError, Config, Protection};
 
 /// Standalone env: this process's rank, `0..DIPHOMA_WORLD_SIZE`.
@@ -124,8 +124,8 @@ pub trait RingSource {
 pub struct Progress {
     /// Steps committed.
     pub step: u64,
-    /// Steps to train in total.
-    pub total_steps: u64,
+    /// Steps to train in total, when the trainer knows them.
+    pub total_steps: Option<u64>,
     /// The generation it committed in.
     pub generation: u64,
     /// This member's rank in that generation.
@@ -143,6 +143,43 @@ pub struct Progress {
     /// How the step's global batch was split: samples per rank, in rank order (empty when the
     /// trainer does not say).
     pub shares: Vec<usize>,
+}
+
+impl Progress {
+    /// Rank 0's record of this progress for the operator, or `None` when it is not due: from
+    /// rank 0 only, at the last step (`total_steps` reached) or once [`PROGRESS_EVERY`] has
+    /// passed since `last_write` (`None`: never written). `time` is RFC 3339; a NaN loss is
+    /// left out. The rule of every source that publishes progress (`KubeRing`, `FileRing`).
+    pub fn record(
+        &self,
+        last_write: Option<std::time::Instant>,
+        time: String,
+        job_uid: Option<String>,
+    ) -> Option<ProgressReport> {
+        let due = self.is_last() || last_write.is_none_or(|t| t.elapsed() >= PROGRESS_EVERY);
+        if self.rank != 0 || !due {
+            return None;
+        }
+        let (min_share, max_share) = diphoma_contract::share_range(&self.shares);
+        Some(ProgressReport {
+            generation: self.generation,
+            step: self.step,
+            total_steps: self.total_steps,
+            loss: Some(f64::from(self.loss)).filter(|l| !l.is_nan()),
+            samples_per_second: Some(self.samples_per_second),
+            last_checkpoint_step: self.last_checkpoint,
+            test_accuracy: None,
+            min_share,
+            max_share,
+            time,
+            job_uid,
+        })
+    }
+
+    /// Whether this is the run's last step.
+    pub fn is_last(&self) -> bool {
+        self.total_steps == Some(self.step)
+    }
 }
 
 /// A ring that never changes: one generation, no replacement after a failure.

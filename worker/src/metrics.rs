@@ -190,7 +190,7 @@ mod tests {
         let m = WorkerMetrics::new();
         m.observe(&Progress {
             step: 7,
-            total_steps: 10,
+            total_steps: Some(10),
             generation: 3,
             rank: 0,
             loss: 0.25,

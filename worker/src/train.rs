@@ -735,7 +735,7 @@ pub fn train_rank(
             }
             let progress = Progress {
                 step,
-                total_steps: cfg.steps,
+                total_steps: Some(cfg.steps),
                 generation: gen_no,
                 rank: comm.rank(),
                 loss: c.loss,

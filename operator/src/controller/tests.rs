@@ -494,6 +494,15 @@ fn records_of_another_job_in_the_heartbeat_are_ignored() {
         })
         .unwrap()
     };
+    let restart = |uid: Option<&str>| {
+        serde_json::to_string(&contract::RestartReport {
+            by_cause: [("MemberLost".to_owned(), 1)].into(),
+            generation: 2,
+            time: "2027-01-15T08:01:30Z".into(),
+            job_uid: uid.map(str::to_owned),
+        })
+        .unwrap()
+    };
     for (uid, kept) in [(Some("uid-1"), true), (None, true), (Some("uid-0"), false)] {
         let data = std::collections::BTreeMap::from([
             (contract::PROGRESS_KEY.to_owned(), progress(uid)),
@@ -501,8 +510,16 @@ fn records_of_another_job_in_the_heartbeat_are_ignored() {
                 format!("{}train-worker-0", contract::REPORT_KEY_PREFIX),
                 report(uid),
             ),
+            (
+                format!("{}train-worker-1", contract::RESTARTS_KEY_PREFIX),
+                restart(uid),
+            ),
         ]);
-        let (p, r) = read_heartbeat(data, "uid-1");
-        assert_eq!((p.is_some(), r.len() == 1), (kept, kept), "{uid:?}");
+        let (p, r, n) = read_heartbeat(data, "uid-1");
+        assert_eq!(
+            (p.is_some(), r.len() == 1, n.len() == 1),
+            (kept, kept, kept),
+            "{uid:?}"
+        );
     }
 }

@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use diphoma_contract::{FailureReport, Membership, ProgressReport};
+use diphoma_contract::{FailureReport, Membership, ProgressReport, RestartReport};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
@@ -63,6 +63,8 @@ pub struct Observed {
     pub progress: Option<ProgressReport>,
     /// The workers' failure reports (any generation).
     pub reports: Vec<FailureReport>,
+    /// The in-pod launchers' in-place restart reports, one per pod that restarted its process.
+    pub restarts: Vec<RestartReport>,
     /// Silent members ([`failures::suspects`]) that answered this operator's liveness probe at
     /// this observation: their process runs (a generation behind, joining, waiting on a dead
     /// peer, or its own report late or lost), so they are not hung, unless cut off
@@ -382,6 +384,7 @@ fn decide(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
         return;
     }
     status::progress(&mut plan.status, obs);
+    status::in_place_restarts(&mut plan.status, &obs.restarts);
     // 1. Failures: which nodes are lost or late, then which pods and members are lost.
     let detection = job.spec.fault_tolerance.detection_seconds;
     let nodes = nodes::judge_nodes(&obs.nodes, detection);

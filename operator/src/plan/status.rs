@@ -3,7 +3,9 @@
 //! its own reason and message; `lastTransitionTime` moves only when a condition flips), among
 //! them, while the job runs, `Reporting`: whether the workers' reports reach the operator. Pure.
 
-use diphoma_contract::ProgressReport;
+use std::collections::BTreeMap;
+
+use diphoma_contract::{ProgressReport, RestartReport};
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::ResourceExt;
@@ -41,6 +43,22 @@ pub fn progress(status: &mut DiphomaJobStatus, obs: &Observed) {
     if let Some(p) = &obs.progress {
         status.progress = Some(next_progress(status.progress.take(), p));
     }
+}
+
+/// `status.inPlaceRestarts` from the launchers' `reports` (one per pod): per cause the sum over
+/// the pods, never below what the status already counted (a heartbeat recreated empty does
+/// not take restarts back).
+pub fn in_place_restarts(status: &mut DiphomaJobStatus, reports: &[RestartReport]) {
+    let mut sum = BTreeMap::<String, i32>::new();
+    for (cause, n) in reports.iter().flat_map(|r| &r.by_cause) {
+        *sum.entry(cause.clone()).or_default() += n.max(&0);
+    }
+    let counts = &mut status.in_place_restarts;
+    for (cause, n) in sum {
+        let kept = counts.by_cause.entry(cause).or_default();
+        *kept = (*kept).max(n);
+    }
+    counts.total = counts.by_cause.values().sum();
 }
 
 /// The status' progress after report `p`, given the previous one: the report's fields, plus
@@ -451,6 +469,30 @@ mod tests {
             time: t(secs).to_string(),
             job_uid: None,
         }
+    }
+
+    #[test]
+    fn in_place_restarts_sum_the_pods_by_cause_and_never_go_back() {
+        let pod = |causes: &[(&str, i32)]| RestartReport {
+            by_cause: causes.iter().map(|(c, n)| (c.to_string(), *n)).collect(),
+            ..RestartReport::default()
+        };
+        let mut status = DiphomaJobStatus::default();
+        let two = [
+            pod(&[("MemberLost", 1), ("MemberJoined", 1)]),
+            pod(&[("MemberLost", 1)]),
+        ];
+        in_place_restarts(&mut status, &two);
+        let counts = &status.in_place_restarts;
+        assert_eq!(counts.total, 3);
+        assert_eq!(counts.by_cause["MemberLost"], 2);
+        assert_eq!(counts.by_cause["MemberJoined"], 1);
+        // A heartbeat recreated empty, then one pod's report again: nothing is taken back.
+        in_place_restarts(&mut status, &[]);
+        in_place_restarts(&mut status, &two[1..]);
+        assert_eq!(status.in_place_restarts.total, 3);
+        in_place_restarts(&mut status, &[pod(&[("RingFault", 1)]), two[0].clone()]);
+        assert_eq!(status.in_place_restarts.total, 4);
     }
 
     #[test]

@@ -26,6 +26,7 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         nodes: BTreeMap::new(),
         progress: None,
         reports: vec![],
+        restarts: vec![],
         now: t(100),
         refused: BTreeMap::new(),
         queue: Default::default(),

@@ -686,6 +686,9 @@ def _subring(store, rank, size):
 
 if BACKEND not in dist.Backend.backend_list:
     dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+    # Progress for scripts that never call diphoma.report: their optimizer steps (a no-op
+    # until a "diphoma" default group has joined a ring with a membership source).
+    torch.optim.optimizer.register_optimizer_step_post_hook(diphoma._optimizer_stepped)
 
 from diphoma.torch.sampler import CollectiveTime, ElasticSampler  # noqa: E402  (after the registration)
 

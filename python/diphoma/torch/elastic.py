@@ -122,6 +122,7 @@ class State:
             raise RingChanged(f"diphoma: a collective failed during step {self.step}: {group.error}")
         self._saved = self.snapshot()
         progress = diphoma._progress
+        progress["explicit"] = True  # the committed steps are the progress (not optimizer steps)
         dirname, n = checkpoint.directory(), checkpoint.every()
         if dirname and n and self.step % n == 0 and dist.is_initialized() and dist.get_rank() == 0:
             checkpoint.save(self._saved, dirname)

@@ -9,16 +9,22 @@ the binding): proportional to the ranks' speeds when speed-weighted, else equal 
 take the remainder). Whatever the world size and the split when a step runs, the step sees the
 same samples.
 
-**The loss rule stays exact with unequal shares.** With each rank's loss **summed** over its
-share and multiplied by ``sampler.scale`` (``w / B``, the same on every rank), DDP's average of
-the ranks' gradients is ``(1/w)·Σᵣ (w/B)·Σ_{i∈shareᵣ} ∇ℓᵢ = (1/B)·Σᵢ ∇ℓᵢ``: the mean gradient of
-the global batch, whatever the shares ``nᵣ`` (they only regroup the sum). A loss that is a
-**mean** over the share is ``(1/nᵣ)·Σ ∇ℓᵢ`` and needs the per-rank factor
-``sampler.mean_scale`` (``nᵣ·w / B``) instead, which changes with every re-split.
+**A mean loss is right by default.** ``ElasticSampler(..., reduction="mean")`` (the default,
+as a torch loss's own ``reduction``) keeps the shares equal, whatever ``spec.balance`` asks
+(``DIPHOMA_SPEED_WEIGHTED`` in a pod; a ``speed_weighted=True`` argument is refused with what
+to do): DDP's average of the ranks' mean gradients ``(1/w)·Σᵣ (1/nᵣ)·Σ_{i∈shareᵣ} ∇ℓᵢ`` is
+the global batch's mean gradient only when every ``nᵣ`` is ``B/w`` (when ``w`` does not
+divide ``B``, the lower ranks' shares are one sample larger, a weight within ``1/nᵣ`` of
+equal, as with ``DistributedSampler``'s padding). With speed-weighted shares a mean loss
+would silently weigh a slow rank's samples more, so they need ``reduction="sum"``: each rank's
+loss **summed** over its share and multiplied by ``sampler.scale`` (``w / B``, the same on
+every rank), whose DDP average ``(1/w)·Σᵣ (w/B)·Σ_{i∈shareᵣ} ∇ℓᵢ = (1/B)·Σᵢ ∇ℓᵢ`` is the
+mean gradient of the global batch whatever the shares ``nᵣ`` (they only regroup the sum). (A
+mean over an unequal share times ``sampler.mean_scale``, ``nᵣ·w / B`` per rank, is the same.)
 
-**Speed-weighted shares** (default on, as ``spec.balance.speedWeighted``; in a worker pod the
-operator's ``DIPHOMA_SPEED_WEIGHTED`` and ``DIPHOMA_BALANCE_EVERY`` decide, as for the Rust
-worker). Each rank measures its compute time per sample and keeps the Rust worker's smoothed
+**Speed-weighted shares** (with ``reduction="sum"``: on by default, as
+``spec.balance.speedWeighted``; in a worker pod the operator's ``DIPHOMA_SPEED_WEIGHTED`` and
+``DIPHOMA_BALANCE_EVERY`` decide, as for the Rust worker). Each rank measures its compute time per sample and keeps the Rust worker's smoothed
 estimate (``diphoma.Speed``, an exponential moving average of weight 0.3):
 
 - A step runs from the sampler handing out a share to being asked for the next one (the
@@ -60,6 +66,7 @@ The split reaches the job's status as the Rust worker's does: rank 0's progress 
 every rank's share (``status.progress.minBatchShare``/``maxBatchShare``).
 """
 
+import logging
 import os
 import threading
 import time
@@ -70,6 +77,9 @@ import torch.distributed as dist
 import diphoma
 from diphoma import ConfigError, metrics
 from diphoma._native import DEFAULT_BALANCE_EVERY, ENV_BALANCE_EVERY, ENV_SPEED_WEIGHTED, Speed, split
+
+
+_log = logging.getLogger("diphoma")
 
 
 class CollectiveTime:
@@ -120,6 +130,25 @@ def _env_speed_weighted():
     return raw == "true"
 
 
+def speed_weighting(reduction, speed_weighted, configured):
+    """Whether a sampler splits by speed (pure): ``reduction`` is how the script reduces its
+    loss over its share (``"mean"`` or ``"sum"``), ``speed_weighted`` the argument (None: not
+    given), ``configured`` what ``spec.balance`` / ``DIPHOMA_SPEED_WEIGHTED`` asks. A mean
+    loss keeps equal shares (the only ones under which DDP's average of means is the batch's
+    mean). Raises ``ConfigError`` for another ``reduction``, or for ``speed_weighted=True``
+    with a mean loss, saying what to write instead."""
+    if reduction not in ("mean", "sum"):
+        raise ConfigError(f"ElasticSampler: reduction {reduction!r} is not 'mean' or 'sum'")
+    if reduction == "sum":
+        return configured if speed_weighted is None else bool(speed_weighted)
+    if speed_weighted:
+        raise ConfigError(
+            "ElasticSampler: speed_weighted=True needs reduction='sum': sum the loss over this rank's share and "
+            "multiply it by sampler.scale (a mean loss over unequal shares weighs a slow rank's samples more)"
+        )
+    return False
+
+
 def _env_balance_every():
     raw = os.environ.get(ENV_BALANCE_EVERY)
     if raw is None or raw == "":
@@ -157,24 +186,34 @@ class ElasticSampler(torch.utils.data.Sampler):
     the incomplete last batch is dropped). Rank, world and process group are read from
     ``torch.distributed`` when iteration starts.
 
-    ``speed_weighted`` (default: ``DIPHOMA_SPEED_WEIGHTED``, ``true`` when unset) splits each
-    global batch in proportion to the ranks' measured speeds, re-split every ``balance_every``
-    steps (default: ``DIPHOMA_BALANCE_EVERY``, 10 when unset); the same value must be given on
-    every rank. Attributes: ``shares`` (every rank's share of the current step, in rank
-    order), ``rates`` (the rates, samples/s, of the last exchange; 0.0 for a rank not yet
-    measured), ``speed`` (this rank's ``diphoma.Speed``).
+    ``reduction`` says how the script reduces its loss over its share, as a torch loss's own
+    argument: ``"mean"`` (default) keeps the shares equal, so DDP's average is the global
+    batch's mean gradient; ``"sum"`` (the loss summed, then multiplied by ``scale``) allows
+    speed-weighted shares. ``speed_weighted`` (with ``"sum"``; default:
+    ``DIPHOMA_SPEED_WEIGHTED``, ``true`` when unset) splits each global batch in proportion to
+    the ranks' measured speeds, re-split every ``balance_every`` steps (default:
+    ``DIPHOMA_BALANCE_EVERY``, 10 when unset); the same values must be given on every rank.
+    Attributes: ``shares`` (every rank's share of the current step, in rank order), ``rates``
+    (the rates, samples/s, of the last exchange; 0.0 for a rank not yet measured), ``speed``
+    (this rank's ``diphoma.Speed``).
 
     Raises ``ConfigError`` for a ``global_batch`` outside ``1..=length``, a ``balance_every``
-    below 1, or a malformed environment variable (named).
+    below 1, a ``reduction`` other than ``"mean"``/``"sum"``, ``speed_weighted=True`` with
+    ``"mean"``, or a malformed environment variable (named).
     """
 
-    def __init__(self, length, global_batch, seed=0, speed_weighted=None, balance_every=None):
+    def __init__(self, length, global_batch, seed=0, speed_weighted=None, balance_every=None, reduction="mean"):
         if global_batch < 1 or length < global_batch:
             raise ConfigError(f"ElasticSampler: global_batch {global_batch} must be in 1..=length {length}")
         self.length, self.global_batch, self.seed = length, global_batch, seed
         self.steps_per_epoch = length // global_batch
         self.step = 0
-        self.speed_weighted = _env_speed_weighted() if speed_weighted is None else bool(speed_weighted)
+        configured = _env_speed_weighted()
+        self.reduction = reduction
+        self.speed_weighted = speed_weighting(reduction, speed_weighted, configured)
+        if configured and speed_weighted is None and not self.speed_weighted:
+            _log.info("ElasticSampler: equal shares for a mean loss; for speed-weighted shares pass "
+                      "reduction='sum' and multiply the summed loss by sampler.scale")
         self.balance_every = _env_balance_every() if balance_every is None else int(balance_every)
         if self.balance_every < 1:
             raise ConfigError(f"ElasticSampler: balance_every {balance_every} must be at least 1")
@@ -235,6 +274,7 @@ class ElasticSampler(torch.utils.data.Sampler):
     def __iter__(self):
         group = _default_group()
         rank, world = dist.get_rank(), dist.get_world_size()
+        diphoma._progress["batch"] = self.global_batch  # the samples of an automatic report's step
         blocked = getattr(group, "blocked", None)
         fresh = group is not self._group or len(self.shares) != world
         end = (self.step // self.steps_per_epoch + 1) * self.steps_per_epoch

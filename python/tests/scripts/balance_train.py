@@ -68,7 +68,10 @@ def main(out, steps):
     torch.set_num_threads(1)
     record = {"pid": os.getpid(), "first_generation": None}
     model, data = model_and_data()
-    sampler = diphoma.torch.ElasticSampler(len(data), GLOBAL_BATCH, seed=11)
+    # BALANCE_LOSS=mean: the sampler's default and a mean loss, as most scripts write it.
+    reduction = os.environ.get("BALANCE_LOSS", "sum")
+    kwargs = {"reduction": "sum"} if reduction == "sum" else {}
+    sampler = diphoma.torch.ElasticSampler(len(data), GLOBAL_BATCH, seed=11, **kwargs)
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
     state = elastic.State(model=model, optimizer=optimizer(model))
     extra, pace = extra_passes(), float(os.environ.get("BALANCE_PACE", "0"))
@@ -94,7 +97,11 @@ def main(out, steps):
                     for _ in range(extra):
                         state.model(x)
                 state.optimizer.zero_grad()
-                loss = torch.nn.functional.mse_loss(ddp(x), y, reduction="sum") * sampler.scale
+                per_sample = torch.nn.functional.mse_loss(ddp(x), y, reduction="none").sum(1)
+                if reduction == "sum":
+                    loss = per_sample.sum() * sampler.scale
+                else:  # a mean over this rank's share
+                    loss = per_sample.mean()
                 loss.backward()
                 state.optimizer.step()
                 state.step += 1

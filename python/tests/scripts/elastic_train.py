@@ -41,7 +41,7 @@ def main(out, steps):
     name = os.environ["DIPHOMA_POD_NAME"]
     record = {"pid": os.getpid(), "first_generation": None}
     model, data = model_and_data()
-    sampler = diphoma.torch.ElasticSampler(len(data), GLOBAL_BATCH, seed=7)
+    sampler = diphoma.torch.ElasticSampler(len(data), GLOBAL_BATCH, seed=7, reduction="sum")
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
     state = elastic.State(model=model, optimizer=optimizer(model))
 
