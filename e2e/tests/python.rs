@@ -40,6 +40,7 @@ fn main() -> Result<()> {
         tests![
             the_pytorch_digits_example_survives_a_killed_worker,
             a_torchrun_script_is_restarted_in_place_through_a_killed_worker,
+            a_frozen_torchrun_process_is_reported_by_its_peers_and_replaced,
             a_raising_rank_fails_the_job_with_its_traceback_in_last_failure,
             kubectl_diphoma_submit_runs_a_script_as_a_job
         ],
@@ -247,10 +248,16 @@ async fn a_torchrun_script_is_restarted_in_place_through_a_killed_worker(
         env,
         &shared.0,
     )?;
-    // Training: rank 0 saved a snapshot (after its first epoch).
-    eventually(180, "rank 0's first snapshot", async || {
-        Ok(shared.0.join("snapshot.pt").exists())
-    })
+    // Training: rank 0 saved a snapshot (after its first epoch), and its optimizer steps reach
+    // the status although the script never calls diphoma.report.
+    eventually(
+        180,
+        "rank 0's first snapshot and steps in the status",
+        async || {
+            let st = status(&ctx, &ns, "torchrun").await?;
+            Ok(shared.0.join("snapshot.pt").exists() && st.progress.is_some_and(|p| p.step > 0))
+        },
+    )
     .await?;
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     let survivors = ["torchrun-worker-0", "torchrun-worker-2"];
@@ -286,6 +293,12 @@ async fn a_torchrun_script_is_restarted_in_place_through_a_killed_worker(
     let st = finished(&ctx, &ns, "torchrun", 200).await?;
     ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
     ensure!(st.repairs.total == 1, "repairs {:?}", st.repairs);
+    // Each survivor restarted its process in place at least once for the lost member.
+    let restarts = &st.in_place_restarts;
+    ensure!(
+        restarts.by_cause.get("MemberLost").is_some_and(|&n| n >= 2),
+        "in-place restarts {restarts:?}"
+    );
     let mut logs = String::new();
     for name in survivors {
         let p = pods.get(name).await?;
@@ -304,6 +317,57 @@ async fn a_torchrun_script_is_restarted_in_place_through_a_killed_worker(
     ensure!(
         logs.contains(&format!("trained: epochs {EPOCHS} loss")),
         "rank 0 never finished:\n{logs}"
+    );
+    Ok(())
+}
+
+/// PyTorch's torchrun tutorial script in 3 pods, worker 1's training process frozen (SIGSTOP;
+/// its launcher runs on, so the pod looks alive): the survivors' rings find it silent, their
+/// processes report it (the failure report names it) before their launchers restart them, the
+/// operator finds it does not answer and replaces it as `Hung`, and the job Succeeds.
+async fn a_frozen_torchrun_process_is_reported_by_its_peers_and_replaced(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let shared = Shared::new(&ns)?;
+    let env = json!([{"name": "EPOCH_SECONDS", "value": "1"}]);
+    let args = ["12", "/shared/snapshot.pt"];
+    torchrun_job(
+        &ctx,
+        &ns,
+        "frozen",
+        (3, "torchrun_ddp.py"),
+        &args,
+        env,
+        &shared.0,
+    )?;
+    eventually(180, "rank 0's first snapshot", async || {
+        Ok(shared.0.join("snapshot.pt").exists())
+    })
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let launcher = pid_of(&pods.get("frozen-worker-1").await?)?;
+    let children = std::fs::read_to_string(format!("/proc/{launcher}/task/{launcher}/children"))?;
+    let script = children
+        .split_whitespace()
+        .next()
+        .context("worker 1's launcher runs no script")?
+        .parse()?;
+    signal(script, libc::SIGSTOP);
+    let st = finished(&ctx, &ns, "frozen", 300).await?;
+    ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
+    ensure!(
+        st.repairs.by_cause.get("Hung") == Some(&1),
+        "repairs {:?}",
+        st.repairs
+    );
+    ensure!(
+        st.in_place_restarts
+            .by_cause
+            .get("MemberLost")
+            .is_some_and(|&n| n >= 2),
+        "in-place restarts {:?}",
+        st.in_place_restarts
     );
     Ok(())
 }

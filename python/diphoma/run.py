@@ -269,6 +269,7 @@ class Elastic:
         self.procs = []  # every process started, for the launcher to stop
         self.generation = 0
         self.spawned = 0
+        self.worlds = []  # the world size of each published generation
 
     def spawn(self):
         """Starts a new member process (not yet in a published generation)."""
@@ -285,6 +286,7 @@ class Elastic:
         self.generation += 1
         doc = membership_json(self.generation, self.job_uid, [(n, HOST, port) for n, port, _ in self.members])
         write_atomic(os.path.join(self.ring_dir, "membership.json"), doc)
+        self.worlds.append(len(self.members))
         if why:
             names = ", ".join(n for n, _, _ in self.members)
             print(f"diphoma.run: {why}; published generation {self.generation}: world {len(self.members)} ({names})",
@@ -317,6 +319,9 @@ class Elastic:
                         self.spawn()
                     self.publish(f"started {', '.join(m[0] for m in self.members[-len(failed):])}")
             if all(m[2].poll() == 0 for m in self.members):
+                if len(self.worlds) > 1:
+                    print(f"diphoma.run: finished after {len(self.worlds) - 1} ring change(s): generation "
+                          f"{self.generation}, world {' -> '.join(map(str, self.worlds))}", file=sys.stderr, flush=True)
                 return 0
             time.sleep(0.05)
 

@@ -619,6 +619,17 @@ impl Follower {
         })
     }
 
+    /// After a collective of `ring` raised `RingChanged`: reports the failure (naming the peer
+    /// whose link broke or went silent) to whoever re-forms the ring, as `failed` does, but
+    /// joins nothing: the process of a torchrun script is restarted at the next generation by
+    /// its launcher. At most once per generation; nothing when the ring has not failed.
+    fn report_failure(&self, py: Python<'_>, ring: &Ring) {
+        let failure = ring.failure.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(err) = failure.as_ref() {
+            py.detach(|| self.lock().source.ring().report_failure(err));
+        }
+    }
+
     /// Publishes a progress record between commits (rank 0 only; at most every few seconds
     /// except at the last step), as `commit` does, without asking for a decision.
     #[pyo3(signature = (step, total_steps = None, loss = f32::NAN, samples_per_second = 0.0, last_checkpoint = None))]

@@ -110,6 +110,8 @@ def test_a_joiner_receives_the_state(tmp_path):
     assert code == 0, output[-6000:]
     check_survivors(before, after)
     assert "diphoma.run: started local-4; published generation 3: world 4" in output, output[-4000:]
+    # The launcher's last word says the run changed size.
+    assert "diphoma.run: finished after 2 ring change(s): generation 3, world 4 -> 3 -> 4" in output, output[-4000:]
     joiner = after["local-4"]
     assert joiner["first_generation"] > 1 and joiner["step"] == STEPS and joiner["world"] == 4, joiner
     torch.testing.assert_close(torch.load(out / "params.pt"), undisturbed(STEPS), atol=5e-5, rtol=2e-4)

@@ -16,12 +16,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use diphoma_contract::{
-    self as contract, FailureReport, MEMBERSHIP_KEY, Membership, ProgressReport,
-};
+use diphoma_contract::{self as contract, MEMBERSHIP_KEY, Membership, ProgressReport};
 
 use crate::k8s::{Decision, REJOIN_WAIT, decide};
-use crate::source::{Control, Generation, Progress, RingSource};
+use crate::source::{Control, Generation, Progress, RingSource, failure_report};
 use crate::{AbortHandle, CommError, Config};
 
 /// Standalone env: the ring directory (`membership.json` in, heartbeat records out).
@@ -241,33 +239,7 @@ impl RingSource for FileRing {
     fn after_failure(&mut self, err: &CommError) -> Option<Generation> {
         tracing::warn!("collective failed: {err}");
         let cur = self.current.as_ref().map(|m| m.generation);
-        let behind = matches!(err, CommError::StaleGeneration { ours, theirs } if theirs > ours);
-        if !matches!(err, CommError::Aborted) && !behind && self.reported != cur {
-            self.reported = cur;
-            let suspect = match err {
-                CommError::PeerLost { rank, .. }
-                | CommError::Timeout {
-                    peer: Some(rank), ..
-                } => self
-                    .current
-                    .as_ref()
-                    .and_then(|m| m.members.get(*rank))
-                    .map(|m| m.pod.clone()),
-                _ => None,
-            };
-            let report = FailureReport {
-                generation: cur.unwrap_or(0),
-                reporter: self.name.clone(),
-                suspect,
-                error: err.metric_label().to_string(),
-                time: jiff::Timestamp::now().to_string(),
-                job_uid: None,
-            };
-            self.write(
-                &format!("{}{}", contract::REPORT_KEY_PREFIX, self.name),
-                serde_json::to_string(&report).expect("serializable"),
-            );
-        }
+        self.report_failure(err);
         self.wait_newer(cur, REJOIN_WAIT);
         let m = self.latest.clone()?;
         let Some(r) = m.rank_of(&self.name) else {
@@ -275,6 +247,17 @@ impl RingSource for FileRing {
             return None;
         };
         self.join(m, r)
+    }
+
+    fn report_failure(&mut self, err: &CommError) {
+        let current = self.current.as_ref();
+        if let Some(report) = failure_report(err, current, self.reported, &self.name, None) {
+            self.reported = current.map(|m| m.generation);
+            self.write(
+                &format!("{}{}", contract::REPORT_KEY_PREFIX, self.name),
+                serde_json::to_string(&report).expect("serializable"),
+            );
+        }
     }
 }
 

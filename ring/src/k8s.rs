@@ -6,7 +6,7 @@
 //! membership it sees is handed to the training thread, and a newer generation aborts the
 //! collective in flight (so a ring stuck on a hung peer moves on as soon as the operator has
 //! re-formed it). Rank 0 patches its [`ProgressReport`] into `<job>-heartbeat` every
-//! [`PROGRESS_EVERY`]; a member whose collective fails patches one [`FailureReport`] under
+//! [`PROGRESS_EVERY`]; a member whose collective fails patches one [`diphoma_contract::FailureReport`] under
 //! `report.<pod>`. Nothing is written per worker per step. From its start, the process answers
 //! liveness pings ([`crate::liveness::Responder`]) on UDP at its ring address, and every
 //! generation it joins probes silent peers ([`Config::liveness`]) with [`liveness_window`] of
@@ -29,11 +29,11 @@ use kube::runtime::{WatchStreamExt, watcher};
 use diphoma_contract::{
     self as contract, ENV_DETECTION_SECONDS, ENV_JOB_NAME, ENV_JOB_UID, ENV_KEY_FILE,
     ENV_MEMBERSHIP, ENV_NAMESPACE, ENV_POD_IP, ENV_POD_NAME, ENV_RING_PORT, ENV_RING_PROTECTION,
-    FailureReport, MEMBERSHIP_KEY, Membership, ProgressReport,
+    MEMBERSHIP_KEY, Membership, ProgressReport,
 };
 
 use crate::liveness::Responder;
-use crate::source::{Control, Generation, Progress, RingSource};
+use crate::source::{Control, Generation, Progress, RingSource, failure_report};
 use crate::{AbortHandle, CommError, Config, Protection};
 
 /// How often rank 0 writes its progress record.
@@ -671,39 +671,7 @@ impl RingSource for KubeRing {
             return None;
         }
         let cur = self.current.as_ref().map(|m| m.generation);
-        // One report per generation: the first failure names the suspect; the failed
-        // re-connects that may follow do not overwrite it. A peer of a newer generation is no
-        // failure: this rank only has to catch up.
-        let behind = matches!(err, CommError::StaleGeneration { ours, theirs } if theirs > ours);
-        if !matches!(err, CommError::Aborted) && !behind && self.reported != cur {
-            self.reported = cur;
-            let suspect = match err {
-                CommError::PeerLost { rank, .. }
-                | CommError::Timeout {
-                    peer: Some(rank), ..
-                } => self
-                    .current
-                    .as_ref()
-                    .and_then(|m| m.members.get(*rank))
-                    .map(|m| m.pod.clone()),
-                _ => None,
-            };
-            let report = FailureReport {
-                generation: cur.unwrap_or(0),
-                reporter: self.env.pod_name.clone(),
-                suspect,
-                error: err.metric_label().to_string(),
-                time: now(),
-                job_uid: Some(self.env.job_uid.clone()),
-            };
-            let write = self.patch_heartbeat(
-                format!("{}{}", contract::REPORT_KEY_PREFIX, self.env.pod_name),
-                serde_json::to_string(&report).expect("serializable"),
-            );
-            self.rt.block_on(async {
-                let _ = tokio::time::timeout(Duration::from_secs(5), write).await;
-            });
-        }
+        self.report_failure(err);
         // Prefer a newer generation; else re-form the newest known one (possibly the same).
         // Not a member of it: give up (the operator has removed this pod).
         self.watch.wait_newer(cur, REJOIN_WAIT);
@@ -718,6 +686,21 @@ impl RingSource for KubeRing {
                 tracing::error!("{e}");
                 None
             }
+        }
+    }
+
+    fn report_failure(&mut self, err: &CommError) {
+        let current = self.current.as_ref();
+        let uid = Some(self.env.job_uid.clone());
+        if let Some(report) = failure_report(err, current, self.reported, &self.env.pod_name, uid) {
+            self.reported = current.map(|m| m.generation);
+            let write = self.patch_heartbeat(
+                format!("{}{}", contract::REPORT_KEY_PREFIX, self.env.pod_name),
+                serde_json::to_string(&report).expect("serializable"),
+            );
+            self.rt.block_on(async {
+                let _ = tokio::time::timeout(Duration::from_secs(5), write).await;
+            });
         }
     }
 }

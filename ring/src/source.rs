@@ -115,8 +115,50 @@ pub trait RingSource {
     /// Called after a step committed.
     fn after_commit(&mut self, progress: &Progress) -> Control;
     /// Called after a collective or a connect failed with `err`: the generation to join next,
-    /// or `None` to give up.
+    /// or `None` to give up. Sources that report failures report it first
+    /// ([`RingSource::report_failure`]).
     fn after_failure(&mut self, err: &CommError) -> Option<Generation>;
+    /// Reports that a collective failed with `err` to whoever re-forms the ring (the operator's
+    /// heartbeat, the launcher's ring directory), without joining anything: for a process that
+    /// is restarted rather than re-joining (a torchrun script under the in-pod launcher).
+    fn report_failure(&mut self, _err: &CommError) {}
+}
+
+/// The failure report a member writes after its collective failed with `err` at generation
+/// `current` (the reporter's ring), or `None` when it writes none: no report for an aborted
+/// collective, for a peer of a newer generation (this rank only has to catch up), or when it
+/// already reported at this generation (`reported`: the first failure names the suspect; the
+/// failed re-connects that may follow do not overwrite it). The suspect is the peer whose link
+/// broke or went silent, when the error names one.
+pub fn failure_report(
+    err: &CommError,
+    current: Option<&diphoma_contract::Membership>,
+    reported: Option<u64>,
+    reporter: &str,
+    job_uid: Option<String>,
+) -> Option<diphoma_contract::FailureReport> {
+    let cur = current.map(|m| m.generation);
+    let behind = matches!(err, CommError::StaleGeneration { ours, theirs } if theirs > ours);
+    if matches!(err, CommError::Aborted) || behind || reported == cur {
+        return None;
+    }
+    let suspect = match err {
+        CommError::PeerLost { rank, .. }
+        | CommError::Timeout {
+            peer: Some(rank), ..
+        } => current
+            .and_then(|m| m.members.get(*rank))
+            .map(|m| m.pod.clone()),
+        _ => None,
+    };
+    Some(diphoma_contract::FailureReport {
+        generation: cur.unwrap_or(0),
+        reporter: reporter.to_owned(),
+        suspect,
+        error: err.metric_label().to_string(),
+        time: jiff::Timestamp::now().to_string(),
+        job_uid,
+    })
 }
 
 /// What a rank knows after a committed step.

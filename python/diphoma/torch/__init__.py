@@ -36,6 +36,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.futures import Future
 
 import diphoma
@@ -43,6 +44,7 @@ from diphoma import ConfigError, Follower, RingChanged, metrics
 from diphoma.run import free_ports
 from diphoma.torch import _ops
 from diphoma.torch._p2p import StoreP2P
+from diphoma.torch._watchdog import Watchdog, detection_seconds
 
 BACKEND = "diphoma"
 
@@ -174,6 +176,10 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         self._stopped = False
         self.error = None  # the first collective that failed: the group is unusable after it
         self.blocked = CollectiveTime()  # the caller's waits for the ring (ElasticSampler's speed)
+        self.main = False  # the default group's, over the follower's ring (not a sub-group's)
+        self._seq = 0  # collectives submitted, in call order (the same numbers on every rank)
+        # Names the ranks a slow collective waits for; needs a store the ranks share.
+        self._watchdog = None if self._p2p._local else Watchdog(self._p2p.store, rank, size, detection_seconds())
         self._thread = threading.Thread(target=self._serve, name="diphoma-pg", daemon=True)
         self._thread.start()
         _LIVE.add(self)
@@ -185,6 +191,8 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             self._stopped = True
             self._queue.put(_STOP)
             self._thread.join()
+            if self._watchdog is not None:
+                self._watchdog.stop()
             self.ring = None
             self._p2p.flush(min(self._timeout.total_seconds(), _FLUSH_SECONDS))
         _LIVE.discard(self)
@@ -195,21 +203,36 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             item = self._queue.get()
             if item is _STOP:
                 return
-            job, work, result = item
-            self._run(job, work)
+            job, work, result, seq = item
+            self._run(job, work, seq)
             self.blocked.completed()
             with self._count_lock:  # the ring is free: a synchronous call may run inline now
                 self._queued -= 1
             work.fut.set_result(result)
 
-    def _run(self, job, work):
-        """Runs ``job``; its error goes to ``work`` and becomes the group's."""
+    def _run(self, job, work, seq):
+        """Runs ``job``, collective ``seq``; its error goes to ``work`` and becomes the group's
+        (a ring error naming the ranks the watchdog found absent, if any)."""
+        if self._watchdog is not None:
+            self._watchdog.begin(seq)
         try:
             job()
         except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            follower = diphoma._current["follower"]
+            if isinstance(e, RingChanged) and self.main and follower is not None and self.ring.failed:
+                # Named for the operator (a silent peer found by the ring's liveness probes) now,
+                # whether the process re-forms (elastic.run) or is restarted (a torchrun script).
+                follower.report_failure(self.ring)
+            missing = self._watchdog.absent_ranks(seq) if self._watchdog is not None else None
+            if missing and isinstance(e, diphoma.RingError):
+                e = type(e)(f"{e} (rank(s) {', '.join(map(str, missing))} never called this collective, "
+                            f"number {seq} of the group)")
             work.error = e
             if not isinstance(e, ConfigError):  # a caller's mistake every rank saw leaves the ring in step
                 self.error = self.error or e
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.end()
 
     def _submit(self, job, result, opts=None):
         """Runs ``job`` in call order and returns its ``Work``: on the caller's thread when the
@@ -222,16 +245,18 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             raise cls(f"an earlier collective of this group failed: {self.error}")
         work = _Work()
         self.blocked.submitted()
+        self._seq += 1
+        seq = self._seq
         with self._count_lock:
             inline = self._queued == 0 and not getattr(opts, "asyncOp", True)
             self._queued += 1
             if not inline:
                 work.fut = Future()
-                self._queue.put((job, work, result))
+                self._queue.put((job, work, result, seq))
         if self._coalesced is not None:
             self._coalesced.append(work)
         if inline:
-            self._run(job, work)
+            self._run(job, work, seq)
             self.blocked.completed()
             with self._count_lock:
                 self._queued -= 1
@@ -662,7 +687,9 @@ def _create(store, rank, size, timeout):
         )
     metrics.RING_GENERATION.set(ring.generation)
     metrics.serve_if_configured(ring.host)
-    return ProcessGroupDiphoma(ring, rank, size, store, timeout)
+    group = ProcessGroupDiphoma(ring, rank, size, store, timeout)
+    group.main = True
+    return group
 
 
 def _subring(store, rank, size):
@@ -688,7 +715,7 @@ if BACKEND not in dist.Backend.backend_list:
     dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
     # Progress for scripts that never call diphoma.report: their optimizer steps (a no-op
     # until a "diphoma" default group has joined a ring with a membership source).
-    torch.optim.optimizer.register_optimizer_step_post_hook(diphoma._optimizer_stepped)
+    register_optimizer_step_post_hook(diphoma._optimizer_stepped)
 
 from diphoma.torch.sampler import CollectiveTime, ElasticSampler  # noqa: E402  (after the registration)
 
