@@ -88,6 +88,19 @@ def test_max_restarts_resumes_an_unchanged_torchrun_script_from_its_snapshot(tmp
     assert p.returncode == 1 and "diphoma.run: root cause: rank 1, exit 1" in p.stderr, p.stderr[-3000:]
 
 
+def test_lightning_resumes_from_its_own_last_checkpoint_after_a_restart(tmp_path):
+    """A framework that owns the loop commits and restores with its own hooks: Lightning's
+    ModelCheckpoint(save_last=True) every 3 steps and fit(ckpt_path="last"). Rank 1 dies at
+    step 7; every rank is restarted (as the in-pod launcher restarts a pod's process in place)
+    and the run resumes at step 6, the last checkpoint, not at 0, and ends at 12."""
+    p = check(run("--nproc", "2", "--max-restarts", "1", script("lightning_resume.py"), str(tmp_path / "ckpt"),
+                  timeout=300))
+    assert "[rank1]:rank 1: dying" in p.stdout, p.stdout
+    assert "[rank0]:start at step 0 restart 0" in p.stdout, p.stdout
+    assert "[rank0]:start at step 6 restart 1" in p.stdout, p.stdout
+    assert "[rank0]:done at step 12" in p.stdout, p.stdout
+
+
 def test_module_filter_and_refused_flags():
     p = check(run("--nproc", "2", "--local-ranks-filter", "1", "-m", "json.tool", "--help"))
     assert "[rank1]:usage: python -m json.tool" in p.stdout and "[rank0]" not in p.stdout, p.stdout

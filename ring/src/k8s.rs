@@ -315,7 +315,9 @@ impl Memberships {
     pub fn write_heartbeat(&self, key: String, value: String) {
         if let (Some(rt), Some((api, name))) = (&self._rt, &self.heartbeat) {
             let write = patch_heartbeat(api.clone(), name.clone(), key, value);
-            let _ = rt.block_on(tokio::time::timeout(Duration::from_secs(10), write));
+            // In the runtime: the timer needs its reactor.
+            let _ =
+                rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), write).await });
         }
     }
 

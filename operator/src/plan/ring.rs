@@ -38,6 +38,38 @@ pub struct RingView {
     pub enough: bool,
 }
 
+/// What changed from ring `before` to `after`, for the `RingReformed` event: `" (lost
+/// train-worker-1 (rank 1); added train-worker-3)"`, empty for the first ring or no change.
+pub fn changes(before: Option<&Membership>, after: &Membership) -> String {
+    let Some(before) = before else {
+        return String::new();
+    };
+    let lost: Vec<String> = before
+        .members
+        .iter()
+        .filter(|m| after.rank_of(&m.pod).is_none())
+        .map(|m| format!("{} (rank {})", m.pod, m.rank))
+        .collect();
+    let added: Vec<&str> = after
+        .members
+        .iter()
+        .filter(|m| before.rank_of(&m.pod).is_none())
+        .map(|m| m.pod.as_str())
+        .collect();
+    let mut parts = vec![];
+    if !lost.is_empty() {
+        parts.push(format!("lost {}", lost.join(", ")));
+    }
+    if !added.is_empty() {
+        parts.push(format!("added {}", added.join(", ")));
+    }
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", parts.join("; "))
+    }
+}
+
 /// Step 4: publishes the next generation when the ready workers differ from the ring's members
 /// and the change is due, and writes the ring's status (with the members that departed, when
 /// the generation stays).
@@ -101,7 +133,11 @@ pub fn next_generation(
         plan.events.push(EventNote::normal(
             "RingReformed",
             "Publish",
-            format!("generation {generation} with {} workers", m.members.len()),
+            format!(
+                "generation {generation} with {} workers{}",
+                m.members.len(),
+                changes(ring, &m)
+            ),
         ));
         status.ring = Some(ring_status(&job.name_any(), &m, vec![], &obs.pods));
         plan.publish = Some(m);

@@ -206,6 +206,20 @@ fn the_first_ring_relabels_no_worker_created_for_it() {
 }
 
 #[test]
+fn a_ring_reformed_event_names_who_left_and_who_joined() {
+    let j = basic();
+    let before = ring(&j, 2, &[0, 1, 2]);
+    let reformed = |idx: &[i32]| ring::changes(Some(&before), &ring(&j, 3, idx));
+    assert_eq!(reformed(&[0, 2]), " (lost train-worker-1 (rank 1))");
+    assert_eq!(
+        reformed(&[0, 2, 3]),
+        " (lost train-worker-1 (rank 1); added train-worker-3)"
+    );
+    assert_eq!(reformed(&[0, 1, 2]), "");
+    assert_eq!(ring::changes(None, &before), "");
+}
+
+#[test]
 fn several_workers_created_at_once_are_one_event() {
     let created = |pod: &str| {
         EventNote::normal("WorkerCreated", "Create", format!("created worker {pod}")).about(pod)
