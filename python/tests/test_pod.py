@@ -56,3 +56,21 @@ def test_each_restart_in_place_has_the_cause_the_status_counts():
     assert restart_cause(MEMBERS, MEMBERS[1:] + [("w-4", "127.0.0.6:29500")]) == "MemberLost", "lost and joined"
     assert restart_cause(MEMBERS[:2], MEMBERS) == "MemberJoined"
     assert restart_cause(MEMBERS, MEMBERS) == "RingFault", "the same members again"
+
+
+def test_a_process_of_a_new_generation_refuses_the_previous_generations_store():
+    """A joiner that connected to rank 0's previous process (it serves the rendezvous store on
+    the same address until replaced) is told at once, as a store fault the launcher retries."""
+    import torch.distributed as dist
+
+    from diphoma.torch import _same_generation_store
+
+    store = dist.HashStore()
+    _same_generation_store(store, 0, "2")  # rank 0's process of generation 2
+    _same_generation_store(store, 1, "2")
+    try:
+        _same_generation_store(store, 1, "3")
+    except dist.DistStoreError as e:
+        assert fault(f"torch.distributed.DistStoreError: {e}") == "store", e
+    else:
+        raise AssertionError("a joiner of generation 3 took generation 2's store")

@@ -678,6 +678,8 @@ def _create(store, rank, size, timeout):
                 f"diphoma: the ring moved on to generation {follower.pending_generation} since this process was "
                 f"started for generation {expected} (RANK and WORLD_SIZE are that generation's): the launcher restarts it"
             )
+        if expected:
+            _same_generation_store(store, rank, expected)
         ring = follower.connect()
         diphoma._set_follower(follower)
     if (ring.rank, ring.world) != (rank, size):
@@ -690,6 +692,26 @@ def _create(store, rank, size, timeout):
     group = ProcessGroupDiphoma(ring, rank, size, store, timeout)
     group.main = True
     return group
+
+
+def _same_generation_store(store, rank, generation):
+    """In a pod (the in-pod launcher's ``DIPHOMA_GENERATION``): rank 0 posts the generation its
+    process was started for in torch's rendezvous store, and every other rank checks it there.
+    A process started for a new generation can connect to rank 0's previous process, which
+    serves the store on the same address until its launcher replaces it (a joiner is often
+    quicker), and would then wait for a ring whose rank 0 waits for it in the new store. Raises
+    ``DistStoreError`` (a store fault: the launcher starts the process again) when the store is
+    another generation's; a store that went away raises torch's own error."""
+    key = "diphoma/generation"
+    if rank == 0:
+        store.set(key, generation)
+        return
+    served = store.get(key).decode()
+    if served != generation:
+        raise dist.DistStoreError(
+            f"diphoma: the rendezvous store at MASTER_ADDR serves generation {served}, not {generation} this process "
+            "was started for (rank 0's previous process): the launcher starts it again"
+        )
 
 
 def _subring(store, rank, size):
