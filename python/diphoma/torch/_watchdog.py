@@ -5,8 +5,9 @@ A ring collective cannot tell a slow peer from one that never calls it: every ra
 neighbour. So when a collective of the group has run ``after`` seconds (``DIPHOMA_DETECTION_
 SECONDS``, 10 standalone: the job's ``faultTolerance.detectionSeconds`` in a pod), the rank posts
 ``diphoma/waiting/<seq>/<rank>`` in the group's store (torch's rendezvous store, shared by the
-ranks) and reads which ranks posted the same: those that did not have not called collective
-``seq`` (they compute, hang in the script, or called another collective first). It logs them
+ranks) and, another ``after`` later, reads which ranks posted the same: those that did not had
+not called collective ``seq`` within ``after`` seconds of this rank (they compute, hang in the
+script, or called another collective first). It logs them
 once per collective (the ``diphoma`` logger, WARNING) and keeps them for the error the
 collective raises if it times out. Nothing is written while collectives finish in time.
 """
@@ -81,8 +82,9 @@ class Watchdog:
                 if posted != seq:
                     self.store.set(waiting_key(seq, self.rank), str(self.rank))
                     posted = seq
-                # Give the others a moment to post theirs (their clocks started apart).
-                self._stop.wait(min(1.0, self.after / 4))
+                # Another `after` for the others to post theirs: a rank that entered it up to
+                # `after` later than this one has posted by then.
+                self._stop.wait(self.after)
                 waiting = {r for r in range(self.world) if self.store.check([waiting_key(seq, r)])}
             except Exception as e:  # noqa: BLE001 - the store went away: the collective will fail itself
                 _log.debug("diphoma watchdog: %s", e)
@@ -94,6 +96,6 @@ class Watchdog:
                 self._found = {seq: missing}  # only the latest is ever asked for
             if missing:
                 _log.warning(
-                    "diphoma: collective %d of this group has waited %.0f s on rank %d for rank(s) %s, which have "
-                    "not called it: every rank must call the same collectives in the same order",
-                    seq, time.monotonic() - start, self.rank, ", ".join(map(str, missing)))
+                    "diphoma: collective %d of this group has waited %.0f s on rank %d for rank(s) %s, which did not "
+                    "call it within %.0f s of this rank: every rank must call the same collectives in the same order",
+                    seq, time.monotonic() - start, self.rank, ", ".join(map(str, missing)), self.after)
