@@ -2,11 +2,11 @@
 NCCL, within ``detectionSeconds`` instead of at the collective's timeout (30 min by default).
 
 A ring collective cannot tell a slow peer from one that never calls it: every rank waits on its
-neighbour. So when a collective of the group has run ``after`` seconds (``DIPHOMA_DETECTION_
+neighbour. So when a collective of the group has run ``after / 2`` seconds (``DIPHOMA_DETECTION_
 SECONDS``, 10 standalone: the job's ``faultTolerance.detectionSeconds`` in a pod), the rank posts
 ``diphoma/waiting/<seq>/<rank>`` in the group's store (torch's rendezvous store, shared by the
-ranks) and, another ``after`` later, reads which ranks posted the same: those that did not had
-not called collective ``seq`` within ``after`` seconds of this rank (they compute, hang in the
+ranks) and, another ``after / 2`` later, reads which ranks posted the same: those that did not
+had not called collective ``seq`` within ``after / 2`` seconds of this rank (they compute, hang in the
 script, or called another collective first). It logs them
 once per collective (the ``diphoma`` logger, WARNING) and keeps them for the error the
 collective raises if it times out. Nothing is written while collectives finish in time.
@@ -75,16 +75,16 @@ class Watchdog:
         while not self._stop.wait(min(0.5, self.after / 4)):
             with self._lock:
                 current = self._current
-            if current is None or time.monotonic() - current[1] < self.after:
+            if current is None or time.monotonic() - current[1] < self.after / 2:
                 continue
             seq, start = current
             try:
                 if posted != seq:
                     self.store.set(waiting_key(seq, self.rank), str(self.rank))
                     posted = seq
-                # Another `after` for the others to post theirs: a rank that entered it up to
-                # `after` later than this one has posted by then.
-                self._stop.wait(self.after)
+                # Another `after / 2` for the others to post theirs: a rank that entered it up
+                # to `after / 2` later than this one has posted by then.
+                self._stop.wait(self.after / 2)
                 waiting = {r for r in range(self.world) if self.store.check([waiting_key(seq, r)])}
             except Exception as e:  # noqa: BLE001 - the store went away: the collective will fail itself
                 _log.debug("diphoma watchdog: %s", e)
@@ -98,4 +98,4 @@ class Watchdog:
                 _log.warning(
                     "diphoma: collective %d of this group has waited %.0f s on rank %d for rank(s) %s, which did not "
                     "call it within %.0f s of this rank: every rank must call the same collectives in the same order",
-                    seq, time.monotonic() - start, self.rank, ", ".join(map(str, missing)), self.after)
+                    seq, time.monotonic() - start, self.rank, ", ".join(map(str, missing)), self.after / 2)
