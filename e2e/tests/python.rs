@@ -105,6 +105,25 @@ async fn the_pytorch_digits_example_survives_a_killed_worker(
         Ok(up.len() == 4 && status().await?.progress.is_some_and(|p| p.step > 0))
     })
     .await?;
+    // `kubectl diphoma top` shows the PyTorch workers as it shows the Rust ones: a row per rank
+    // with its mean allreduce time and its step, read from the same /metrics.
+    let top = plugin_ok(
+        &ctx,
+        &["top", "pytorch-digits", "--interval", "1", "-n", &ns],
+    )?;
+    let rows: Vec<Vec<&str>> = top
+        .lines()
+        .skip(2)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    ensure!(rows.len() == 4, "{top}");
+    for r in &rows {
+        ensure!(
+            r.len() == 7 && r[4] == "ms" && r[3].parse::<f64>().is_ok_and(|ms| ms > 0.0),
+            "allreduce: {top}"
+        );
+        ensure!(r[6].parse::<f64>().is_ok(), "step: {top}");
+    }
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     let pid = |name: &'static str| {
         let pods = pods.clone();

@@ -576,6 +576,13 @@ pub struct DiphomaJobStatus {
     /// The most recent worker failure.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure: Option<LastFailure>,
+    /// Lost pods that `failures` or `disruptions` already count and that the operator has not
+    /// yet seen marked as counted (the pod's `diphoma.io/failure-counted` annotation, written
+    /// right after this status; for a member that vanished, a ring without it): never counted
+    /// again, even by an operator stopped between the two writes, as batch Job's
+    /// `uncountedTerminatedPods` keeps its counts exact. Usually empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub counted_pods: Vec<CountedPod>,
     /// Why the ring waits or runs short, naming the first worker that does not start and who
     /// says why: `2 of 4 workers ready; <pod>: <reason>: <message>`, the reason being
     /// `CreateRefused` (the API server's message, e.g. an exceeded quota), the scheduler's
@@ -737,6 +744,19 @@ impl Counts {
         self.total += 1;
         *self.by_cause.entry(cause.to_owned()).or_default() += 1;
     }
+}
+
+/// A lost pod counted in the status and not yet seen marked ([`DiphomaJobStatus::counted_pods`]).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct CountedPod {
+    /// Pod name.
+    pub pod: String,
+    /// Pod UID; none for a member that vanished from the API before it was counted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
+    /// The cause it was counted under (`ProcessExit`, `Hung`, `NodeLost`, …).
+    pub cause: String,
 }
 
 /// The most recent worker failure.

@@ -877,8 +877,8 @@ async fn apply(
             .observe_failures(job.status.as_ref(), &plan.status);
     }
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    for f in plan.failures.iter().filter(|f| f.exists) {
-        let p = annotate(&pods, &f.pod, ANNOT_FAILURE_COUNTED, f.cause.as_str()).await?;
+    for c in &plan.mark {
+        let p = annotate(&pods, &c.pod, ANNOT_FAILURE_COUNTED, &c.cause).await?;
         written.note(Kind::Pod, &p.metadata);
     }
     for d in &plan.delete {

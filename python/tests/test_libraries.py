@@ -1,6 +1,7 @@
 """The libraries users train with, unchanged, on the "diphoma" backend: torch's own DCP
 (resharded 4 -> 2) and FSDP2 (against gloo), PyTorch Lightning's DDPStrategy against gloo, and
-Hugging Face Accelerate's packaged distributed test scripts."""
+Hugging Face Accelerate's packaged distributed test scripts, and Accelerate's own save_state /
+load_state resuming a restarted run."""
 
 import os
 import subprocess
@@ -47,6 +48,28 @@ def test_accelerates_own_test_scripts(module):
                        capture_output=True, text=True, timeout=240, env=env)
     check(p)
     assert f"accelerate ok: accelerate.test_utils.scripts.{module}" in p.stdout, p.stdout[-3000:]
+
+
+def test_accelerate_resumes_from_its_own_saved_state_after_a_restart(tmp_path):
+    """A framework that owns the loop commits and restores with its own hooks: Accelerate's
+    save_state every 3 steps and load_state on start. Rank 1 dies at step 7; every rank is
+    restarted (as the in-pod launcher restarts a pod's process in place), the run resumes at
+    step 6, not 0, and ends with the weights of a run that never failed (same data, same order:
+    the same float32 sums)."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
+    out = {}
+    for mode in ("die", "live"):
+        args = ["--max-restarts", "1"] if mode == "die" else []
+        p = subprocess.run([sys.executable, "-m", "diphoma.run", "--nproc", "2", "--backend", "diphoma", *args,
+                            os.path.join(SCRIPTS, "accelerate_resume.py"), str(tmp_path / mode), mode],
+                           capture_output=True, text=True, timeout=240, env=env)
+        check(p)
+        out[mode] = p.stdout
+    assert "[rank1]:rank 1: dying" in out["die"], out["die"]
+    assert "[rank0]:start at step 0 restart 0" in out["die"], out["die"]
+    assert "[rank0]:start at step 6 restart 1" in out["die"], out["die"]
+    done = [next(x for x in o.splitlines() if "done at step 12 weights" in x) for o in out.values()]
+    assert done[0] == done[1], done
 
 
 def test_fsdp2_trains_as_with_gloo(tmp_path):

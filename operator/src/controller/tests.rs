@@ -76,6 +76,7 @@ fn mock_refusing(objects: Vec<(String, Value)>, refuse: Option<&'static str>) ->
 fn worker(job: &DiphomaJob, i: i32, phase: &str, exit: Option<i32>) -> Value {
     let mut p = serde_json::to_value(build::worker_pod(job, i, 0).unwrap()).unwrap();
     p["spec"]["nodeName"] = json!("n0");
+    p["metadata"]["uid"] = json!(format!("uid-worker-{i}")); // as the API server sets one
     if exit.is_none() {
         // As the operator labelled it in generation 1 of [`world`].
         p["metadata"]["labels"][contract::LABEL_RANK] = json!(i.to_string());

@@ -18,7 +18,8 @@ use super::{
     Cause, Deletion, EventNote, Failure, Observed, Plan, by_operator, condition, counted, node_of,
     parse_ts, pod_phase, present_pod, started, ts,
 };
-use crate::api::{DiphomaJob, DiphomaJobStatus, LastFailure};
+use crate::api::{CountedPod, DiphomaJob, DiphomaJobStatus, LastFailure};
+use crate::build::ANNOT_FAILURE_COUNTED;
 
 /// Classifies a pod that is lost, or returns `None` for a healthy (or still starting) one.
 /// Returns (cause, reason, exit code).
@@ -234,11 +235,36 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
         },
         ..Found::default()
     };
+    // Counted by the status, not yet seen marked: counted already (see `unmarked`).
+    plan.status.counted_pods = unmarked(&plan.status.counted_pods, obs);
     for p in &obs.pods {
         if by_operator(p) && p.metadata.deletion_timestamp.is_some() {
             continue;
         }
-        let Some((cause, reason, exit_code)) = classify(p, &nodes.lost) else {
+        let lost = classify(p, &nodes.lost);
+        let journaled = (plan.status.counted_pods.iter())
+            .find(|c| c.uid.is_some() && c.uid == p.uid())
+            .map(|c| c.cause.clone());
+        if let Some(cause) =
+            journaled.or_else(|| p.annotations().get(ANNOT_FAILURE_COUNTED).cloned())
+        {
+            // Counted before (marked, or its mark not written yet: the operator stopped between
+            // the two writes): a pod that still runs (frozen, on a lost node) must go; a
+            // finished one stays for its logs, as `cleanPodPolicy` says (see `keep_failed`).
+            found.failed_pods.insert(p.name_any());
+            let force = (lost.iter().map(|l| l.0))
+                .chain(Cause::ALL.into_iter().filter(|c| c.as_str() == cause))
+                .any(Cause::force_delete);
+            if (p.metadata.deletion_timestamp.is_none() && !terminal(p)) || force {
+                plan.delete.push(Deletion {
+                    pod: p.name_any(),
+                    force,
+                    reason: "Replaced",
+                });
+            }
+            continue;
+        }
+        let Some((cause, reason, exit_code)) = lost else {
             continue;
         };
         found.failed_pods.insert(p.name_any());
@@ -249,18 +275,6 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
                 force: true,
                 reason: "Rescheduled",
             });
-            continue;
-        }
-        if counted(p) {
-            // Already counted: a pod that still runs (frozen, on a lost node) must go; a
-            // finished one stays for its logs, as `cleanPodPolicy` says (see `keep_failed`).
-            if (p.metadata.deletion_timestamp.is_none() && !terminal(p)) || cause.force_delete() {
-                plan.delete.push(Deletion {
-                    pod: p.name_any(),
-                    force: cause.force_delete(),
-                    reason: "Replaced",
-                });
-            }
             continue;
         }
         let retryable = match cause {
@@ -351,7 +365,10 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
     // Members that vanished from the API without being accounted for were deleted by someone.
     let present: BTreeSet<String> = obs.pods.iter().map(|p| p.name_any()).collect();
     for m in ring.iter().flat_map(|r| r.members.iter()) {
-        if !present.contains(&m.pod) && !found.departed.contains(&m.pod) {
+        if !present.contains(&m.pod)
+            && !found.departed.contains(&m.pod)
+            && !plan.status.counted_pods.iter().any(|c| c.pod == m.pod)
+        {
             plan.failures.push(Failure {
                 pod: m.pod.clone(),
                 rank: Some(m.rank as i32),
@@ -370,6 +387,13 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
             .pods
             .iter()
             .any(|p| p.name_any() == f.pod && terminal(p));
+        plan.status.counted_pods.push(CountedPod {
+            pod: f.pod.clone(),
+            uid: (obs.pods.iter())
+                .find(|p| f.exists && p.name_any() == f.pod)
+                .and_then(|p| p.uid()),
+            cause: f.cause.as_str().into(),
+        });
         record(
             &mut plan.status,
             &mut plan.delete,
@@ -378,8 +402,35 @@ pub fn detect(job: &DiphomaJob, obs: &Observed, nodes: &Nodes, plan: &mut Plan) 
             keep,
         );
     }
+    plan.mark = (plan.status.counted_pods.iter())
+        .filter(|c| c.uid.is_some())
+        .filter(|c| obs.pods.iter().any(|p| p.uid() == c.uid && !counted(p)))
+        .cloned()
+        .collect();
     keep_failed(job, obs, plan);
     found
+}
+
+/// The entries of a status's `countedPods` (`journal`) whose mark is still not seen in `obs`:
+/// a pod (by UID) that exists unmarked (its `diphoma.io/failure-counted` annotation missing),
+/// or one that is gone, no pod holds its name and the published ring still lists it (a member
+/// that vanished: only the ring could count it again). The status is written before the marks,
+/// so an operator stopped between the two leaves such entries, and they keep the pod from being
+/// counted again; once marked, the mark does, and a new pod of the same name is a new pod.
+pub fn unmarked(journal: &[CountedPod], obs: &Observed) -> Vec<CountedPod> {
+    let vanished = |pod: &str| {
+        !present_pod(obs, pod) && obs.ring.as_ref().is_some_and(|r| r.rank_of(pod).is_some())
+    };
+    (journal.iter())
+        .filter(|c| {
+            let p = obs
+                .pods
+                .iter()
+                .find(|p| c.uid.is_some() && p.uid() == c.uid);
+            p.map_or_else(|| vanished(&c.pod), |p| !counted(p))
+        })
+        .cloned()
+        .collect()
 }
 
 /// [`Deletion::reason`] of an older failed pod of a worker whose newer failed pod is kept.

@@ -23,6 +23,7 @@ const COMPLETION_GRACE: u64 = 6;
 /// A finished job stays finished: `cleanPodPolicy` and the TTL, nothing else.
 pub fn finished(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
     plan.delete = finished_deletions(job.spec.run_policy.clean_pod_policy, &obs.pods);
+    plan.status.counted_pods.clear(); // a finished job counts nothing more
     let prev = job.status.clone().unwrap_or_default();
     ttl(job, &prev, obs.now, plan);
 }

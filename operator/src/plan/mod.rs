@@ -281,8 +281,12 @@ pub struct Plan {
     /// ConfigMap): the job has not finished, and the spec generation moved since the status
     /// last observed it or a child is missing ([`Observed::missing`]).
     pub apply_children: bool,
-    /// Failures to record (annotation on the pod) and count.
+    /// Failures to count (in the status, and in its `countedPods` until they are marked).
     pub failures: Vec<Failure>,
+    /// Pods to mark as counted (the `diphoma.io/failure-counted` annotation, the cause as its
+    /// value) once the status is written: this plan's failures that exist, and those the status
+    /// counted before without the mark ever written.
+    pub mark: Vec<crate::api::CountedPod>,
     /// Pods to create.
     pub create: Vec<Pod>,
     /// Pods to delete.

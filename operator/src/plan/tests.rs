@@ -57,6 +57,7 @@ fn late_node() -> NodeHealth {
 /// Worker pod `i` (attempt 0) in `phase`, Ready when Running, on node `n<i>`.
 fn pod(j: &DiphomaJob, i: i32, phase: &str) -> Pod {
     let mut p = build::worker_pod(j, i, 0).unwrap();
+    p.metadata.uid = Some(format!("uid-{}", p.name_any()));
     let ready = if phase == "Running" { "True" } else { "False" };
     p.spec.as_mut().unwrap().node_name = Some(format!("n{i}"));
     p.status = Some(serde_json::from_value(json!({
@@ -327,6 +328,144 @@ fn a_counted_failure_is_not_counted_again() {
     assert!(p.delete.is_empty(), "the failed pod stays for its logs");
     assert_eq!(p.create[0].name_any(), "train-worker-1-1");
     assert_eq!(p.status.failures.total, 0);
+}
+
+/// `j` whose status already counts `pod`'s loss by `cause` (`uid`: the pod's, none for a member
+/// that vanished), its mark not yet written (the operator was stopped between the status write
+/// and the mark).
+fn counted_unmarked(mut j: DiphomaJob, pod: &str, uid: Option<&str>, cause: Cause) -> DiphomaJob {
+    let st = j.status.as_mut().unwrap();
+    st.failures.add(cause.as_str());
+    st.counted_pods = vec![crate::api::CountedPod {
+        pod: pod.into(),
+        uid: uid.map(str::to_owned),
+        cause: cause.as_str().into(),
+    }];
+    j
+}
+
+#[test]
+fn a_failure_the_status_counts_is_not_counted_again_when_its_mark_was_never_written() {
+    let j = elastic(2);
+    let j = counted_unmarked(
+        j,
+        "train-worker-1",
+        Some("uid-train-worker-1"),
+        Cause::ProcessExit,
+    );
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[1] = exited(pods[1].clone(), 137, "Error");
+    // Stopped before the mark and before the new ring: the old ring still lists the pod.
+    let p = plan(&j, &obs(pods.clone(), Some(ring(&j, 3, &[0, 1, 2, 3]))));
+    assert!(p.failures.is_empty(), "{:?}", p.failures);
+    assert_eq!(p.status.failures.total, 1);
+    let marked: Vec<&str> = p.mark.iter().map(|c| c.pod.as_str()).collect();
+    assert_eq!(marked, ["train-worker-1"]);
+    assert_eq!(p.mark[0].cause, "ProcessExit");
+    assert_eq!(p.status.counted_pods, p.mark, "kept until the mark is seen");
+    assert!(p.delete.is_empty(), "the failed pod stays for its logs");
+    assert_eq!(p.create[0].name_any(), "train-worker-1-1");
+    let m = p.publish.expect("the ring re-formed without it");
+    assert!(m.rank_of("train-worker-1").is_none());
+    // The mark seen: the entry goes, and the pod is still counted once.
+    pods[1]
+        .annotations_mut()
+        .insert(ANNOT_FAILURE_COUNTED.into(), "ProcessExit".into());
+    let p = plan(&j, &obs(pods, Some(m)));
+    assert!(p.failures.is_empty() && p.mark.is_empty());
+    assert!(p.status.counted_pods.is_empty());
+    assert_eq!(p.status.failures.total, 1);
+}
+
+#[test]
+fn a_new_failure_is_counted_with_its_mark_journaled_in_the_status() {
+    let j = elastic(2);
+    let mut pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();
+    pods[2] = exited(pods[2].clone(), 1, "Error");
+    let p = plan(&j, &obs(pods, Some(ring(&j, 3, &[0, 1, 2, 3, 4]))));
+    // train-worker-4 vanished (deleted by someone): counted, but there is nothing to mark.
+    let journal: Vec<(&str, Option<&str>, &str)> = (p.status.counted_pods.iter())
+        .map(|c| (c.pod.as_str(), c.uid.as_deref(), c.cause.as_str()))
+        .collect();
+    assert_eq!(
+        journal,
+        [
+            ("train-worker-2", Some("uid-train-worker-2"), "ProcessExit"),
+            ("train-worker-4", None, "PodDeleted")
+        ]
+    );
+    let marked: Vec<&str> = p.mark.iter().map(|c| c.pod.as_str()).collect();
+    assert_eq!(marked, ["train-worker-2"]);
+}
+
+#[test]
+fn a_vanished_member_the_status_counts_is_not_counted_again() {
+    let j = counted_unmarked(elastic(2), "train-worker-1", None, Cause::PodDeleted);
+    let mut pods: Vec<Pod> = [0, 2, 3].map(|i| pod(&j, i, "Running")).to_vec();
+    let p = plan(&j, &obs(pods.clone(), Some(ring(&j, 3, &[0, 1, 2, 3]))));
+    assert!(p.failures.is_empty(), "{:?}", p.failures);
+    assert_eq!(p.status.failures.total, 1);
+    assert!(p.mark.is_empty(), "nothing to mark");
+    assert_eq!(p.status.counted_pods.len(), 1, "while the ring lists it");
+    assert_eq!(
+        p.create[0].name_any(),
+        "train-worker-1",
+        "its name is free again"
+    );
+    // Its replacement, of the same name, is a new pod: neither counted nor deleted.
+    let mut replacement = pod(&j, 1, "Running");
+    replacement.metadata.uid = Some("uid-replacement".into());
+    pods.push(replacement);
+    let o = obs(pods.clone(), Some(ring(&j, 3, &[0, 1, 2, 3])));
+    let again = plan(&j, &o);
+    assert!(again.failures.is_empty() && again.delete.is_empty());
+    assert!(again.status.counted_pods.is_empty() && again.mark.is_empty());
+    // The ring no longer lists it: nothing can count it again.
+    pods.pop();
+    let p = plan(&j, &obs(pods, p.publish));
+    assert!(p.failures.is_empty() && p.status.counted_pods.is_empty());
+}
+
+#[test]
+fn a_hung_member_counted_before_is_replaced_not_counted_again() {
+    // Counted, its mark not written (journal), or marked and not yet deleted (the operator
+    // stopped between the mark and the deletion): either way deleted at once, counted once.
+    let journaled = counted_unmarked(
+        elastic(2),
+        "train-worker-1",
+        Some("uid-train-worker-1"),
+        Cause::Hung,
+    );
+    let pods: Vec<Pod> = (0..4).map(|i| pod(&journaled, i, "Running")).collect();
+    let mut marked_pods = pods.clone();
+    marked_pods[1]
+        .annotations_mut()
+        .insert(ANNOT_FAILURE_COUNTED.into(), "Hung".into());
+    let mut marked = journaled.clone();
+    marked.status.as_mut().unwrap().counted_pods.clear();
+    for (j, pods) in [(journaled, pods), (marked, marked_pods)] {
+        let p = plan(&j, &obs(pods, Some(ring(&j, 3, &[0, 1, 2, 3]))));
+        assert!(p.failures.is_empty(), "{:?}", p.failures);
+        assert_eq!(p.status.failures.total, 1);
+        let deleted: Vec<(&str, bool)> =
+            p.delete.iter().map(|d| (d.pod.as_str(), d.force)).collect();
+        assert_eq!(
+            deleted,
+            [("train-worker-1", true)],
+            "a frozen process is force-deleted"
+        );
+        assert!(p.publish.unwrap().rank_of("train-worker-1").is_none());
+    }
+}
+
+#[test]
+fn a_finished_job_keeps_no_counted_pods() {
+    let mut j = counted_unmarked(elastic(2), "train-worker-1", None, Cause::ProcessExit);
+    j.status.as_mut().unwrap().phase = Some(Phase::Failed);
+    let pods = vec![exited(pod(&j, 1, "Running"), 1, "Error")];
+    let p = plan(&j, &obs(pods, None));
+    assert!(p.status.counted_pods.is_empty() && p.mark.is_empty());
+    assert_eq!(p.status.failures.total, 1);
 }
 
 #[test]
