@@ -158,6 +158,11 @@ def test_ranks_calling_different_sizes_get_a_collective_mismatch_not_ring_change
     assert "rank 0: first: CollectiveMismatch: " in p.stdout and "expected a frame of 16 bytes from its peer and received one of 20" in p.stdout, p.stdout
     assert "rank 1: first: CollectiveMismatch: " in p.stdout and "expected a frame of 20 bytes from its peer and received one of 16" in p.stdout, p.stdout
     assert "rank 0: next: CollectiveMismatch: an earlier collective" in p.stdout, p.stdout
+    # Each rank names its own call: the tensor's elements, dtype and shape.
+    for r, n in ((0, 4), (1, 5)):
+        said = f"of the group had 1 tensor: {n} torch.float32 elements ({4 * n} bytes), shape ({n},)"
+        line = next(x for x in p.stdout.splitlines() if f"rank {r}: first: CollectiveMismatch: " in x)
+        assert said in line, p.stdout
     assert not issubclass(diphoma.CollectiveMismatch, diphoma.RingChanged)
 
 

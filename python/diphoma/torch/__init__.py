@@ -107,6 +107,25 @@ class _InPlace:
             self.t.copy_(self.buf)
 
 
+def _describe(result):
+    """The tensors of a collective's ``result`` (a tensor, or nested lists of them) as a mismatch
+    names them: ``"1 tensor: 5 torch.float32 elements (20 bytes), shape (5,)"``; empty when there
+    are none."""
+    flat, todo = [], [result]
+    while todo:
+        x = todo.pop(0)
+        if isinstance(x, torch.Tensor):
+            flat.append(x)
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+    if not flat:
+        return ""
+    parts = [f"{t.numel()} {t.dtype} elements ({t.numel() * t.element_size()} bytes), shape {tuple(t.shape)}"
+             for t in flat[:4]]
+    more = f", and {len(flat) - 4} more" if len(flat) > 4 else ""
+    return f"{len(flat)} tensor{'s' if len(flat) > 1 else ''}: {'; '.join(parts)}{more}"
+
+
 class _Work(dist.Work):
     """One collective's handle. Its future always completes with the collective's output;
     ``wait()`` raises the collective's error. torch 2.15's DDP reducer crashes the interpreter
@@ -125,6 +144,7 @@ class _Work(dist.Work):
         self.completed = False
         self.error = None
         self.source = -1  # the sender, for a receive from any source
+        self.call = None  # the tensors this rank passed, named by a CollectiveMismatch (``_describe``)
 
     def _source_rank(self):
         return self.source
@@ -223,6 +243,8 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                 # Named for the operator (a silent peer found by the ring's liveness probes) now,
                 # whether the process re-forms (elastic.run) or is restarted (a torchrun script).
                 follower.report_failure(self.ring)
+            if isinstance(e, diphoma.CollectiveMismatch) and _describe(work.call):
+                e = type(e)(f"{e}; this rank's collective number {seq} of the group had {_describe(work.call)}")
             missing = self._watchdog.absent_ranks(seq) if self._watchdog is not None else None
             if missing and isinstance(e, diphoma.RingError):
                 e = type(e)(f"{e} (rank(s) {', '.join(map(str, missing))} never called this collective, "
@@ -244,6 +266,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             cls = type(self.error) if isinstance(self.error, diphoma.RingError) else RingChanged
             raise cls(f"an earlier collective of this group failed: {self.error}")
         work = _Work()
+        work.call = result  # described only if the ranks' calls turn out to differ
         self.blocked.submitted()
         self._seq += 1
         seq = self._seq
