@@ -150,6 +150,18 @@ def test_ddp_backward_through_a_lost_peer_raises_instead_of_crashing():
     assert "RingChanged: " in p.stdout and "failed" in p.stdout, p.stdout
 
 
+def test_at_world_3_every_rank_gets_the_collective_mismatch():
+    """Rank r all-reduces 4 + r elements: only rank 1 receives a frame of another size, its
+    neighbours only see it leave; they raise the CollectiveMismatch it posted in the group's
+    store (naming its call and theirs), not RingChanged."""
+    p = check(launch(3, "mismatch.py", timeout=60))
+    for r in range(3):
+        line = next(x for x in p.stdout.splitlines() if f"rank {r}: first: " in x)
+        assert f"rank {r}: first: CollectiveMismatch: " in line, p.stdout
+        assert f"had 1 tensor: {4 + r} torch.float32 elements" in line, p.stdout
+    assert "RingChanged" not in p.stdout, p.stdout
+
+
 def test_ranks_calling_different_sizes_get_a_collective_mismatch_not_ring_changed():
     """A size mismatch across ranks is the script's mistake: every rank raises
     CollectiveMismatch naming the sizes it saw (not RingChanged, which would drive a re-form),

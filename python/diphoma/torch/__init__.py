@@ -27,6 +27,7 @@ fixed across world sizes.
 
 import atexit
 import os
+import logging
 import queue
 import secrets
 import threading
@@ -56,6 +57,10 @@ _LIVE = weakref.WeakSet()
 # live in rank 0's store, which may be this process: see diphoma.torch._p2p).
 _FLUSH_SECONDS = 30
 _STOP = object()
+# How long a rank whose collective lost its peer looks for a mismatch notice of that collective
+# (posted within milliseconds by the rank that found it, before it leaves the ring).
+MISMATCH_WAIT = 0.5
+_log = logging.getLogger("diphoma")
 
 
 @atexit.register
@@ -238,13 +243,12 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         try:
             job()
         except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            e = self._mismatch_shared(e, work, seq)
             follower = diphoma._current["follower"]
             if isinstance(e, RingChanged) and self.main and follower is not None and self.ring.failed:
                 # Named for the operator (a silent peer found by the ring's liveness probes) now,
                 # whether the process re-forms (elastic.run) or is restarted (a torchrun script).
                 follower.report_failure(self.ring)
-            if isinstance(e, diphoma.CollectiveMismatch) and _describe(work.call):
-                e = type(e)(f"{e}; this rank's collective number {seq} of the group had {_describe(work.call)}")
             missing = self._watchdog.absent_ranks(seq) if self._watchdog is not None else None
             if missing and isinstance(e, diphoma.RingError):
                 e = type(e)(f"{e} (rank(s) {', '.join(map(str, missing))} never called this collective, "
@@ -255,6 +259,36 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         finally:
             if self._watchdog is not None:
                 self._watchdog.end()
+
+    def _mismatch_shared(self, e, work, seq):
+        """``e``, the error of collective ``seq``, as the ranks tell it each other through the
+        group's store (not in a single-process ``HashStore`` group): a rank that finds the ranks'
+        calls differ (``CollectiveMismatch``, naming this rank's call) posts it under
+        ``diphoma/mismatch/<seq>``; its ring neighbours only see it leave, so a rank whose
+        collective failed with a lost peer looks there for up to ``MISMATCH_WAIT`` s and raises
+        the mismatch instead (the script's mistake, not a lost member: nothing is reported)."""
+        mine = _describe(work.call)
+        key = f"diphoma/mismatch/{seq}"
+        try:
+            if isinstance(e, diphoma.CollectiveMismatch):
+                e = type(e)(f"{e}; this rank's collective number {seq} of the group had {mine or 'no tensor'}")
+                if not self._p2p._local:
+                    self._p2p.store.set(key, f"rank {self.rank()}, whose call had {mine or 'no tensor'}")
+            elif isinstance(e, RingChanged) and self.ring.failed and not self._p2p._local:
+                deadline = time.monotonic() + MISMATCH_WAIT
+                while time.monotonic() < deadline and not self._p2p.store.check([key]):
+                    time.sleep(0.02)
+                if self._p2p.store.check([key]):
+                    found_by = self._p2p.store.get(key).decode()
+                    e = diphoma.CollectiveMismatch(
+                        f"diphoma: ring generation {self.ring.generation} (rank {self.rank()} of {self.size()}): the "
+                        f"ranks called different collectives or sizes, as {found_by} found (it left the ring, so "
+                        f"this rank saw: {e}); this rank's collective number {seq} of the group had "
+                        f"{mine or 'no tensor'} (check that every rank calls the same collectives, in the same "
+                        "order, with tensors of the same size and dtype)")
+        except Exception as store_error:  # noqa: BLE001 - the store went away with rank 0: e as it is
+            _log.debug("diphoma: the mismatch notice of collective %d: %s", seq, store_error)
+        return e
 
     def _submit(self, job, result, opts=None):
         """Runs ``job`` in call order and returns its ``Work``: on the caller's thread when the
