@@ -880,12 +880,7 @@ async fn the_kubectl_plugin_shows_the_ring_logs_why_and_top_of_a_repaired_job(
         "the Service's events are not the job's:\n{why}"
     );
 
-    let top = plugin_ok(&ctx, &["top", "plugged", "--interval", "1", "-n", &ns])?;
-    let rows: Vec<Vec<&str>> = top
-        .lines()
-        .skip(2)
-        .map(|l| l.split_whitespace().collect())
-        .collect();
+    let (top, rows) = top_rows(&ctx, "plugged", &ns)?;
     ensure!(rows.len() == 3, "{top}");
     for r in &rows {
         ensure!(

@@ -107,15 +107,7 @@ async fn the_pytorch_digits_example_survives_a_killed_worker(
     .await?;
     // `kubectl diphoma top` shows the PyTorch workers as it shows the Rust ones: a row per rank
     // with its mean allreduce time and its step, read from the same /metrics.
-    let top = plugin_ok(
-        &ctx,
-        &["top", "pytorch-digits", "--interval", "1", "-n", &ns],
-    )?;
-    let rows: Vec<Vec<&str>> = top
-        .lines()
-        .skip(2)
-        .map(|l| l.split_whitespace().collect())
-        .collect();
+    let (top, rows) = top_rows(&ctx, "pytorch-digits", &ns)?;
     ensure!(rows.len() == 4, "{top}");
     for r in &rows {
         ensure!(

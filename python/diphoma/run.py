@@ -329,7 +329,8 @@ class Elastic:
 def parse(argv):
     """The launcher's arguments (torchrun's names where they mean the same; see ``main``)."""
     ap = argparse.ArgumentParser(prog="python -m diphoma.run", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", type=int, default=1, help="number of ranks (default 1)")
+    ap.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", default="1",
+                    help="number of ranks (default 1), or as torchrun: cpu, gpu, auto (the accelerators, else the cores)")
     ap.add_argument("--nnodes", default="1", help="must be 1 (standalone: one node; a DiphomaJob spans nodes)")
     ap.add_argument("--node-rank", "--node_rank", type=int, default=0, help="must be 0")
     ap.add_argument("--standalone", action="store_true", help="accepted for torchrun's command lines (always standalone)")
@@ -359,6 +360,15 @@ def parse(argv):
     ap.add_argument("script", help="the training script (a module with -m, a program with --no-python)")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = ap.parse_args(argv)
+    try:
+        a.nproc = int(a.nproc)
+    except ValueError:
+        from torch.distributed.run import determine_local_world_size  # torchrun's own reading
+
+        try:
+            a.nproc = determine_local_world_size(a.nproc)
+        except ValueError as e:
+            ap.error(f"--nproc-per-node {a.nproc}: {e}")
     if a.nproc < 1:
         ap.error("--nproc must be at least 1")
     if a.nnodes not in ("1", "1:1") or a.node_rank != 0:

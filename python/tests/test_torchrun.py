@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import SCRIPTS, check
 
@@ -99,6 +100,19 @@ def test_lightning_resumes_from_its_own_last_checkpoint_after_a_restart(tmp_path
     assert "[rank0]:start at step 0 restart 0" in p.stdout, p.stdout
     assert "[rank0]:start at step 6 restart 1" in p.stdout, p.stdout
     assert "[rank0]:done at step 12" in p.stdout, p.stdout
+
+
+def test_nproc_per_node_takes_torchruns_device_words():
+    """--nproc-per-node cpu/auto as torchrun reads them (auto: the accelerators, else the
+    cores); gpu without one and a word torchrun does not know are refused, named."""
+    cores = torch._utils.cpu_count()
+    accelerators = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+    for word, world in (("cpu", cores), ("auto", accelerators or cores)):
+        p = check(run("--nproc-per-node", word, "--no-python", "/bin/sh", "-c", "echo world $WORLD_SIZE"))
+        assert f"[rank0]:world {world}" in p.stdout, p.stdout
+    for word in ("many",) if torch.cuda.is_available() else ("gpu", "many"):
+        p = run("--nproc-per-node", word, script("omp.py"))
+        assert p.returncode == 2 and f"--nproc-per-node {word}: " in p.stderr, p.stderr
 
 
 def test_module_filter_and_refused_flags():

@@ -770,6 +770,16 @@ pub fn plugin_ok(ctx: &Ctx, args: &[&str]) -> Result<String> {
     Ok(String::from_utf8(out.stdout)?)
 }
 
+/// `kubectl diphoma top JOB -n NS --interval 1`: its text, and each rank's row split at
+/// whitespace (after the generation line and the header).
+pub fn top_rows(ctx: &Ctx, job: &str, ns: &str) -> Result<(String, Vec<Vec<String>>)> {
+    let top = plugin_ok(ctx, &["top", job, "--interval", "1", "-n", ns])?;
+    let rows = (top.lines().skip(2))
+        .map(|l| l.split_whitespace().map(str::to_owned).collect())
+        .collect();
+    Ok((top, rows))
+}
+
 /// Every PromQL expression of a dashboard: (panel or annotation title, expression).
 pub fn dashboard_queries(board: &serde_json::Value) -> Vec<(String, String)> {
     let mut out = vec![];

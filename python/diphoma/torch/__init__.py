@@ -273,7 +273,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             if isinstance(e, diphoma.CollectiveMismatch):
                 e = type(e)(f"{e}; this rank's collective number {seq} of the group had {mine or 'no tensor'}")
                 if not self._p2p._local:
-                    self._p2p.store.set(key, f"rank {self.rank()}, whose call had {mine or 'no tensor'}")
+                    self._p2p.store.set(key, f"rank {self.rank()} (its call: {mine or 'no tensor'})")
             elif isinstance(e, RingChanged) and self.ring.failed and not self._p2p._local:
                 deadline = time.monotonic() + MISMATCH_WAIT
                 while time.monotonic() < deadline and not self._p2p.store.check([key]):
@@ -282,9 +282,9 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                     found_by = self._p2p.store.get(key).decode()
                     e = diphoma.CollectiveMismatch(
                         f"diphoma: ring generation {self.ring.generation} (rank {self.rank()} of {self.size()}): the "
-                        f"ranks called different collectives or sizes, as {found_by} found (it left the ring, so "
-                        f"this rank saw: {e}); this rank's collective number {seq} of the group had "
-                        f"{mine or 'no tensor'} (check that every rank calls the same collectives, in the same "
+                        f"ranks called different collectives or sizes: {found_by} received a frame of another size "
+                        f"and left the ring, so this rank saw: {e}; this rank's collective number {seq} of the group "
+                        f"had {mine or 'no tensor'} (check that every rank calls the same collectives, in the same "
                         "order, with tensors of the same size and dtype)")
         except Exception as store_error:  # noqa: BLE001 - the store went away with rank 0: e as it is
             _log.debug("diphoma: the mismatch notice of collective %d: %s", seq, store_error)

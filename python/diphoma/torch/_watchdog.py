@@ -20,6 +20,7 @@ import time
 _log = logging.getLogger("diphoma")
 ENV_DETECTION = "DIPHOMA_DETECTION_SECONDS"
 DEFAULT_AFTER = 10.0
+STOP_WAIT = 2.0
 
 
 def detection_seconds(environ=os.environ):
@@ -53,7 +54,8 @@ class Watchdog:
         self._current = None  # (seq, what, monotonic start)
         self._found = {}  # seq -> absent ranks
         self._stop = threading.Event()
-        threading.Thread(target=self._watch, name="diphoma-watchdog", daemon=True).start()
+        self._thread = threading.Thread(target=self._watch, name="diphoma-watchdog", daemon=True)
+        self._thread.start()
 
     def begin(self, seq):
         with self._lock:
@@ -68,7 +70,17 @@ class Watchdog:
             return self._found.get(seq)
 
     def stop(self):
+        """Stops the thread and waits for it (at most ``STOP_WAIT`` s: a store read in flight
+        ends at once when the store's server has gone): a daemon thread still inside torch's C++
+        (a store read) when the interpreter finalizes aborts the process."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(STOP_WAIT)
+
+    def _still(self, seq):
+        """Whether collective ``seq`` is still in flight and not yet looked at."""
+        with self._lock:
+            return self._current is not None and self._current[0] == seq and seq not in self._found
 
     def _watch(self):
         posted = None  # the collective this rank posted itself waiting in
@@ -83,8 +95,10 @@ class Watchdog:
                     self.store.set(waiting_key(seq, self.rank), str(self.rank))
                     posted = seq
                 # Another `after / 2` for the others to post theirs: a rank that entered it up
-                # to `after / 2` later than this one has posted by then.
-                self._stop.wait(self.after / 2)
+                # to `after / 2` later than this one has posted by then. Read once per collective,
+                # and only if it still waits (and the group is not stopping).
+                if self._stop.wait(self.after / 2) or not self._still(seq):
+                    continue
                 waiting = {r for r in range(self.world) if self.store.check([waiting_key(seq, r)])}
             except Exception as e:  # noqa: BLE001 - the store went away: the collective will fail itself
                 _log.debug("diphoma watchdog: %s", e)
