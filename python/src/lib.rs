@@ -299,6 +299,14 @@ impl Ring {
             .is_some()
     }
 
+    /// What the kept failure was (the ring's metric label: `peer_lost`, `timeout`, …); none
+    /// before a collective failed.
+    #[getter]
+    fn failure_kind(&self) -> Option<&'static str> {
+        let failure = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        failure.as_ref().map(CommError::metric_label)
+    }
+
     /// This member's rank.
     #[getter]
     fn rank(&self) -> usize {

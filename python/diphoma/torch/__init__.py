@@ -265,8 +265,10 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         group's store (not in a single-process ``HashStore`` group): a rank that finds the ranks'
         calls differ (``CollectiveMismatch``, naming this rank's call) posts it under
         ``diphoma/mismatch/<seq>``; its ring neighbours only see it leave, so a rank whose
-        collective failed with a lost peer looks there for up to ``MISMATCH_WAIT`` s and raises
-        the mismatch instead (the script's mistake, not a lost member: nothing is reported)."""
+        collective failed with a lost peer (a closed connection: the store's server, were it the
+        lost one, answers at once; a frozen one, which would not, leaves a timeout, not a lost
+        peer) looks there for up to ``MISMATCH_WAIT`` s and raises the mismatch instead (the
+        script's mistake, not a lost member: nothing is reported)."""
         mine = _describe(work.call)
         key = f"diphoma/mismatch/{seq}"
         try:
@@ -274,7 +276,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                 e = type(e)(f"{e}; this rank's collective number {seq} of the group had {mine or 'no tensor'}")
                 if not self._p2p._local:
                     self._p2p.store.set(key, f"rank {self.rank()} (its call: {mine or 'no tensor'})")
-            elif isinstance(e, RingChanged) and self.ring.failed and not self._p2p._local:
+            elif isinstance(e, RingChanged) and self.ring.failure_kind == "peer_lost" and not self._p2p._local:
                 deadline = time.monotonic() + MISMATCH_WAIT
                 while time.monotonic() < deadline and not self._p2p.store.check([key]):
                     time.sleep(0.02)
