@@ -223,14 +223,26 @@ impl ControlPlane {
             ],
         ];
         for args in steps {
-            let out = self
-                .kubectl()
-                .args(args)
-                .output()
-                .map_err(|source| Error::Io {
-                    path: self.bin_dir.join("kubectl"),
-                    source,
-                })?;
+            let mut tries = 0;
+            let out = loop {
+                let out = self
+                    .kubectl()
+                    .args(args)
+                    .output()
+                    .map_err(|source| Error::Io {
+                        path: self.bin_dir.join("kubectl"),
+                        source,
+                    })?;
+                // `kubectl wait` on a CRD the API server has not yet given any condition fails at
+                // once (".status.conditions accessor error: <nil>") instead of waiting: again.
+                let early = String::from_utf8_lossy(&out.stderr)
+                    .contains(".status.conditions accessor error");
+                tries += 1;
+                if !early || tries == 40 {
+                    break out;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(250));
+            };
             if !out.status.success() {
                 return Err(Error::Script {
                     script: format!("kubectl {args:?}").into(),
