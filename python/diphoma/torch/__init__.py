@@ -26,8 +26,8 @@ fixed across world sizes.
 """
 
 import atexit
-import os
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -269,10 +269,10 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         lost one, answers at once; a frozen one, which would not, leaves a timeout, not a lost
         peer) looks there for up to ``MISMATCH_WAIT`` s and raises the mismatch instead (the
         script's mistake, not a lost member: nothing is reported)."""
-        mine = _describe(work.call)
         key = f"diphoma/mismatch/{seq}"
         try:
             if isinstance(e, diphoma.CollectiveMismatch):
+                mine = _describe(work.call)
                 e = type(e)(f"{e}; this rank's collective number {seq} of the group had {mine or 'no tensor'}")
                 if not self._p2p._local:
                     self._p2p.store.set(key, f"rank {self.rank()} (its call: {mine or 'no tensor'})")
@@ -281,7 +281,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                 while time.monotonic() < deadline and not self._p2p.store.check([key]):
                     time.sleep(0.02)
                 if self._p2p.store.check([key]):
-                    found_by = self._p2p.store.get(key).decode()
+                    found_by, mine = self._p2p.store.get(key).decode(), _describe(work.call)
                     e = diphoma.CollectiveMismatch(
                         f"diphoma: ring generation {self.ring.generation} (rank {self.rank()} of {self.size()}): the "
                         f"ranks called different collectives or sizes: {found_by} received a frame of another size "
