@@ -36,6 +36,7 @@ fn main() -> Result<()> {
             a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_appears,
             two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed,
             a_gang_being_repaired_gets_its_room_before_a_gang_that_waits,
+            a_gang_job_deleted_during_its_repair_is_yielded_to_no_more,
         ],
     )
 }
@@ -405,5 +406,76 @@ async fn a_gang_being_repaired_gets_its_room_before_a_gang_that_waits(
         "the repaired gang finished, then the waiting one ran: {:.0} s after the repair",
         repaired.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// Two gangs of 3 on 4 GPUs, the second waiting. With both nodes cordoned, a worker of the first
+/// is deleted: its replacement cannot be placed, the first is being repaired and the second
+/// yields to it (`GangYields`). Then the first job is deleted, and the nodes uncordoned: the
+/// second gang no longer yields to a job that is gone, and trains to Succeeded. (Before, the
+/// operator remembered the repair by job name until its own reconcile of the deletion, which a
+/// job deleted in the background never gets: the second gang yielded until the operator
+/// restarted.)
+async fn a_gang_job_deleted_during_its_repair_is_yielded_to_no_more(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let nodes = ["gpu-0", "gpu-1"];
+    let cordon = |verb: &str| -> Result<()> {
+        for n in nodes {
+            run_ok(ctx.cp.kubectl().args([verb, n]))?;
+        }
+        Ok(())
+    };
+    apply_json(&ctx, &ns, &training_job("first", 3, 100_000, true).build())?;
+    running_ring(&ctx, &ns, "first", 3, 0).await?;
+    apply_json(&ctx, &ns, &training_job("second", 3, 1_000, true).build())?;
+    eventually(60, "the second gang waiting", async || {
+        let st = status(&ctx, &ns, "second").await?;
+        Ok(st
+            .waiting
+            .as_deref()
+            .is_some_and(|w| w.starts_with("gang of 3 waits: ")))
+    })
+    .await?;
+    cordon("cordon")?;
+    // The nodes are uncordoned whatever happens next: the suite's other tests share them.
+    let repaired_then_deleted = async {
+        run_ok(ctx.cp.kubectl().args([
+            "-n",
+            &ns,
+            "delete",
+            "pod",
+            "first-worker-1",
+            "--wait=false",
+        ]))?;
+        eventually(
+            60,
+            "the second gang yielding to the first's repair",
+            async || {
+                let st = status(&ctx, &ns, "second").await?;
+                Ok(st
+                    .conditions
+                    .iter()
+                    .any(|c| c.reason == "GangYields" && c.status == "True"))
+            },
+        )
+        .await?;
+        run_ok(ctx.cp.kubectl().args([
+            "-n",
+            &ns,
+            "delete",
+            "diphomajob",
+            "first",
+            "--wait=false",
+        ]))?;
+        anyhow::Ok(())
+    }
+    .await;
+    cordon("uncordon")?;
+    repaired_then_deleted?;
+    let second = finished(&ctx, &ns, "second", 240).await?;
+    ensure!(second.phase == Some(Phase::Succeeded), "{second:?}");
+    println!("\nthe first job deleted during its repair, the second gang ran to Succeeded");
     Ok(())
 }

@@ -35,10 +35,11 @@
 //! A steady job therefore reads and writes nothing.
 
 pub mod caches;
+pub mod memories;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use diphoma_contract::{
@@ -65,6 +66,8 @@ use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::plan::{self, Observed, Plan};
 use caches::{Caches, Kind, Written, owned_by};
+use memories::Memories;
+use plan::memory::{Answered, Memory};
 
 /// What every reconcile shares.
 pub struct Context {
@@ -76,15 +79,12 @@ pub struct Context {
     pub metrics: Metrics,
     /// Whether each job gets a NetworkPolicy ([`Options::network_policy`]).
     pub network_policy: bool,
-    /// Per job (`namespace/name`): the worker creations the API server refused and their
-    /// back-off.
-    pub refused: Mutex<BTreeMap<String, Refusals>>,
-    /// Per job (`namespace/name`): reconciles failed in a row, for the exponential back-off of
-    /// the error policy ([`retry_delay`]); cleared by a reconcile that succeeds.
-    pub retries: Mutex<BTreeMap<String, u32>>,
-    /// Per job (`namespace/name`): the heartbeat ConfigMap's `resourceVersion` and when this
-    /// operator first saw it ([`Observed::heartbeat_changed`]).
-    pub heartbeats: Mutex<BTreeMap<String, (String, jiff::Timestamp)>>,
+    /// What the reconciler remembers of each job between its reconciles (the plan's
+    /// [`plan::memory::Memory`]), by job UID.
+    pub memories: Arc<Memories>,
+    /// The jobs as their watch keeps them (none: not watched): a job's memory is forgotten once
+    /// the job is no longer there ([`Memories::repairing_other`]).
+    pub jobs: Option<reflector::Store<DeserializeGuard<DiphomaJob>>>,
     /// What the watches keep: the children, node health, what they delivered.
     pub caches: Arc<Caches>,
     /// The safety net: the longest a job goes without a reconcile ([`Options::resync`]).
@@ -97,12 +97,6 @@ pub struct Context {
     /// order they arrived, and two gangs placed turn about would each hold part of the room
     /// while waiting for the rest (until the gang plugin's timeout releases them both).
     pub gang_creation: tokio::sync::Mutex<()>,
-    /// Per job (`namespace/name`): the API server's message when it refused the job's Kueue
-    /// Workload at the last attempt ([`Observed::workload_refused`]).
-    pub workload_refused: Mutex<BTreeMap<String, String>>,
-    /// The gang-scheduled jobs (`namespace/name`) being repaired, as their last reconcile saw
-    /// them ([`crate::plan::gang::repairing`]): gangs not yet placed yield to them.
-    pub gang_repairs: Mutex<BTreeSet<String>>,
 }
 
 /// How long a reconcile waits for the watches to deliver its own writes
@@ -110,37 +104,7 @@ pub struct Context {
 /// older view; it is logged).
 const CATCH_UP: Duration = Duration::from_secs(10);
 
-/// The worker creations the API server refused for one job at the last apply. Only their
-/// creation backs off ([`retry_delay`]): the job is still reconciled at its usual cadence
-/// (progress, node loss, hangs).
-#[derive(Debug, Clone, Default)]
-pub struct Refusals {
-    /// Refused pod → the API server's message; the next plan observes them
-    /// ([`Observed::refused`]).
-    pub pods: BTreeMap<String, String>,
-    /// Apply rounds with a refusal in a row.
-    pub rounds: u32,
-    /// Until when the refused pods are not tried again.
-    pub until: Option<std::time::Instant>,
-}
-
-/// `namespace/name` of a job, the key of [`Context`]'s per-job maps.
-fn job_key(job: &impl Resource) -> String {
-    format!(
-        "{}/{}",
-        job.meta().namespace.as_deref().unwrap_or_default(),
-        job.meta().name.as_deref().unwrap_or_default()
-    )
-}
-
-/// Delay before retrying a reconcile that failed `n` times in a row (1 for the first): 2 s,
-/// doubled each time, at most 5 minutes.
-pub fn retry_delay(n: u32) -> Duration {
-    Duration::from_secs(
-        2u64.saturating_mul(1 << n.saturating_sub(1).min(8))
-            .min(300),
-    )
-}
+pub use plan::memory::retry_delay;
 
 impl Context {
     /// A context whose events are reported by `diphoma-operator` (instance: `$POD_NAME`), with
@@ -155,15 +119,12 @@ impl Context {
             client,
             metrics,
             network_policy: false,
-            refused: Mutex::default(),
-            retries: Mutex::default(),
-            heartbeats: Mutex::default(),
+            memories: Arc::default(),
+            jobs: None,
             caches: Arc::new(Caches::unwatched()),
             resync: DEFAULT_RESYNC,
             gangs: None,
             gang_creation: tokio::sync::Mutex::new(()),
-            workload_refused: Mutex::default(),
-            gang_repairs: Mutex::default(),
         }
     }
 }
@@ -332,6 +293,8 @@ pub async fn run(
     let caches = Arc::new(caches);
     let streams = caches.watches(&client, writers);
     let (job_store, job_writer) = reflector::store();
+    let memories = Arc::new(Memories::default());
+    let forget = memories.clone();
     let job_events = caches::watch_into(
         jobs,
         &watcher::Config::default().any_semantic(),
@@ -340,8 +303,13 @@ pub async fn run(
         Kind::Job,
         |_| {},
     )
+    .inspect(move |ev| {
+        if let Ok(watcher::Event::Delete(job)) = ev {
+            forget.clear(job); // a deleted job's memory goes with it
+        }
+    })
     .applied_objects();
-    let mut controller = Controller::for_stream(job_events, job_store)
+    let mut controller = Controller::for_stream(job_events, job_store.clone())
         .owns_stream(streams.pods)
         .owns_stream(streams.configmaps)
         .owns_stream(streams.service_accounts)
@@ -430,6 +398,8 @@ pub async fn run(
     };
     let ctx = Arc::new(Context {
         network_policy: opts.network_policy,
+        memories,
+        jobs: Some(job_store),
         caches,
         resync: opts.resync,
         gangs,
@@ -470,13 +440,7 @@ fn error_policy(job: Arc<DeserializeGuard<DiphomaJob>>, err: &Error, ctx: Arc<Co
         .errors
         .with_label_values(&[err.metric_label()])
         .inc();
-    let n = {
-        let mut retries = ctx.retries.lock().expect("retries lock");
-        let n = retries.entry(job_key(job.as_ref())).or_default();
-        *n += 1;
-        *n
-    };
-    let delay = retry_delay(n);
+    let delay = retry_delay(ctx.memories.failed(job.as_ref()));
     tracing::warn!(job = %job.name_any(), error = %err, kind = err.metric_label(), retry_in = ?delay, "reconcile failed");
     Action::requeue(delay)
 }
@@ -492,10 +456,7 @@ pub async fn reconcile(
         Err(_) => report_invalid(&job, &ctx).await,
     };
     if done.is_ok() {
-        ctx.retries
-            .lock()
-            .expect("retries lock")
-            .remove(&job_key(job.as_ref()));
+        ctx.memories.succeeded(job.as_ref());
     }
     done
 }
@@ -538,21 +499,10 @@ async fn report_invalid(
     Ok(Action::await_change())
 }
 
-/// One reconcile of a job that decodes.
+/// One reconcile of a job that decodes: observe → plan → apply → remember → requeue.
 async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error> {
     if job.metadata.deletion_timestamp.is_some() {
-        ctx.refused
-            .lock()
-            .expect("refused lock")
-            .remove(&job_key(job));
-        ctx.workload_refused
-            .lock()
-            .expect("workload_refused lock")
-            .remove(&job_key(job));
-        ctx.gang_repairs
-            .lock()
-            .expect("gang_repairs lock")
-            .remove(&job_key(job));
+        ctx.memories.clear(job);
         return Ok(Action::await_change()); // owner references clean up the children
     }
     // A job managed by another controller (spec.managedBy) is left alone: nothing created, no
@@ -560,70 +510,21 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
     if !job.spec.managed_here() {
         return Ok(Action::await_change());
     }
-    tracing::debug!(job = %job_key(job), "reconcile");
+    tracing::debug!(job = %job.name_any(), "reconcile");
     // The first lists: before them, a missing object may only be unlisted yet.
     if !ctx.caches.ready().await {
         return Ok(Action::await_change()); // stopping
     }
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
-    let (mut obs, mut heartbeat_version) = observe(&ctx.caches, job)?; // from the caches
-    // Members the plan would count as hung are asked first whether their process runs; the
-    // plan then reads the caches as they are after the asking.
-    let suspects = plan::failures::suspects(job, &obs);
-    if !suspects.is_empty() {
-        let probed = probe_suspects(job, &suspects).await;
-        (obs, heartbeat_version) = observe(&ctx.caches, job)?;
-        (obs.answering, obs.exited) = probed;
-    }
-    // A queued job's Kueue Workload (an API read, only for a job with a queue).
-    obs.queue = crate::queue::observe(&ctx.client, job).await?;
-    obs.workload_refused = ctx
-        .workload_refused
-        .lock()
-        .expect("workload_refused lock")
-        .get(&job_key(job))
-        .cloned();
-    // Its gang Workload, from the store of their watch; whether it, or another gang, is being
-    // repaired.
-    obs.gang = crate::gang::observe(ctx.gangs.as_ref(), job);
-    obs.gang_repairing = {
-        let mut repairs = ctx.gang_repairs.lock().expect("gang_repairs lock");
-        let key = job_key(job);
-        if plan::gang::repairing(job, &obs.pods) {
-            repairs.insert(key.clone());
-        } else {
-            repairs.remove(&key);
-        }
-        repairs.iter().find(|k| **k != key).cloned()
-    };
-    obs.heartbeat_changed = heartbeat_version.map(|v| {
-        let mut seen = ctx.heartbeats.lock().expect("heartbeats lock");
-        let entry = seen.entry(job_key(job)).or_insert((v.clone(), obs.now));
-        if entry.0 != v {
-            *entry = (v, obs.now);
-        }
-        entry.1
-    });
-    let refusals = ctx
-        .refused
-        .lock()
-        .expect("refused lock")
-        .get(&job_key(job))
-        .cloned()
-        .unwrap_or_default();
-    obs.refused = refusals.pods.clone();
-    let plan = plan::plan(job, &obs); // pure
-    // The gang first: the workers wait for the Workload they point at.
-    crate::gang::apply(&ctx.client, job, &plan.gang).await?;
-    let mut written = Written::default();
-    let applied = apply(ctx, job, &plan, refusals, &mut written).await; // writes
-    // Read-your-writes: the next reconcile of this job plans from what this one wrote.
-    tracing::debug!(job = %job_key(job), ?written, ok = applied.is_ok(), "applied");
-    let late = ctx.caches.caught_up(&written, CATCH_UP).await;
-    if !late.is_empty() {
-        tracing::warn!(job = %job.name_any(), ?late, "the watches did not deliver this reconcile's writes within {CATCH_UP:?}");
-    }
+    let memory = ctx.memories.get(job);
+    let obs = observe_job(ctx, job, &memory).await?;
+    let (plan, next) = plan::plan(job, &obs, &memory); // pure
+    let mut answered = Answered::default();
+    let applied = apply(ctx, job, &plan, &mut answered).await; // writes
+    let next = plan::memory::remember(&memory, next, &answered, obs.now);
+    let held = next.held_for(jiff::Timestamp::now());
+    ctx.memories.put(job, next);
     match applied {
         // The job changed since it was observed (its watch was behind): plan again from the
         // job as it is, at once; nothing failed.
@@ -631,50 +532,57 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
             source: kube::Error::Api(s),
         }) if s.code == 409 => {
             tracing::debug!(job = %job.name_any(), "stale job: planning again");
-            return Ok(Action::requeue(Duration::from_millis(100)));
+            Ok(Action::requeue(Duration::from_millis(100)))
         }
-        other => other?,
+        other => other.map(|()| Action::requeue(requeue(&plan, held, ctx.resync))),
     }
-    let queued = crate::queue::apply(&ctx.client, job, &plan.queue).await;
-    // A refused Workload shows in the job's status at the next reconcile (the retry).
-    {
-        let mut refusals = ctx.workload_refused.lock().expect("workload_refused lock");
-        match &queued {
-            Err(Error::Workload {
-                action: "create",
-                source: kube::Error::Api(s),
-                ..
-            }) => refusals.insert(job_key(job), crate::queue::refusal(s)),
-            _ if plan.queue.create.is_some() => refusals.remove(&job_key(job)),
-            _ => None,
-        };
-    }
-    queued?;
-    // The refused workers' back-off is a timer too.
-    let held = ctx
-        .refused
-        .lock()
-        .expect("refused lock")
-        .get(&job_key(job))
-        .and_then(|r| r.until)
-        .map(|until| until.saturating_duration_since(std::time::Instant::now()));
-    let next = [plan.look_again, held, Some(ctx.resync)]
+}
+
+/// When to reconcile again: the plan's timer ([`Plan::look_again`]), the end of the refused
+/// creations' back-off (`held`), or the safety net `resync`, whichever comes first.
+fn requeue(plan: &Plan, held: Option<Duration>, resync: Duration) -> Duration {
+    [plan.look_again, held, Some(resync)]
         .into_iter()
         .flatten()
         .min()
-        .unwrap_or(ctx.resync);
-    Ok(Action::requeue(next))
+        .unwrap_or(resync)
+}
+
+/// Everything the plan reads of `job`: the caches ([`observe`]), the answers of members it
+/// would count as hung to a liveness probe, its Kueue Workload (an API read, only for a job
+/// with a queue), its gang Workload (from the store of their watch), another gang being
+/// repaired, and what its `memory` recalls ([`plan::memory::recall`]).
+async fn observe_job(ctx: &Context, job: &DiphomaJob, memory: &Memory) -> Result<Observed, Error> {
+    let mut obs = observe(&ctx.caches, job)?;
+    // Members the plan would count as hung are asked first whether their process runs; the
+    // plan then reads the caches as they are after the asking.
+    let suspects = plan::failures::suspects(job, &obs);
+    if !suspects.is_empty() {
+        let probed = probe_suspects(job, &suspects).await;
+        obs = observe(&ctx.caches, job)?;
+        (obs.answering, obs.exited) = probed;
+    }
+    obs.queue = crate::queue::observe(&ctx.client, job).await?;
+    obs.gang = crate::gang::observe(ctx.gangs.as_ref(), job);
+    obs.gang_repairing = ctx.memories.repairing_other(job, |ns, name, uid| {
+        ctx.jobs.as_ref().is_none_or(|jobs| {
+            jobs.get(&ObjectRef::new(name).within(ns))
+                .is_some_and(|j| j.uid().as_deref() == Some(uid))
+        })
+    });
+    plan::memory::recall(memory, &mut obs);
+    Ok(obs)
 }
 
 /// The job's pods, its published ring, the workers' reports, the health of the nodes its pods
-/// run on and its missing children, from the caches (no API request); with the heartbeat
-/// ConfigMap's `resourceVersion` (none: missing or not the job's). Only what the job owns (owner
+/// run on, its missing children and the heartbeat ConfigMap's `resourceVersion`, from the caches
+/// (no API request). Only what the job owns (owner
 /// UID) is its own: pods, ring and heartbeat left by a deleted job of the same name are not;
 /// such pods' names are [`Observed::foreign`], and a missing or foreign heartbeat ConfigMap is
 /// in [`Observed::missing`].
 ///
 /// Errors: [`Error::Ring`] when the ring ConfigMap holds no readable membership.
-fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String>), Error> {
+fn observe(caches: &Caches, job: &DiphomaJob) -> Result<Observed, Error> {
     let ns = job.namespace().unwrap_or_default();
     let name = job.name_any();
     let uid = job.uid().unwrap_or_default();
@@ -724,6 +632,7 @@ fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String
         pods,
         foreign: foreign.iter().map(|p| p.name_any()).collect(),
         missing: caches.missing(job),
+        heartbeat_version: version,
         heartbeat_changed: None,
         ring,
         nodes,
@@ -739,7 +648,7 @@ fn observe(caches: &Caches, job: &DiphomaJob) -> Result<(Observed, Option<String
         answering: Default::default(),
         exited: Default::default(),
     };
-    Ok((observed, version))
+    Ok(observed)
 }
 
 /// Progress, failure and in-place restart reports of job `uid` from the heartbeat ConfigMap's
@@ -845,13 +754,47 @@ where
     .await
 }
 
-/// Carries out the plan, in the order the module doc lists; `before`: the refusals of the last
-/// apply. Each write that returned an object is noted in `written`.
+/// Carries out the plan, in the order the module doc lists: the gang Workload, the job's own
+/// writes ([`write`]), a wait until the watches delivered them (read-your-writes: the next
+/// reconcile plans from what this one wrote), the Kueue Workload. What the API server refused
+/// is noted in `answered`, for the memory.
 async fn apply(
     ctx: &Context,
     job: &DiphomaJob,
     plan: &Plan,
-    before: Refusals,
+    answered: &mut Answered,
+) -> Result<(), Error> {
+    // The gang first: the workers wait for the Workload they point at.
+    crate::gang::apply(&ctx.client, job, &plan.gang).await?;
+    let mut written = Written::default();
+    let wrote = write(ctx, job, plan, answered, &mut written).await;
+    tracing::debug!(job = %job.name_any(), ?written, ok = wrote.is_ok(), "applied");
+    let late = ctx.caches.caught_up(&written, CATCH_UP).await;
+    if !late.is_empty() {
+        tracing::warn!(job = %job.name_any(), ?late, "the watches did not deliver this reconcile's writes within {CATCH_UP:?}");
+    }
+    wrote?;
+    let queued = crate::queue::apply(&ctx.client, job, &plan.queue).await;
+    // A refused Workload shows in the job's status at the next reconcile (the retry).
+    answered.workload = match &queued {
+        Err(Error::Workload {
+            action: "create",
+            source: kube::Error::Api(s),
+            ..
+        }) => Some(Err(crate::queue::refusal(s))),
+        _ if plan.queue.create.is_some() => Some(Ok(())),
+        _ => None,
+    };
+    queued
+}
+
+/// The job's own writes, in the order the module doc lists; the creations the API server
+/// refused are noted in `answered`. Each write that returned an object is noted in `written`.
+async fn write(
+    ctx: &Context,
+    job: &DiphomaJob,
+    plan: &Plan,
+    answered: &mut Answered,
     written: &mut Written,
 ) -> Result<(), Error> {
     let client = &ctx.client;
@@ -904,11 +847,10 @@ async fn apply(
         }
     }
     // A pod the API server refuses (a quota, a pod it finds invalid) stops neither the other
-    // creations nor the ring: it is remembered for the next plan, and retried with back-off.
-    let mut refused = BTreeMap::new();
-    let now = std::time::Instant::now();
-    let held = before.until.is_some_and(|until| now < until);
-    let mut refusals = 0;
+    // creations nor the ring: it is remembered for the next plan, and retried with back-off
+    // (those still held are not in the plan).
+    answered.created = true;
+    let refused = &mut answered.refused;
     let gang =
         !plan.create.is_empty() && job.spec.gang_scheduler() != crate::api::GangScheduler::None;
     let _gang_creation = match gang {
@@ -917,15 +859,10 @@ async fn apply(
     };
     for p in &plan.create {
         let pod = p.name_any();
-        if let Some(message) = before.pods.get(&pod).filter(|_| held) {
-            refused.insert(pod, message.clone()); // not tried again before its back-off ends
-            continue;
-        }
         match apply_one(&pods, p).await {
             Ok(created) => written.note(Kind::Pod, &created.metadata),
             Err(kube::Error::Api(s)) => {
                 refused.insert(pod.clone(), s.message.clone());
-                refusals += 1;
                 let err = Error::CreatePod {
                     pod,
                     source: kube::Error::Api(s),
@@ -950,23 +887,6 @@ async fn apply(
             .cloned()
             .collect(),
     );
-    let (rounds, until) = match refusals {
-        0 if held => (before.rounds, before.until),
-        0 => (0, None),
-        _ => (
-            before.rounds + 1,
-            Some(now + retry_delay(before.rounds + 1)),
-        ),
-    };
-    let after = Refusals {
-        pods: refused,
-        rounds,
-        until,
-    };
-    ctx.refused
-        .lock()
-        .expect("refused lock")
-        .insert(job_key(job), after);
     if let Some(m) = &plan.publish {
         let cm = apply_one(
             &Api::<ConfigMap>::namespaced(client.clone(), &ns),

@@ -200,9 +200,9 @@ fn context(client: Client, job: &DiphomaJob, objects: &[(String, Value)]) -> Arc
 
 /// The job as the operator left it after the previous reconcile of `objects`.
 fn settled(job: DiphomaJob, objects: &[(String, Value)]) -> DiphomaJob {
-    let (obs, _) = observe(&caches(&job, objects), &job).unwrap();
+    let obs = observe(&caches(&job, objects), &job).unwrap();
     let mut j = job;
-    j.status = Some(plan::plan(&j, &obs).status);
+    j.status = Some(plan::plan(&j, &obs, &Memory::default()).0.status);
     j
 }
 
@@ -409,14 +409,8 @@ async fn a_refused_worker_backs_off_alone() {
     let again = reconcile(job, ctx.clone()).await;
     assert!(again.is_ok(), "{again:?}");
     assert_eq!(creates(&log), 1, "retried before its back-off ended");
-    let held = ctx.refused.lock().unwrap()["ml/train"].rounds;
+    let held = ctx.memories.get(&basic()).refused.rounds;
     assert_eq!(held, 1);
-}
-
-#[test]
-fn retries_back_off_exponentially_up_to_five_minutes() {
-    let delays: Vec<u64> = (1..=10).map(|n| retry_delay(n).as_secs()).collect();
-    assert_eq!(delays, [2, 4, 8, 16, 32, 64, 128, 256, 300, 300]);
 }
 
 #[test]
@@ -523,4 +517,73 @@ fn records_of_another_job_in_the_heartbeat_are_ignored() {
             "{uid:?}"
         );
     }
+}
+
+/// A gang job deleted while its gang was being repaired: the gangs not yet placed stop yielding
+/// to it at once (its memory is forgotten when the job store no longer holds it), instead of
+/// yielding until the operator restarts.
+#[tokio::test]
+async fn a_gang_job_deleted_during_its_repair_is_yielded_to_no_more() {
+    use kube::runtime::watcher::Event as Ev;
+    let mut job = basic();
+    job.spec.gang = Some(crate::api::Gang {
+        scheduler: crate::api::GangScheduler::Kubernetes,
+    });
+    let mut other = basic();
+    other.metadata.name = Some("other".into());
+    other.metadata.uid = Some("uid-other".into());
+    let objects = vec![
+        (
+            "/api/v1/namespaces/ml/pods".to_string(),
+            json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": []}),
+        ),
+        (
+            "/apis/diphoma.io/v1alpha1/namespaces/ml/diphomajobs/train".into(),
+            serde_json::to_value(&job).unwrap(),
+        ),
+    ];
+    // `other`'s last reconcile saw its gang being repaired; `present`: whether the job store
+    // still holds it. The worker pods `job` creates (none while it yields).
+    let created = |present: bool| {
+        let (job, other, objects) = (job.clone(), other.clone(), objects.clone());
+        async move {
+            let (client, log) = mock(objects.clone());
+            let (jobs, mut writer) = reflector::store();
+            writer.apply_watcher_event(&Ev::Apply(DeserializeGuard(Ok(job.clone()))));
+            if present {
+                writer.apply_watcher_event(&Ev::Apply(DeserializeGuard(Ok(other.clone()))));
+            }
+            let (gangs, _) = reflector::store();
+            let ctx = Arc::new(Context {
+                caches: caches(&job, &objects),
+                jobs: Some(jobs),
+                gangs: Some(gangs),
+                ..Context::new(client, Metrics::default())
+            });
+            let repairing = Memory {
+                repairing: true,
+                ..Memory::default()
+            };
+            ctx.memories.put(&other, repairing);
+            reconcile(Arc::new(DeserializeGuard(Ok(job))), ctx.clone())
+                .await
+                .unwrap();
+            let log = log.lock().unwrap().clone();
+            log.iter()
+                .filter(|(m, p)| {
+                    m == "PATCH" && p.starts_with("/api/v1/namespaces/ml/pods/train-worker-")
+                })
+                .count()
+        }
+    };
+    assert_eq!(
+        created(true).await,
+        0,
+        "a gang not yet placed yields to a repair"
+    );
+    assert_eq!(
+        created(false).await,
+        4,
+        "it yields to a deleted job's repair"
+    );
 }

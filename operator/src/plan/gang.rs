@@ -418,7 +418,8 @@ mod tests {
             ..Default::default()
         };
         assert!(at_permit(&obs.pods[0]) && !at_permit(&obs.pods[1]));
-        let order: Vec<String> = super::super::plan(&j, &obs)
+        let order: Vec<String> = super::super::plan(&j, &obs, &Default::default())
+            .0
             .delete
             .into_iter()
             .map(|d| d.pod)

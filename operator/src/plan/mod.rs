@@ -29,6 +29,7 @@ use crate::build::{ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED};
 pub mod failures;
 pub mod gang;
 pub mod lifecycle;
+pub mod memory;
 pub mod nodes;
 pub mod queue;
 pub mod ring;
@@ -51,8 +52,10 @@ pub struct Observed {
     /// The children the job needs that are missing or not its own (`Kind/name`): the static
     /// children are then applied again.
     pub missing: Vec<String>,
+    /// The heartbeat ConfigMap's `resourceVersion` (none: missing, or not the job's).
+    pub heartbeat_version: Option<String>,
     /// When (this operator's clock) the heartbeat ConfigMap was last seen to change; none:
-    /// never seen.
+    /// never seen. Recalled from the job's [`memory::Memory`] ([`memory::recall`]).
     pub heartbeat_changed: Option<Timestamp>,
     /// The published ring generation, if any.
     pub ring: Option<Membership>,
@@ -78,7 +81,7 @@ pub struct Observed {
     pub now: Timestamp,
     /// Worker pods whose creation the API server refused at the previous apply, with its
     /// message (a quota exceeded, a pod it finds invalid): they are retried and reported, and
-    /// never count as starting.
+    /// never count as starting. Recalled from the job's [`memory::Memory`].
     pub refused: BTreeMap<String, String>,
     /// The job's place in Kueue (its Workload), for a job labelled with a LocalQueue.
     pub queue: queue::Queue,
@@ -86,11 +89,13 @@ pub struct Observed {
     pub gang: gang::Gang,
     /// The API server's message when it refused to create the job's Kueue Workload at the
     /// last attempt (a ResourceQuota on Workloads, Kueue's validating webhook): the job's
-    /// `Suspended` condition says so (reason `WorkloadRefused`) while it is retried.
+    /// `Suspended` condition says so (reason `WorkloadRefused`) while it is retried. Recalled
+    /// from the job's [`memory::Memory`].
     pub workload_refused: Option<String>,
     /// Another gang-scheduled job of this operator (`namespace/name`) whose placed gang is below
-    /// its minimum with a worker waiting for room ([`gang::repairing`]): a gang of which no
-    /// worker is bound yields to it ([`gang::hold`]).
+    /// its minimum with a worker waiting for room ([`gang::repairing`], as that job's
+    /// [`memory::Memory::repairing`] remembers it): a gang of which no worker is bound yields
+    /// to it ([`gang::hold`]).
     pub gang_repairing: Option<String>,
 }
 
@@ -332,9 +337,10 @@ pub struct Relabel {
     pub rank: Option<(u32, u64)>,
 }
 
-/// Computes the plan. Pure: same inputs, same plan. Infallible: what cannot be done (a worker
-/// the template cannot build) is reported in the plan's status and events.
-pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
+/// Computes the plan, and the memory it leaves ([`memory::decide`]; `obs` holds what `memory`
+/// recalls, [`memory::recall`]). Pure: same inputs, same plan. Infallible: what cannot be done
+/// (a worker the template cannot build) is reported in the plan's status and events.
+pub fn plan(job: &DiphomaJob, obs: &Observed, memory: &memory::Memory) -> (Plan, memory::Memory) {
     let mut plan = Plan {
         apply_children: children_due(job, obs),
         status: status::carried(job),
@@ -354,8 +360,9 @@ pub fn plan(job: &DiphomaJob, obs: &Observed) -> Plan {
     }
     plan.events.extend(nodes::skew_events(&obs.nodes));
     plan.status.replicas = status::observed_replicas(obs, &plan);
+    let next = memory::decide(job, obs, memory, &mut plan);
     plan.look_again = look_again(job, obs, &plan);
-    plan
+    (plan, next)
 }
 
 /// The plan for a job the operator cannot decode (`object`: the job as the API server stores

@@ -12,6 +12,11 @@ use crate::build;
 use crate::build::tests::{basic, job};
 use serde_json::json;
 
+/// The plan of a job with nothing remembered ([`memory::Memory`]'s default).
+fn plan(j: &DiphomaJob, o: &Observed) -> Plan {
+    super::plan(j, o, &memory::Memory::default()).0
+}
+
 fn t(secs: i64) -> Timestamp {
     Timestamp::from_second(1_800_000_000 + secs).unwrap()
 }
@@ -21,6 +26,7 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         pods,
         foreign: Default::default(),
         missing: vec![],
+        heartbeat_version: None,
         heartbeat_changed: None,
         ring,
         nodes: BTreeMap::new(),
