@@ -13,7 +13,7 @@
 //! | [`train`] | one rank's step loop: fused allreduce (or periodic averaging), commit, roll-back, generation changes, state sync, the re-split of the batch | parse the contract's env or talk to Kubernetes |
 //! | [`metrics`] | the `diphoma_worker_*` Prometheus metrics, the `/metrics` endpoint, [`metrics::Metered`] (a ring source that records them) | decide what to record |
 //! | `main.rs` (binary) | the `diphoma-worker` CLI: parses it and dispatches to `train` or the benchmark | hold runtime logic |
-//! | `train_cli.rs` (binary) | the `train` subcommand: standalone or one rank of a Kubernetes job (`KubeRing` in [`metrics::Metered`], `/metrics` served), the printed summary | hold training logic |
+//! | `train_cli.rs` (binary) | the `train` subcommand: standalone or one rank of a Kubernetes job (`KubeRing` in [`metrics::Metered`], `/metrics` served), the printed progress lines and summary | hold training logic |
 //! | `bench.rs` (binary) | the allreduce benchmark `bench` and its hidden per-rank half `bench-rank` | train |
 //!
 //! The ring runtime (communicator, schedules, wire format, the membership follower) is

@@ -85,8 +85,11 @@ pub struct TrainConfig {
     /// A job of the owner's namespace whose newest checkpoint is resumed when the owner has none
     /// of its own (`spec.checkpoint.resumeFrom`; [`checkpoint::load_other`]).
     pub resume_from: Option<String>,
-    /// Rank 0 prints the loss every this many steps (0: never).
+    /// Rank 0 hands its progress to [`TrainConfig::on_log`] every this many steps (0: never).
     pub log_every: u64,
+    /// Receives rank 0's progress every [`TrainConfig::log_every`] steps (the CLI prints it);
+    /// `None`: nobody.
+    pub on_log: Option<fn(&StepLog)>,
     /// For tests of failure detection: `(rank, delay)`, the member at this rank of every
     /// generation sleeps `delay` before each step's allreduce, as a slow GPU or a data-loading
     /// stall would (the sleep counts as its compute time). `None`: no delay.
@@ -137,6 +140,7 @@ impl Default for TrainConfig {
             checkpoint_owner: None,
             resume_from: None,
             log_every: 0,
+            on_log: None,
             slow_rank: None,
             speed_weighted: true,
             balance_every: DEFAULT_BALANCE_EVERY,
@@ -384,7 +388,7 @@ fn maybe_checkpoint(
         return Ok(None);
     };
     let every = cfg.checkpoint_every;
-    if every == 0 || !(step / every > prev / every || step == cfg.steps) {
+    if every == 0 || !(crosses(every, prev, step) || step == cfg.steps) {
         return Ok(None);
     }
     let s = snapshot(step, model, opt)?;
@@ -562,8 +566,47 @@ impl From<candle_core::Error> for StepError {
     }
 }
 
+impl StepError {
+    /// The failed connect's or collective's error; a tensor error ends the run
+    /// ([`TrainError::Model`]).
+    fn into_comm(self) -> Result<CommError, TrainError> {
+        match self {
+            StepError::Comm(e) => Ok(e),
+            StepError::Model(e) => Err(e.into()),
+        }
+    }
+}
+
+/// Rank 0's progress after a commit, handed to [`TrainConfig::on_log`] every
+/// [`TrainConfig::log_every`] steps.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepLog {
+    /// Steps committed.
+    pub step: u64,
+    /// The generation it committed in.
+    pub generation: u64,
+    /// Global mean training loss of the step (periodic mode: of the period).
+    pub loss: f32,
+    /// Samples per second over this rank's committed steps ([`Stats::samples_per_second`]).
+    pub samples_per_second: f64,
+    /// Duration of the step's collective, in seconds.
+    pub allreduce_seconds: f64,
+    /// Every rank's smoothed compute rate (samples per second, in rank order) as last
+    /// exchanged.
+    pub rates: Vec<f64>,
+    /// The split of the global batch in use (samples per rank, in rank order).
+    pub shares: Vec<usize>,
+}
+
+/// Whether committing the steps `prev+1..=step` crosses a multiple of `every` (a schedule of
+/// "every `every` steps"); never when `every` is 0.
+fn crosses(every: u64, prev: u64, step: u64) -> bool {
+    every > 0 && step / every > prev / every
+}
+
 /// Trains this rank from `first` until `cfg.steps` steps are committed, following the
-/// generations `source` offers (see the module docs).
+/// generations `source` offers (see the module docs): one generation after the other
+/// (`train_generation`), the next one asked of `source` after a failure.
 ///
 /// # Errors
 /// [`TrainError::Ring`] when a collective failed and `source` offered no new generation;
@@ -576,6 +619,34 @@ pub fn train_rank(
     first: Generation,
     source: &mut dyn RingSource,
 ) -> Result<Outcome, TrainError> {
+    check_config(cfg, train)?;
+    let model = Mlp::new(&cfg.widths, cfg.seed)?;
+    let mut opt = Optim::new(cfg.optimizer, model.vars.clone(), cfg.lr)?;
+    let mut rec = Record {
+        step: resume(cfg, &model, &mut opt)?,
+        ..Record::default()
+    };
+    let mut next = Some(first);
+    while let Some(g) = next.take() {
+        next = match train_generation(cfg, train, (&model, &mut opt), g, source, &mut rec)? {
+            GenerationEnd::Finished => None,
+            GenerationEnd::Failed(e) => Some(source.after_failure(&e).ok_or(TrainError::Ring(e))?),
+            GenerationEnd::Switch(g) => Some(g),
+            GenerationEnd::Leave => {
+                rec.left = true;
+                None
+            }
+        };
+    }
+    Ok(rec.outcome(cfg, model, opt))
+}
+
+/// Checks that `cfg` can train on `train`.
+///
+/// # Errors
+/// [`TrainError::Config`] on a zero batch, an empty training set, or widths whose input is not
+/// the data's `features`.
+fn check_config(cfg: &TrainConfig, train: &Dataset) -> Result<(), TrainError> {
     if cfg.batch == 0 || train.is_empty() {
         return Err(TrainError::Config(
             "batch and training set must not be empty".into(),
@@ -587,199 +658,287 @@ pub fn train_rank(
             cfg.widths, train.features
         )));
     }
-    let model = Mlp::new(&cfg.widths, cfg.seed)?;
-    let mut opt = Optim::new(cfg.optimizer, model.vars.clone(), cfg.lr)?;
-    // The committed step; the live model and optimizer are always its state (see step_once).
-    let mut step = 0;
-    if let Some(dir) = &cfg.checkpoint_dir {
-        let accept = |c: &checkpoint::Checkpoint| {
-            let kind = c.optimizer.kind();
-            if c.seed != cfg.seed || c.widths != cfg.widths || kind != cfg.optimizer {
-                return Err(format!(
-                    "seed {} widths {:?} optimizer {}, this run has seed {} widths {:?} optimizer {}",
-                    c.seed,
-                    c.widths,
-                    kind.name(),
-                    cfg.seed,
-                    cfg.widths,
-                    cfg.optimizer.name()
-                ));
-            }
-            Ok(())
-        };
-        let resumed = match &cfg.checkpoint_owner {
-            None => checkpoint::load_newest(dir, accept),
-            Some(owner) => match checkpoint::load_own(dir, owner, accept) {
-                Ok(None) => match &cfg.resume_from {
-                    Some(name) => checkpoint::load_other(dir, &owner.namespace, name, accept),
-                    None => Ok(None),
-                },
-                found => found,
-            },
-        }
-        .map_err(|source| TrainError::CheckpointDir {
-            dir: dir.to_path_buf(),
-            source,
-        })?;
-        if let Some((path, c)) = resumed {
-            tracing::info!("resuming from {} at step {}", path.display(), c.step);
-            let s = State {
-                step: c.step,
-                params: c.params,
-                opt: c.optimizer,
-            };
-            step = restore(&s, &model, &mut opt)?;
-        }
-    }
-    let mut last_checkpoint = None;
-    let mut losses: Vec<f32> = Vec::new();
-    let mut generations = Vec::new();
-    let mut stats = Stats::default();
-    let mut speed = Speed::default();
-    let mut shares = Vec::new();
-    let mut rates = Vec::new();
-    let mut next = Some(first);
-    let mut left = false;
-    let period = cfg.sync.period().max(1);
-    'generations: while let Some(g) = next.take() {
-        let gen_no = g.config.generation;
-        let synced = match Communicator::connect(g.config, g.listener) {
-            Ok(mut c) => sync_state(&mut c, step, speed.rate(), &model, &mut opt).map(|s| (c, s)),
-            Err(e) => Err(StepError::Comm(e)),
-        };
-        let mut comm = match synced {
-            Ok((c, (s, r))) => {
-                step = s;
-                shares = split_for(cfg, &r);
-                rates = r;
-                c
-            }
-            Err(StepError::Model(e)) => return Err(e.into()),
-            Err(StepError::Comm(e)) => {
-                next = Some(source.after_failure(&e).ok_or(TrainError::Ring(e))?);
-                continue;
-            }
-        };
-        losses.resize(step as usize, f32::NAN);
-        generations.push(gen_no);
-        source.connected(gen_no, comm.rank(), comm.abort_handle());
-        let (gen_start, gen_first_step) = (std::time::Instant::now(), step);
-        // Periodic mode: the last average, restored when the next one fails.
-        let mut committed = match cfg.sync {
-            SyncMode::EveryStep => None,
-            SyncMode::Periodic(_) => Some(snapshot(step, &model, &opt)?),
-        };
-        while step < cfg.steps {
-            let s = step;
-            let to = (s + period).min(cfg.steps);
-            let t0 = std::time::Instant::now();
-            let done = match cfg.sync {
-                SyncMode::EveryStep => step_once(
-                    cfg,
-                    train,
-                    (&model, &mut opt),
-                    &mut comm,
-                    (&shares, &mut speed),
-                    s,
-                ),
-                SyncMode::Periodic(_) => period_once(
-                    cfg,
-                    train,
-                    (&model, &mut opt),
-                    &mut comm,
-                    (&shares, &mut speed),
-                    (s, to),
-                ),
-            };
-            let c = match done {
-                Ok(c) => c,
-                Err(StepError::Model(e)) => return Err(e.into()),
-                Err(StepError::Comm(e)) => {
-                    if let Some(last) = &committed {
-                        restore(last, &model, &mut opt)?;
-                    }
-                    next = Some(source.after_failure(&e).ok_or(TrainError::Ring(e))?);
-                    continue 'generations;
-                }
-            };
-            step = to;
-            losses.resize(step as usize, c.loss);
-            if let Some(last) = &mut committed {
-                *last = snapshot(step, &model, &opt)?;
-            }
-            if comm.rank() == 0 {
-                last_checkpoint = maybe_checkpoint(cfg, s, step, &model, &opt)?.or(last_checkpoint);
-            }
-            stats.steps += step - s;
-            stats.seconds += t0.elapsed().as_secs_f64();
-            stats.allreduce_seconds += c.secs;
-            stats.allreduce_bytes = c.bytes;
-            stats.allreduces += 1;
-            if cfg.speed_weighted && step / cfg.balance_every.max(1) > s / cfg.balance_every.max(1)
-            {
-                shares = split_for(cfg, &c.rates);
-            }
-            if cfg.speed_weighted {
-                rates = c.rates;
-            }
-            if comm.rank() == 0 && cfg.log_every > 0 && step / cfg.log_every > s / cfg.log_every {
-                // Progress output of the CLI on stdout (e2e reads it), not a log line.
-                println!(
-                    "step {step} generation {gen_no} loss {:.5} samples/s {:.1} allreduce {:.2} ms rates {} shares {}",
-                    c.loss,
-                    stats.samples_per_second(cfg.batch),
-                    c.secs * 1e3,
-                    join(&rates, |r| format!("{r:.0}")),
-                    join(&shares, ToString::to_string),
-                );
-            }
-            let progress = Progress {
-                step,
-                total_steps: Some(cfg.steps),
-                generation: gen_no,
-                rank: comm.rank(),
-                loss: c.loss,
-                samples_per_second: ((step - gen_first_step) * cfg.batch as u64) as f64
-                    / gen_start.elapsed().as_secs_f64().max(1e-9),
-                last_checkpoint,
-                allreduce_seconds: c.secs,
-                allreduce_bytes: c.bytes,
-                shares: shares.clone(),
-            };
-            match source.after_commit(&progress) {
-                Control::Continue => {}
-                Control::Switch(g) => {
-                    next = Some(g);
-                    continue 'generations;
-                }
-                Control::Leave => {
-                    left = true;
-                    break 'generations;
-                }
-            }
-        }
-    }
-    Ok(Outcome {
-        model,
-        optimizer: opt,
-        step,
-        losses,
-        generations,
-        last_checkpoint,
-        left,
-        stats,
-        shares,
-        rates: if cfg.speed_weighted {
-            rates
-        } else {
-            Vec::new()
-        },
-    })
+    Ok(())
 }
 
-/// `xs` shown with `f`, separated by `/` (the rates and shares of the progress line).
-fn join<T>(xs: &[T], f: impl Fn(&T) -> String) -> String {
-    xs.iter().map(f).collect::<Vec<_>>().join("/")
+/// Restores the live model and optimizer from the checkpoint this run resumes, if any: with an
+/// owner its own newest, else the newest of [`TrainConfig::resume_from`]'s job; without, the
+/// newest in [`TrainConfig::checkpoint_dir`]. Only checkpoints of the same seed, widths and
+/// optimizer are taken. Returns the committed step (0 without a checkpoint).
+///
+/// # Errors
+/// [`TrainError::CheckpointDir`] when the directory cannot be read; [`TrainError::Model`] when
+/// the checkpoint does not fit the model.
+fn resume(cfg: &TrainConfig, model: &Mlp, opt: &mut Optim) -> Result<u64, TrainError> {
+    let Some(dir) = &cfg.checkpoint_dir else {
+        return Ok(0);
+    };
+    let accept = |c: &checkpoint::Checkpoint| {
+        let kind = c.optimizer.kind();
+        if c.seed != cfg.seed || c.widths != cfg.widths || kind != cfg.optimizer {
+            return Err(format!(
+                "seed {} widths {:?} optimizer {}, this run has seed {} widths {:?} optimizer {}",
+                c.seed,
+                c.widths,
+                kind.name(),
+                cfg.seed,
+                cfg.widths,
+                cfg.optimizer.name()
+            ));
+        }
+        Ok(())
+    };
+    let resumed = match &cfg.checkpoint_owner {
+        None => checkpoint::load_newest(dir, accept),
+        Some(owner) => match checkpoint::load_own(dir, owner, accept) {
+            Ok(None) => match &cfg.resume_from {
+                Some(name) => checkpoint::load_other(dir, &owner.namespace, name, accept),
+                None => Ok(None),
+            },
+            found => found,
+        },
+    }
+    .map_err(|source| TrainError::CheckpointDir {
+        dir: dir.to_path_buf(),
+        source,
+    })?;
+    let Some((path, c)) = resumed else {
+        return Ok(0);
+    };
+    tracing::info!("resuming from {} at step {}", path.display(), c.step);
+    let s = State {
+        step: c.step,
+        params: c.params,
+        opt: c.optimizer,
+    };
+    Ok(restore(&s, model, opt)?)
+}
+
+/// What a rank carries from one generation to the next besides the model and the optimizer:
+/// its [`Outcome`] in the making, and its speed.
+#[derive(Default)]
+struct Record {
+    /// The committed step; the live model and optimizer always hold its state (see
+    /// [`step_once`]).
+    step: u64,
+    losses: Vec<f32>,
+    generations: Vec<u64>,
+    last_checkpoint: Option<u64>,
+    left: bool,
+    stats: Stats,
+    speed: Speed,
+    shares: Vec<usize>,
+    rates: Vec<f64>,
+}
+
+/// How training in one generation ended.
+enum GenerationEnd {
+    /// All [`TrainConfig::steps`] are committed.
+    Finished,
+    /// Its connect, state sync or a collective failed; the live state is the committed one.
+    Failed(CommError),
+    /// `source` offered the next generation after a commit.
+    Switch(Generation),
+    /// `source` asked this rank to leave the ring.
+    Leave,
+}
+
+/// Trains in generation `g`: joins it ([`join_generation`]), then trains one step (periodic
+/// mode: one period) at a time ([`train_span`]), commits it ([`Record::commit`],
+/// [`Record::account`]) and reports it (to [`TrainConfig::on_log`] and `source`), until the
+/// run is done, a collective fails (the live state rolled back to the committed one) or
+/// `source` switches or stops this rank.
+///
+/// # Errors
+/// [`TrainError::Model`] on a tensor error.
+fn train_generation(
+    cfg: &TrainConfig,
+    train: &Dataset,
+    (model, opt): (&Mlp, &mut Optim),
+    g: Generation,
+    source: &mut dyn RingSource,
+    rec: &mut Record,
+) -> Result<GenerationEnd, TrainError> {
+    let generation = g.config.generation;
+    let mut comm = match join_generation(cfg, g, (model, opt), rec) {
+        Ok(c) => c,
+        Err(e) => return Ok(GenerationEnd::Failed(e.into_comm()?)),
+    };
+    let rank = comm.rank();
+    source.connected(generation, rank, comm.abort_handle());
+    let since = (std::time::Instant::now(), rec.step);
+    // Periodic mode: the last average, restored when the next one fails.
+    let mut last = match cfg.sync {
+        SyncMode::EveryStep => None,
+        SyncMode::Periodic(_) => Some(snapshot(rec.step, model, opt)?),
+    };
+    let period = cfg.sync.period().max(1);
+    while rec.step < cfg.steps {
+        let span = (rec.step, (rec.step + period).min(cfg.steps));
+        let t0 = std::time::Instant::now();
+        let c = match train_span(cfg, train, (model, opt), &mut comm, rec, span) {
+            Ok(c) => c,
+            Err(e) => {
+                let e = e.into_comm()?;
+                if let Some(last) = &last {
+                    restore(last, model, opt)?;
+                }
+                return Ok(GenerationEnd::Failed(e));
+            }
+        };
+        rec.commit(cfg, (model, opt), &mut last, rank, span, c.loss)?;
+        rec.account(cfg, span, &c, t0.elapsed().as_secs_f64());
+        if let Some(log) = cfg.on_log
+            && rank == 0
+            && crosses(cfg.log_every, span.0, span.1)
+        {
+            log(&rec.step_log(cfg, generation, &c));
+        }
+        match source.after_commit(&rec.progress(cfg, (generation, rank), since, &c)) {
+            Control::Continue => {}
+            Control::Switch(g) => return Ok(GenerationEnd::Switch(g)),
+            Control::Leave => return Ok(GenerationEnd::Leave),
+        }
+    }
+    Ok(GenerationEnd::Finished)
+}
+
+/// Joins generation `g`: connects its ring, agrees on the state ([`sync_state`]), then takes
+/// the agreed step, the split for the gathered rates, and records the generation. On a failure
+/// `rec` is untouched.
+fn join_generation(
+    cfg: &TrainConfig,
+    g: Generation,
+    (model, opt): (&Mlp, &mut Optim),
+    rec: &mut Record,
+) -> Result<Communicator, StepError> {
+    let generation = g.config.generation;
+    let mut comm = Communicator::connect(g.config, g.listener).map_err(StepError::Comm)?;
+    let (step, rates) = sync_state(&mut comm, rec.step, rec.speed.rate(), model, opt)?;
+    rec.step = step;
+    rec.shares = split_for(cfg, &rates);
+    rec.rates = rates;
+    rec.losses.resize(step as usize, f32::NAN);
+    rec.generations.push(generation);
+    Ok(comm)
+}
+
+/// Trains the steps `from..to` of `span` and synchronises, as [`TrainConfig::sync`] says: one
+/// step ([`step_once`]) or one period of local SGD ([`period_once`]).
+fn train_span(
+    cfg: &TrainConfig,
+    train: &Dataset,
+    (model, opt): (&Mlp, &mut Optim),
+    comm: &mut Communicator,
+    rec: &mut Record,
+    span: (u64, u64),
+) -> Result<Committed, StepError> {
+    let balance = (&rec.shares[..], &mut rec.speed);
+    match cfg.sync {
+        SyncMode::EveryStep => step_once(cfg, train, (model, opt), comm, balance, span.0),
+        SyncMode::Periodic(_) => period_once(cfg, train, (model, opt), comm, balance, span),
+    }
+}
+
+impl Record {
+    /// Commits the steps `from+1..=to` of `span` with their global mean `loss`: the step, the
+    /// losses, periodic mode's `last` average, and on rank 0 the checkpoint when one is due
+    /// ([`maybe_checkpoint`]).
+    fn commit(
+        &mut self,
+        cfg: &TrainConfig,
+        (model, opt): (&Mlp, &Optim),
+        last: &mut Option<State>,
+        rank: usize,
+        (from, to): (u64, u64),
+        loss: f32,
+    ) -> candle_core::Result<()> {
+        self.step = to;
+        self.losses.resize(to as usize, loss);
+        if let Some(last) = last {
+            *last = snapshot(to, model, opt)?;
+        }
+        if rank == 0 {
+            self.last_checkpoint =
+                maybe_checkpoint(cfg, from, to, model, opt)?.or(self.last_checkpoint);
+        }
+        Ok(())
+    }
+
+    /// Accounts the committed steps of `span`, which took `seconds` (wall time, checkpoint
+    /// included) with their collective `c`: the [`Stats`], and when speed-weighted the rates
+    /// `c` carried and, every [`TrainConfig::balance_every`] steps, the split they give.
+    fn account(&mut self, cfg: &TrainConfig, (from, to): (u64, u64), c: &Committed, seconds: f64) {
+        let st = &mut self.stats;
+        st.steps += to - from;
+        st.seconds += seconds;
+        st.allreduce_seconds += c.secs;
+        st.allreduce_bytes = c.bytes;
+        st.allreduces += 1;
+        if cfg.speed_weighted {
+            if crosses(cfg.balance_every.max(1), from, to) {
+                self.shares = split_for(cfg, &c.rates);
+            }
+            self.rates = c.rates.clone();
+        }
+    }
+
+    /// The [`StepLog`] of the last commit, made in `generation` with `c`.
+    fn step_log(&self, cfg: &TrainConfig, generation: u64, c: &Committed) -> StepLog {
+        StepLog {
+            step: self.step,
+            generation,
+            loss: c.loss,
+            samples_per_second: self.stats.samples_per_second(cfg.batch),
+            allreduce_seconds: c.secs,
+            rates: self.rates.clone(),
+            shares: self.shares.clone(),
+        }
+    }
+
+    /// The [`Progress`] of the last commit, made by `rank` of `generation` with `c`, for
+    /// [`RingSource::after_commit`]; `since` is when the generation started and its first step.
+    fn progress(
+        &self,
+        cfg: &TrainConfig,
+        (generation, rank): (u64, usize),
+        (start, first): (std::time::Instant, u64),
+        c: &Committed,
+    ) -> Progress {
+        Progress {
+            step: self.step,
+            total_steps: Some(cfg.steps),
+            generation,
+            rank,
+            loss: c.loss,
+            samples_per_second: ((self.step - first) * cfg.batch as u64) as f64
+                / start.elapsed().as_secs_f64().max(1e-9),
+            last_checkpoint: self.last_checkpoint,
+            allreduce_seconds: c.secs,
+            allreduce_bytes: c.bytes,
+            shares: self.shares.clone(),
+        }
+    }
+
+    /// The rank's [`Outcome`], with its `model` and `optimizer`.
+    fn outcome(self, cfg: &TrainConfig, model: Mlp, optimizer: Optim) -> Outcome {
+        Outcome {
+            model,
+            optimizer,
+            step: self.step,
+            losses: self.losses,
+            generations: self.generations,
+            last_checkpoint: self.last_checkpoint,
+            left: self.left,
+            stats: self.stats,
+            shares: self.shares,
+            rates: if cfg.speed_weighted {
+                self.rates
+            } else {
+                Vec::new()
+            },
+        }
+    }
 }
 
 /// The split of the batch for `rates` (one per rank): [`balance::split`] when speed-weighted,
@@ -829,6 +988,15 @@ pub fn train_standalone(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn crosses_a_multiple_once() {
+        assert!(crosses(10, 9, 10));
+        assert!(crosses(10, 5, 25));
+        assert!(!crosses(10, 10, 19));
+        assert!(!crosses(0, 0, 100));
+        assert!(crosses(1, 0, 1));
+    }
 
     #[test]
     fn sync_root_takes_the_highest_step_lowest_rank() {

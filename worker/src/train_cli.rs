@@ -1,7 +1,7 @@
 //! The `train` subcommand: builds the run from its arguments, trains standalone (N ranks as
 //! threads) or as one rank of a Kubernetes job (following the ring ConfigMap, serving
-//! `/metrics`), and prints the result. It must not hold training logic (that is the library's
-//! `train`).
+//! `/metrics`), and prints rank 0's progress ([`train::StepLog`]) and the result. It must not
+//! hold training logic (that is the library's `train`).
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -195,6 +195,7 @@ pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         checkpoint_owner,
         resume_from: a.resume_from,
         log_every: a.log_every,
+        on_log: Some(print_progress),
         slow_rank: (a.step_delay_ms > 0)
             .then(|| (a.step_delay_rank, Duration::from_millis(a.step_delay_ms))),
         speed_weighted: a.speed_weighted,
@@ -270,13 +271,12 @@ pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         st.allreduce_bytes as f64 / 1e6,
         st.steps,
     );
-    let join = |xs: Vec<String>| xs.join("/");
     println!(
         "allreduces {} for {} steps, shares {}, rates {} samples/s (sum {:.1})",
         st.allreduces,
         st.steps,
-        join(out.shares.iter().map(ToString::to_string).collect()),
-        join(out.rates.iter().map(|r| format!("{r:.1}")).collect()),
+        join(&out.shares, ToString::to_string),
+        join(&out.rates, |r| format!("{r:.1}")),
         out.rates.iter().sum::<f64>(),
     );
     let acc = out.model.accuracy(&test_set)?;
@@ -290,4 +290,23 @@ pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         ring.inner.report_test_accuracy(acc);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Prints rank 0's progress line on stdout (`step N generation G loss L …`; e2e reads it).
+fn print_progress(p: &train::StepLog) {
+    println!(
+        "step {} generation {} loss {:.5} samples/s {:.1} allreduce {:.2} ms rates {} shares {}",
+        p.step,
+        p.generation,
+        p.loss,
+        p.samples_per_second,
+        p.allreduce_seconds * 1e3,
+        join(&p.rates, |r| format!("{r:.0}")),
+        join(&p.shares, ToString::to_string),
+    );
+}
+
+/// `xs` shown with `f`, separated by `/` (rates and shares).
+fn join<T>(xs: &[T], f: impl Fn(&T) -> String) -> String {
+    xs.iter().map(f).collect::<Vec<_>>().join("/")
 }
