@@ -23,7 +23,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::scheduling::v1alpha1::Workload;
 use kube::ResourceExt;
 
-use super::lifecycle::Hold;
+use super::Hold;
 use super::workers::Blocked;
 use crate::api::{DiphomaJob, GangScheduler, Phase};
 use crate::build;

@@ -13,7 +13,7 @@ use super::failures::{Found, PRUNED, loss_time};
 use super::ring::ring_status;
 use super::status::conditions;
 use super::{
-    Deletion, EventNote, Observed, Plan, by_operator, parse_ts, pod_phase, present_pod, ts,
+    Deletion, EventNote, Hold, Observed, Plan, by_operator, parse_ts, pod_phase, present_pod, ts,
 };
 use crate::api::{CleanPodPolicy, DiphomaJob, DiphomaJobStatus, Phase};
 
@@ -38,10 +38,16 @@ pub enum Next {
 }
 
 /// Step 2: ends the job when a failure is fatal, the budget is spent, the deadline passed or the
-/// ring completed; holds while the members of a completing ring finish; suspends. Sets
-/// `plan.requeue_after` for the deadline and the completion grace.
-pub fn lifecycle(job: &DiphomaJob, obs: &Observed, found: &Found, plan: &mut Plan) -> Next {
-    let hold = held(job, obs);
+/// ring completed; holds while the members of a completing ring finish; suspends while `hold`
+/// ([`super::admission::hold`]). Sets `plan.requeue_after` for the deadline and the completion
+/// grace.
+pub fn lifecycle(
+    job: &DiphomaJob,
+    obs: &Observed,
+    hold: Option<&Hold>,
+    found: &Found,
+    plan: &mut Plan,
+) -> Next {
     if let Some((reason, msg)) = failed(job, obs.now, hold.is_some(), plan) {
         finish(job, obs, plan, Phase::Failed, reason, msg);
         return Next::Done;
@@ -55,41 +61,10 @@ pub fn lifecycle(job: &DiphomaJob, obs: &Observed, found: &Found, plan: &mut Pla
         None => {}
     }
     if let Some(hold) = hold {
-        suspend(job, obs, &hold, plan);
+        suspend(job, obs, hold, plan);
         return Next::Done;
     }
     Next::Run
-}
-
-/// Why the job's workers must not run now, for the `Suspended` condition: the user's
-/// `runPolicy.suspend`, or the job's queue (Kueue has not admitted it, or evicted it).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Hold {
-    /// The `Suspended` condition's reason (`Suspended`, or Kueue's, e.g. `Pending`,
-    /// `Preempted`).
-    pub reason: String,
-    /// Its message.
-    pub message: String,
-}
-
-/// The hold on the job, if any: `runPolicy.suspend` first, then the queue's, then the gang's
-/// (a gang scheduler asked for and not served, or a gang yielding to another's repair).
-pub fn held(job: &DiphomaJob, obs: &Observed) -> Option<Hold> {
-    if job.spec.run_policy.suspend {
-        return Some(Hold {
-            reason: "Suspended".into(),
-            message: "the job is suspended".into(),
-        });
-    }
-    match (super::queue::hold(job, &obs.queue), &obs.workload_refused) {
-        // No Workload yet, and its creation was refused: the API server's word, not a wait.
-        (Some(h), Some(refusal)) if h.reason == super::queue::NO_WORKLOAD_YET => Some(Hold {
-            reason: "WorkloadRefused".into(),
-            message: format!("the API server refused the job's Kueue Workload: {refusal}"),
-        }),
-        (Some(h), _) => Some(h),
-        (None, _) => super::gang::hold(job, obs),
-    }
 }
 
 /// The terminal failure, if any: (reason, message). A deadline not yet reached sets

@@ -5,12 +5,20 @@
 //! the operator decides is decided here; nothing here does I/O.
 //!
 //! [`plan`] reads as a table of contents, one named step per module:
+//! 0. [`admission`]: Kueue's admitted count and flavors ([`queue::admitted_view`]), and the hold
+//!    on the job (suspended, queued, a gang yielding), computed once;
 //! 1. [`failures`]: judge the nodes ([`nodes`]), find lost pods and silent or vanished members,
 //!    count them;
 //! 2. [`lifecycle`]: a finished job's clean-up and TTL; fail, complete or suspend the job;
 //! 3. [`workers`]: create missing workers, scale away the surplus;
 //! 4. [`ring`]: publish the next ring generation when its membership changes;
-//! 5. [`status`]: readiness, waiting, phase and conditions.
+//! 5. [`status`]: readiness, waiting, phase and conditions;
+//! 6. [`queue`]: the job's Kueue Workload;
+//! 7. [`gang`]: the job's gang Workload;
+//! 8. [`memory`]: the refused creations still held, and what the reconciler remembers.
+//!
+//! Every step depends only on earlier ones and on this module's vocabulary (failures,
+//! deletions, events, holds): no step calls back into a later one.
 //!
 //! A job whose spec does not decode gets [`invalid`] instead: a status and an event that name
 //! the field, and nothing else.
@@ -26,6 +34,7 @@ use kube::ResourceExt;
 use crate::api::{DiphomaJob, DiphomaJobStatus, Phase};
 use crate::build::{ANNOT_DELETED_BY_OPERATOR, ANNOT_FAILURE_COUNTED};
 
+pub mod admission;
 pub mod failures;
 pub mod gang;
 pub mod lifecycle;
@@ -327,6 +336,18 @@ impl Plan {
     }
 }
 
+/// Why the job's workers must not run now, for the `Suspended` condition: the user's
+/// `runPolicy.suspend`, the job's queue (Kueue has not admitted it, or evicted it), or its gang
+/// ([`admission::hold`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hold {
+    /// The `Suspended` condition's reason (`Suspended`, or Kueue's, e.g. `Pending`,
+    /// `Preempted`; `GangYields`, …).
+    pub reason: String,
+    /// Its message.
+    pub message: String,
+}
+
 /// New rank labels for one worker pod ([`diphoma_contract::LABEL_RANK`],
 /// [`diphoma_contract::LABEL_GENERATION`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -346,20 +367,27 @@ pub fn plan(job: &DiphomaJob, obs: &Observed, memory: &memory::Memory) -> (Plan,
         status: status::carried(job),
         ..Plan::default()
     };
-    // Admitted by Kueue: the workers run with the admitted count and flavors.
+    // 0. Admission: admitted by Kueue, the workers run with the admitted count and flavors;
+    // the hold on the job, once.
     let admitted = queue::admitted_view(job, &obs.queue);
-    decide(admitted.as_ref().unwrap_or(job), obs, &mut plan);
+    let admitted = admitted.as_ref().unwrap_or(job);
+    let hold = admission::hold(admitted, obs);
+    // 1-5. The job's failures, lifecycle, workers, ring and status.
+    decide(admitted, obs, hold.as_ref(), &mut plan);
+    // 6. Kueue: the job's Workload.
     plan.queue = queue::queue_plan(job, &obs.queue, &obs.pods, plan.status.phase, obs.now);
+    // 7. Gang: the job's gang Workload. A gang waiting, or yielding, looks again for another
+    // gang's repair starting or ending (the other job's pods are not this job's: no event of
+    // its own says so).
     plan.gang = gang::gang_plan(job, &obs.gang, plan.status.phase);
-    // A gang waiting, or yielding, looks again for another gang's repair starting or ending
-    // (the other job's pods are not this job's: no event of its own says so).
     if gang::waiting(job, &obs.pods, None).is_some()
-        || lifecycle::held(job, obs).is_some_and(|h| h.reason == gang::YIELDS)
+        || hold.is_some_and(|h| h.reason == gang::YIELDS)
     {
         plan.due_in(gang::YIELD_LOOK_AGAIN);
     }
     plan.events.extend(nodes::skew_events(&obs.nodes));
     plan.status.replicas = status::observed_replicas(obs, &plan);
+    // 8. Memory: the refused creations still held; what the reconciler remembers.
     let next = memory::decide(job, obs, memory, &mut plan);
     plan.look_again = look_again(job, obs, &plan);
     (plan, next)
@@ -387,8 +415,8 @@ pub fn invalid(object: &serde_json::Value, now: Timestamp) -> Option<Plan> {
     })
 }
 
-/// The steps, in order; each later step sees what the earlier ones planned.
-fn decide(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
+/// Steps 1-5, in order; each later step sees what the earlier ones planned. `hold`: step 0's.
+fn decide(job: &DiphomaJob, obs: &Observed, hold: Option<&Hold>, plan: &mut Plan) {
     let prev_phase = job.status.as_ref().and_then(|s| s.phase);
     if prev_phase.is_some_and(Phase::is_terminal) {
         lifecycle::finished(job, obs, plan); // finished jobs stay finished
@@ -401,7 +429,7 @@ fn decide(job: &DiphomaJob, obs: &Observed, plan: &mut Plan) {
     let nodes = nodes::judge_nodes(&obs.nodes, detection);
     let found = failures::detect(job, obs, &nodes, plan);
     // 2. Lifecycle: fail, complete or suspend the job.
-    if lifecycle::lifecycle(job, obs, &found, plan) == lifecycle::Next::Done {
+    if lifecycle::lifecycle(job, obs, hold, &found, plan) == lifecycle::Next::Done {
         return;
     }
     failures::count_repairs(plan); // the job runs on: its lost members will be replaced

@@ -29,7 +29,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time
 use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
 
-use super::lifecycle::Hold;
+use super::Hold;
 use crate::api::{DiphomaJob, Phase};
 use crate::build;
 
@@ -641,7 +641,7 @@ mod tests {
             ),
             ..Default::default()
         };
-        let h = crate::plan::lifecycle::held(&j, &refused).expect("held");
+        let h = crate::plan::admission::hold(&j, &refused).expect("held");
         assert_eq!(h.reason, "WorkloadRefused");
         assert!(
             h.message

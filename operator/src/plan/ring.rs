@@ -80,6 +80,9 @@ pub fn next_generation(
     mut found: Found,
     plan: &mut Plan,
 ) -> RingView {
+    if obs.ring.is_none() {
+        prelabel(job, &workers.live, &mut plan.create);
+    }
     let spec = &job.spec;
     let ring = obs.ring.as_ref();
     let (min, _) = spec.bounds();

@@ -162,9 +162,6 @@ pub fn workers<'a>(
             plan.create.push(pod);
         }
     }
-    if obs.ring.is_none() {
-        super::ring::prelabel(job, &live, &mut plan.create);
-    }
     let mut blocked: Vec<Blocked> = live.values().filter_map(|p| blocked(p)).collect();
     blocked.extend(invalid);
     blocked.extend(plan.create.iter().filter_map(|p| {
