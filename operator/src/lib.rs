@@ -1,7 +1,10 @@
 //! Diphoma's operator: the `DiphomaJob` API and the reconciler that keeps each job's ring alive.
 //!
 //! # Layout
-//! - [`api`]: the CRD types (spec, status, schema bounds, CEL rules). Types only.
+//! - [`api`]: the CRD types (spec, status, schema bounds, CEL rules). Types only, and all there is
+//!   without the `controller` feature (on by default): what the job's readers link
+//!   (`kubectl-diphoma`), without the reconciler and its dependencies. Everything below, the CRD's
+//!   YAML and reference, and the `diphoma-operator` binary need that feature.
 //! - [`build`]: the desired children (worker pods, Service, RBAC, ring ConfigMap, key Secret) as
 //!   typed k8s-openapi objects. Pure.
 //! - [`plan`]: the decision of one reconcile, as named steps (one module each): failures (which
@@ -28,30 +31,44 @@
 //! from `diphoma_contract`, never restated here. The operator must not import `diphoma-ring` or
 //! `diphoma-worker` (nor, through them, candle): the contract is all it shares with the workers.
 
+// The layout above links the modules the `controller` feature gates.
+#![cfg_attr(not(feature = "controller"), allow(rustdoc::broken_intra_doc_links))]
+
 pub mod api;
+#[cfg(feature = "controller")]
 pub mod build;
+#[cfg(feature = "controller")]
 pub mod controller;
+#[cfg(feature = "controller")]
 pub mod docs;
+#[cfg(feature = "controller")]
 pub mod error;
+#[cfg(feature = "controller")]
 pub mod gang;
+#[cfg(feature = "controller")]
 pub mod metrics;
+#[cfg(feature = "controller")]
 pub mod plan;
+#[cfg(feature = "controller")]
 pub mod queue;
 
+#[cfg(feature = "controller")]
 use kube::CustomResourceExt;
 
 /// The CRD of [`api::DiphomaJob`] as YAML (what `diphoma-operator crd` prints and `crds/` holds).
+#[cfg(feature = "controller")]
 pub fn crd_yaml() -> String {
     serde_saphyr::to_string(&api::DiphomaJob::crd()).expect("the CRD serializes")
 }
 
 /// The DiphomaJob reference in Markdown (what `diphoma-operator crd --markdown` prints and
 /// `docs/crd-reference.md` holds).
+#[cfg(feature = "controller")]
 pub fn crd_markdown() -> String {
     docs::crd_markdown(&api::DiphomaJob::crd())
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "controller"))]
 mod tests {
     /// CI's diff-check: the committed CRD, and the chart's copy of it, are what the Rust types
     /// generate.
