@@ -7,7 +7,8 @@
 //! | item | owns | must not |
 //! |---|---|---|
 //! | [`Ring`] | one ring generation's [`Communicator`] and its collectives on raw CPU buffers (address + length from `tensor.data_ptr()`), each run with the GIL released; the error of its failed collective | know about torch, keep a buffer past a call |
-//! | [`Follower`] | where the generations come from (`diphoma-ring`'s [`FixedRing`], [`FileRing`] or [`KubeRing`], chosen by the environment): joining the next one, the decision after a commit or a failure, the progress records | decide anything the ring's sources do not |
+//! | [`Follower`] | where the generations come from (`diphoma-ring`'s [`FixedRing`], [`FileRing`] or [`KubeRing`], chosen by the environment, then used as one [`RingSource`]): joining the next one, the decision after a commit or a failure, the progress records | decide anything the ring's sources do not |
+//! | [`sync_root`] | whose state a new generation adopts (`diphoma-ring`'s rule, the Rust worker's) for `diphoma.torch.elastic` | |
 //! | [`membership_json`] | the contract's membership document for the standalone launcher | |
 //! | [`split`], [`Speed`] | the contract's speed-weighted shares (`diphoma_contract::balance`) for `diphoma.torch.ElasticSampler`: the same split and the same smoothing as the Rust worker | time anything (the sampler measures) |
 //! | [`RingError`], [`RingChanged`], [`ConfigError`] | the Python exceptions: the join failed; a collective of an established ring failed (the ring must re-form); a bad argument or environment variable (named in the message) | |
@@ -21,7 +22,7 @@ use std::time::Duration;
 
 use diphoma_contract::{Member, Membership, balance};
 use diphoma_ring::file::{ENV_RING_DIR, FileRing};
-use diphoma_ring::k8s::{KubeRing, Memberships, OP_TIMEOUT, WorkerEnv};
+use diphoma_ring::k8s::{KubeRing, OP_TIMEOUT, RingWatch as Watch, WorkerEnv};
 use diphoma_ring::source::{
     Control, FixedRing, Generation, Progress, RingSource, standalone_config,
 };
@@ -385,29 +386,11 @@ impl Ring {
     }
 }
 
-/// Where the generations come from.
-enum Source {
-    /// Standalone, one generation (`python -m diphoma.run`).
-    Fixed(FixedRing),
-    /// Standalone and elastic: the ring directory of `python -m diphoma.run --elastic`.
-    File(Box<FileRing>),
-    /// A worker pod: the ring ConfigMap (the operator's contract).
-    Kube(Box<KubeRing>),
-}
-
-impl Source {
-    fn ring(&mut self) -> &mut dyn RingSource {
-        match self {
-            Source::Fixed(s) => s,
-            Source::File(s) => s.as_mut(),
-            Source::Kube(s) => s.as_mut(),
-        }
-    }
-}
-
 /// What the follower knows besides its source.
 struct Following {
-    source: Source,
+    /// Where the generations come from: the fixed standalone ring (`python -m diphoma.run`),
+    /// the ring directory (`--elastic`), or the ring ConfigMap (a worker pod).
+    source: Box<dyn RingSource + Send>,
     /// The generation to join next.
     pending: Option<Generation>,
     /// (generation, rank) of the ring joined last.
@@ -455,25 +438,29 @@ impl Follower {
     }
 }
 
-fn progress(
-    current: (u64, usize),
-    step: u64,
-    total_steps: Option<u64>,
-    loss: f32,
-    samples_per_second: f64,
-    last_checkpoint: Option<u64>,
-) -> Progress {
-    Progress {
-        step,
-        total_steps,
-        generation: current.0,
-        rank: current.1,
-        loss,
-        samples_per_second,
-        last_checkpoint,
-        allreduce_seconds: 0.0,
-        allreduce_bytes: 0,
-        shares: Vec::new(),
+impl Following {
+    /// The progress of a committed step of the ring joined last (as `commit` takes it: steps,
+    /// total steps, loss, samples/s, last checkpoint), with the shares set last.
+    fn progress(
+        &self,
+        step: u64,
+        total: Option<u64>,
+        loss: f32,
+        rate: f64,
+        ck: Option<u64>,
+    ) -> Progress {
+        Progress {
+            step,
+            total_steps: total,
+            generation: self.current.0,
+            rank: self.current.1,
+            loss,
+            samples_per_second: rate,
+            last_checkpoint: ck,
+            allreduce_seconds: 0.0,
+            allreduce_bytes: 0,
+            shares: self.shares.clone(),
+        }
     }
 }
 
@@ -497,26 +484,31 @@ impl Follower {
                     .ok_or_else(|| config_err(format!("timeout {t} s is not positive")))
             })
             .transpose()?;
-        let (source, pending) = if let Ok(dir) = std::env::var(ENV_RING_DIR) {
+        let (source, pending): (Box<dyn RingSource + Send>, _) = if let Ok(dir) =
+            std::env::var(ENV_RING_DIR)
+        {
             let name = required(diphoma_contract::ENV_POD_NAME)?;
             let t = timeout.unwrap_or(diphoma_ring::comm::DEFAULT_TIMEOUT);
             let mut f = FileRing::start(dir.clone().into(), name.clone(), read_key()?, t);
-            let g = py.detach(|| f.first_generation(t)).ok_or_else(|| {
-                RingError::new_err(format!(
-                    "no generation in {dir}/membership.json listed member {name} within {t:?}"
-                ))
-            })?;
-            (Source::File(Box::new(f)), g)
+            let g = py
+                .detach(|| f.first_generation(Some(t)))
+                .map_err(|e| RingError::new_err(e.to_string()))?
+                .ok_or_else(|| {
+                    RingError::new_err(format!(
+                        "no generation in {dir}/membership.json listed member {name} within {t:?}"
+                    ))
+                })?;
+            (Box::new(f), g)
         } else if std::env::var(diphoma_contract::ENV_MEMBERSHIP).is_ok() {
             let env = WorkerEnv::from_env().map_err(config_err)?;
             let key = env.read_key().map_err(config_err)?;
             let mut k = KubeRing::start(env, key).map_err(config_err)?;
             k.set_op_timeout(timeout.unwrap_or(OP_TIMEOUT));
             let g = py
-                .detach(|| k.first_generation())
+                .detach(|| k.first_generation(None))
                 .map_err(config_err)?
                 .ok_or_else(|| RingError::new_err("SIGTERM before the first generation"))?;
-            (Source::Kube(Box::new(k)), g)
+            (Box::new(k), g)
         } else {
             let mut config = standalone_config(|n| std::env::var(n).ok()).map_err(config_err)?;
             if let Some(t) = timeout {
@@ -525,7 +517,7 @@ impl Follower {
             let addr = config.addresses[config.rank];
             let listener = TcpListener::bind(addr)
                 .map_err(|e| RingError::new_err(format!("binding {addr}: {e}")))?;
-            (Source::Fixed(FixedRing), Generation { config, listener })
+            (Box::new(FixedRing), Generation { config, listener })
         };
         Ok(Follower {
             state: Mutex::new(Following {
@@ -555,11 +547,10 @@ impl Follower {
                     Ok(comm) => {
                         st.current = (generation, comm.rank());
                         st.source
-                            .ring()
                             .connected(generation, comm.rank(), comm.abort_handle());
                         return Ok(Ring::new(comm, config));
                     }
-                    Err(e) => match st.source.ring().after_failure(&e) {
+                    Err(e) => match st.source.after_failure(&e) {
                         Some(next) => st.pending = Some(next),
                         None => {
                             return Err(RingError::new_err(format!(
@@ -592,16 +583,8 @@ impl Follower {
         last_checkpoint: Option<u64>,
     ) -> &'static str {
         let mut st = self.lock();
-        let mut p = progress(
-            st.current,
-            step,
-            total_steps,
-            loss,
-            samples_per_second,
-            last_checkpoint,
-        );
-        p.shares.clone_from(&st.shares);
-        match st.source.ring().after_commit(&p) {
+        let p = st.progress(step, total_steps, loss, samples_per_second, last_checkpoint);
+        match st.source.after_commit(&p) {
             Control::Continue => "continue",
             Control::Switch(g) => {
                 st.pending = Some(g);
@@ -622,7 +605,7 @@ impl Follower {
             .unwrap_or(CommError::Aborted);
         py.detach(|| {
             let mut st = self.lock();
-            st.pending = st.source.ring().after_failure(&err);
+            st.pending = st.source.after_failure(&err);
             st.pending.is_some()
         })
     }
@@ -634,7 +617,7 @@ impl Follower {
     fn report_failure(&self, py: Python<'_>, ring: &Ring) {
         let failure = ring.failure.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(err) = failure.as_ref() {
-            py.detach(|| self.lock().source.ring().report_failure(err));
+            py.detach(|| self.lock().source.report_failure(err));
         }
     }
 
@@ -650,20 +633,8 @@ impl Follower {
         last_checkpoint: Option<u64>,
     ) {
         let mut st = self.lock();
-        let mut p = progress(
-            st.current,
-            step,
-            total_steps,
-            loss,
-            samples_per_second,
-            last_checkpoint,
-        );
-        p.shares.clone_from(&st.shares);
-        match &mut st.source {
-            Source::Fixed(_) => {}
-            Source::File(f) => f.publish_progress(&p),
-            Source::Kube(k) => k.publish_progress(&p),
-        }
+        let p = st.progress(step, total_steps, loss, samples_per_second, last_checkpoint);
+        st.source.publish_progress(&p);
     }
 
     /// Every rank's share of the global batch (samples, in rank order) from now on: the next
@@ -676,11 +647,7 @@ impl Follower {
     /// Rank 0's last record: its last progress record again with the test accuracy (in
     /// [0, 1]), which the operator copies into the job's status.
     fn report_test_accuracy(&self, accuracy: f64) {
-        match &mut self.lock().source {
-            Source::Fixed(_) => {}
-            Source::File(f) => f.report_test_accuracy(accuracy),
-            Source::Kube(k) => k.report_test_accuracy(accuracy),
-        }
+        self.lock().source.report_test_accuracy(accuracy);
     }
 }
 
@@ -716,6 +683,14 @@ fn membership_json(
     };
     m.validate().map_err(config_err)?;
     serde_json::to_string(&m).map_err(config_err)
+}
+
+/// The rank whose state a new generation adopts, from every rank's committed step (indexed by
+/// rank): the highest step, the lowest rank among equals (`diphoma_ring::source::sync_root`,
+/// the Rust worker's rule); 0 for an empty list.
+#[pyfunction]
+fn sync_root(steps: Vec<u64>) -> usize {
+    diphoma_ring::source::sync_root(&steps)
 }
 
 /// Shares of a global batch of `batch` samples for ranks computing at `rates` (samples per
@@ -770,7 +745,7 @@ type Seen = (u64, Option<usize>, Vec<(String, String)>);
 /// process it starts does both). `pod` is this pod's name (`DIPHOMA_POD_NAME`).
 #[pyclass(module = "diphoma._native", frozen)]
 pub struct RingWatch {
-    watch: Mutex<Memberships>,
+    watch: Mutex<Watch>,
     #[pyo3(get)]
     pod: String,
     job_uid: Option<String>,
@@ -784,7 +759,7 @@ impl RingWatch {
     #[staticmethod]
     fn from_env() -> PyResult<RingWatch> {
         let env = WorkerEnv::from_env().map_err(config_err)?;
-        let watch = Memberships::start(&env).map_err(config_err)?;
+        let watch = Watch::start(&env).map_err(config_err)?;
         Ok(RingWatch {
             watch: Mutex::new(watch),
             pod: env.pod_name,
@@ -801,8 +776,7 @@ impl RingWatch {
             .map_err(|_| config_err(format!("timeout {timeout} s is not a duration")))?;
         let latest = py.detach(|| {
             let mut watch = self.watch.lock().unwrap_or_else(|p| p.into_inner());
-            watch.wait_newer(than, wait);
-            watch.latest.clone()
+            watch.wait_newer(than, wait).cloned()
         });
         Ok(latest
             .filter(|m| than.is_none_or(|t| m.generation > t))
@@ -854,6 +828,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RingWatch>()?;
     m.add_function(wrap_pyfunction!(membership_json, m)?)?;
     m.add_function(wrap_pyfunction!(split, m)?)?;
+    m.add_function(wrap_pyfunction!(sync_root, m)?)?;
     m.add_class::<Speed>()?;
     m.add("SMOOTHING", balance::SMOOTHING)?;
     m.add("DEFAULT_BALANCE_EVERY", balance::DEFAULT_EVERY)?;

@@ -1,13 +1,15 @@
-//! The membership follower of a worker pod: the contract's env, the ring ConfigMap watched as a
-//! [`RingSource`], and the heartbeat ConfigMap writes (docs/design/heartbeat.md).
+//! The membership backend of a worker pod: the contract's env, the ring ConfigMap watched for a
+//! [`Follower`] ([`KubeRing`]), and the heartbeat ConfigMap writes (docs/design/heartbeat.md).
 //!
-//! Pure parts (unit-tested): [`WorkerEnv::from_lookup`] and [`decide`]. I/O parts: [`KubeRing`]
-//! runs a single-object watch of `<job>-ring` on a small tokio runtime of its own; each
-//! membership it sees is handed to the training thread, and a newer generation aborts the
-//! collective in flight (so a ring stuck on a hung peer moves on as soon as the operator has
-//! re-formed it). Rank 0 patches its [`ProgressReport`] into `<job>-heartbeat` every
-//! [`PROGRESS_EVERY`]; a member whose collective fails patches one [`diphoma_contract::FailureReport`] under
-//! `report.<pod>`. Nothing is written per worker per step. From its start, the process answers
+//! Pure part (unit-tested): [`WorkerEnv::from_lookup`]. The rules are the [`Follower`]'s. I/O
+//! parts: [`RingConfigMap`] runs a single-object watch of `<job>-ring` ([`watch_ring`]) on a
+//! small tokio runtime of its own; each membership it sees is handed to the training thread,
+//! and a newer generation aborts the collective in flight (so a ring stuck on a hung peer moves
+//! on as soon as the operator has re-formed it). Rank 0 patches its
+//! [`diphoma_contract::ProgressReport`] into `<job>-heartbeat` every
+//! [`crate::follow::PROGRESS_EVERY`]; a member whose collective fails patches one
+//! [`diphoma_contract::FailureReport`] under `report.<pod>`. [`RingWatch`] is the in-pod
+//! launcher's view of the same ConfigMap. Nothing is written per worker per step. From its start, the process answers
 //! liveness pings ([`crate::liveness::Responder`]) on UDP at its ring address, and every
 //! generation it joins probes silent peers ([`Config::liveness`]) with [`liveness_window`] of
 //! the job's `detectionSeconds`: a slow or catching-up peer is waited for, a silent one blamed.
@@ -17,9 +19,9 @@
 
 use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -29,21 +31,16 @@ use kube::runtime::{WatchStreamExt, watcher};
 use diphoma_contract::{
     self as contract, ENV_DETECTION_SECONDS, ENV_JOB_NAME, ENV_JOB_UID, ENV_KEY_FILE,
     ENV_MEMBERSHIP, ENV_NAMESPACE, ENV_POD_IP, ENV_POD_NAME, ENV_RING_PORT, ENV_RING_PROTECTION,
-    MEMBERSHIP_KEY, Membership, ProgressReport,
+    MEMBERSHIP_KEY, Membership,
 };
 
+use crate::follow::{Backend, Feed, Follower, Memberships};
 use crate::liveness::Responder;
-use crate::source::{Control, Generation, Progress, RingSource, failure_report};
-use crate::{AbortHandle, CommError, Config, Protection};
+use crate::{Config, Protection};
 
-/// How often rank 0 writes its progress record.
-pub const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 /// Default bound on each connect in Kubernetes mode (a connect that times out blames nobody: the
 /// member re-joins). Collectives are not bounded by it: see [`liveness_window`].
 pub const OP_TIMEOUT: Duration = Duration::from_secs(4);
-/// How long a member whose collective failed waits for a newer generation before it re-joins
-/// the newest one it knows (which may be the same generation, re-formed).
-pub const REJOIN_WAIT: Duration = Duration::from_secs(1);
 
 /// The liveness window of a job whose `faultTolerance.detectionSeconds` is `detection`: a
 /// collective probes a peer it has waited on this long, and blames it when the probe gets no
@@ -194,200 +191,117 @@ impl WorkerEnv {
     }
 }
 
-/// What a member does on seeing membership `m` while in generation `current` (`None`: not yet
-/// in any).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Decision {
-    /// Nothing new: stay where it is.
-    Stay,
-    /// Join generation `m.generation` as this rank.
-    Join(usize),
-    /// The newer generation does not include this pod: leave.
-    NotMember,
-}
-
-/// See [`Decision`]: a generation not newer than `current` changes nothing.
-pub fn decide(current: Option<u64>, m: &Membership, pod: &str) -> Decision {
-    if current.is_some_and(|c| m.generation <= c) {
-        return Decision::Stay;
-    }
-    match m.rank_of(pod) {
-        Some(r) => Decision::Join(r),
-        None => Decision::NotMember,
-    }
-}
-
-/// The collective in flight: its generation and the handle that aborts it (see [`Memberships`]).
-pub type InFlight = Arc<Mutex<Option<(u64, AbortHandle)>>>;
-
-/// The ring ConfigMap's memberships as a watch delivers them: a single-object watch of the
-/// ConfigMap, run on a tokio runtime, hands each valid membership to this side (a malformed one
-/// is logged and skipped). With an abort slot, a membership newer than the slot's generation
-/// aborts the collective in flight there ([`KubeRing`]); without one it only reads
-/// ([`Memberships::start`], the in-pod launcher's view, which binds nothing).
-pub struct Memberships {
-    rx: mpsc::Receiver<Membership>,
-    /// The newest membership taken so far.
-    pub latest: Option<Membership>,
-    /// The runtime of [`Memberships::start`] (none when watching on another's).
-    _rt: Option<tokio::runtime::Runtime>,
-    /// [`Memberships::start`]'s heartbeat ConfigMap, for [`Memberships::write_heartbeat`].
-    heartbeat: Option<(Api<ConfigMap>, String)>,
-}
-
-impl Memberships {
-    /// Watches ConfigMap `name` through `api` on `rt` (see the type).
-    pub fn watch(
-        rt: &tokio::runtime::Handle,
-        api: Api<ConfigMap>,
-        name: &str,
-        abort: Option<InFlight>,
-    ) -> Memberships {
-        let (tx, rx) = mpsc::channel();
-        let fields = format!("metadata.name={name}");
-        rt.spawn(async move {
-            let mut events = watcher(api, watcher::Config::default().fields(&fields))
-                .default_backoff()
-                .boxed();
-            while let Some(ev) = events.next().await {
-                let cm = match ev {
-                    Ok(watcher::Event::Apply(cm) | watcher::Event::InitApply(cm)) => cm,
-                    Ok(_) => continue,
-                    Err(e) => {
-                        tracing::warn!("ring watch: {e}");
-                        continue;
-                    }
-                };
-                let Some(json) = cm.data.as_ref().and_then(|d| d.get(MEMBERSHIP_KEY)) else {
+/// Watches ConfigMap `name` through `api` on `rt`: a single-object watch whose every valid
+/// membership goes to `feed` (a malformed one is logged and skipped), until the feed's
+/// receiver is gone.
+pub fn watch_ring(rt: &tokio::runtime::Handle, api: Api<ConfigMap>, name: &str, feed: Feed) {
+    let fields = format!("metadata.name={name}");
+    rt.spawn(async move {
+        let mut events = watcher(api, watcher::Config::default().fields(&fields))
+            .default_backoff()
+            .boxed();
+        while let Some(ev) = events.next().await {
+            let cm = match ev {
+                Ok(watcher::Event::Apply(cm) | watcher::Event::InitApply(cm)) => cm,
+                Ok(_) => continue,
+                Err(e) => {
+                    tracing::warn!("ring watch: {e}");
                     continue;
-                };
-                let m = match Membership::parse(json) {
-                    Ok(m) => m,
-                    Err(e) => {
-                        tracing::warn!("ignoring ring membership: {e}");
-                        continue;
+                }
+            };
+            let Some(json) = cm.data.as_ref().and_then(|d| d.get(MEMBERSHIP_KEY)) else {
+                continue;
+            };
+            match Membership::parse(json) {
+                Ok(m) => {
+                    if feed.send(m).is_err() {
+                        break;
                     }
-                };
-                if let Some(slot) = &abort
-                    && let Some((g, h)) = slot.lock().expect("slot").as_ref()
-                    && m.generation > *g
-                {
-                    h.abort();
                 }
-                if tx.send(m).is_err() {
-                    break;
-                }
+                Err(e) => tracing::warn!("ignoring ring membership: {e}"),
             }
-        });
-        Memberships {
-            rx,
-            latest: None,
-            _rt: None,
-            heartbeat: None,
         }
-    }
+    });
+}
 
-    /// Watches the ring ConfigMap `env` names on a runtime of its own, without binding anything
-    /// or answering pings: for a process that starts and restarts the member (the in-pod
-    /// launcher, `python -m diphoma.run`).
+/// A small multi-threaded tokio runtime of one worker thread (the watch, the heartbeat writes).
+fn runtime() -> Result<tokio::runtime::Runtime, KubeError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(KubeError::Runtime)
+}
+
+/// The ring ConfigMap's generations as the in-pod launcher sees them (`python -m diphoma.run`
+/// in a pod, which starts and restarts the member): a watch on a runtime of its own that binds
+/// nothing, answers no ping and aborts nothing, and writes into the heartbeat on request.
+pub struct RingWatch {
+    memberships: Memberships,
+    rt: tokio::runtime::Runtime,
+    /// The heartbeat ConfigMap and its name.
+    heartbeat: (Api<ConfigMap>, String),
+}
+
+impl RingWatch {
+    /// Watches the ring ConfigMap `env` names.
     ///
     /// # Errors
     /// [`KubeError::Runtime`] or [`KubeError::Client`] when no runtime or client can be built.
-    pub fn start(env: &WorkerEnv) -> Result<Memberships, KubeError> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .map_err(KubeError::Runtime)?;
+    pub fn start(env: &WorkerEnv) -> Result<RingWatch, KubeError> {
+        let rt = runtime()?;
         let client = rt
             .block_on(kube::Client::try_default())
             .map_err(KubeError::Client)?;
         let api = Api::namespaced(client, &env.namespace);
-        let mut m = Memberships::watch(rt.handle(), api.clone(), &env.membership, None);
-        m._rt = Some(rt);
-        m.heartbeat = Some((api, contract::heartbeat_configmap_name(&env.job_name)));
-        Ok(m)
+        let (feed, memberships) = Memberships::channel(None);
+        watch_ring(rt.handle(), api.clone(), &env.membership, feed);
+        let name = contract::heartbeat_configmap_name(&env.job_name);
+        Ok(RingWatch {
+            memberships,
+            rt,
+            heartbeat: (api, name),
+        })
     }
 
-    /// Patches `key: value` into the job's heartbeat ConfigMap (a watch of
-    /// [`Memberships::start`] only; otherwise nothing), waiting up to 10 s; a failed write is
-    /// logged. The in-pod launcher's restart reports.
+    /// [`Memberships::wait_newer`]: waits up to `wait` for a generation newer than `than` (any,
+    /// when `None`), and returns the newest seen.
+    pub fn wait_newer(&mut self, than: Option<u64>, wait: Duration) -> Option<&Membership> {
+        self.memberships.wait_newer(than, wait)
+    }
+
+    /// Patches `key: value` into the job's heartbeat ConfigMap, waiting up to 10 s; a failed
+    /// write is logged. The in-pod launcher's restart reports.
     pub fn write_heartbeat(&self, key: String, value: String) {
-        if let (Some(rt), Some((api, name))) = (&self._rt, &self.heartbeat) {
-            let write = patch_heartbeat(api.clone(), name.clone(), key, value);
-            // In the runtime: the timer needs its reactor.
-            let _ =
-                rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), write).await });
-        }
-    }
-
-    /// Takes every membership seen so far; keeps the newest.
-    pub fn drain(&mut self) {
-        while let Ok(m) = self.rx.try_recv() {
-            self.take(m);
-        }
-    }
-
-    fn take(&mut self, m: Membership) {
-        if self
-            .latest
-            .as_ref()
-            .is_none_or(|l| m.generation >= l.generation)
-        {
-            self.latest = Some(m);
-        }
-    }
-
-    /// Waits up to `wait` for a membership newer than `than` (or any, when `None`); the newest
-    /// is then in [`Memberships::latest`].
-    pub fn wait_newer(&mut self, than: Option<u64>, wait: Duration) {
-        let deadline = Instant::now() + wait;
-        loop {
-            self.drain();
-            if self
-                .latest
-                .as_ref()
-                .is_some_and(|l| than.is_none_or(|t| l.generation > t))
-            {
-                return;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.rx.recv_timeout(left) {
-                Ok(m) => self.take(m),
-                Err(_) => return,
-            }
-        }
+        let (api, name) = &self.heartbeat;
+        let write = patch_heartbeat(api.clone(), name.clone(), key, value);
+        // In the runtime: the timer needs its reactor.
+        let _ = self
+            .rt
+            .block_on(async { tokio::time::timeout(Duration::from_secs(10), write).await });
     }
 }
 
-/// A [`RingSource`] fed by the ring ConfigMap (see the module docs).
-pub struct KubeRing {
+/// Follows the ring ConfigMap as a worker pod (see the module docs).
+pub type KubeRing = Follower<RingConfigMap>;
+
+/// The ring ConfigMap and the heartbeat as a [`Backend`]: the watch, the heartbeat writes, the
+/// SIGTERM flag and the liveness responder, on a private tokio runtime.
+pub struct RingConfigMap {
     env: WorkerEnv,
-    key: Vec<u8>,
     rt: tokio::runtime::Runtime,
     heartbeat: Api<ConfigMap>,
-    watch: Memberships,
-    current: Option<Membership>,
-    in_flight: InFlight,
-    last_progress: Option<Instant>,
-    last_report: Option<ProgressReport>,
     /// The progress write still in flight (the next one waits for it: writes land in order).
     pending_progress: Option<tokio::task::JoinHandle<()>>,
     terminating: Arc<AtomicBool>,
-    removed: bool,
-    /// The generation whose failure this worker reported since its last committed step (one
-    /// report per failure: the failed re-connects that follow do not overwrite it).
-    reported: Option<u64>,
-    op_timeout: Duration,
     /// Answers liveness pings for the life of the follower.
     _responder: Responder,
 }
 
-impl std::fmt::Debug for KubeRing {
+impl std::fmt::Debug for RingConfigMap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KubeRing")
+        f.debug_struct("RingConfigMap")
             .field("env", &self.env)
-            .field("current", &self.current.as_ref().map(|m| m.generation))
             .finish_non_exhaustive()
     }
 }
@@ -439,25 +353,20 @@ pub enum KubeError {
     },
 }
 
-impl KubeRing {
+impl RingConfigMap {
     /// Starts the liveness responder at the ring address, connects to the API server
-    /// (`KUBECONFIG` or in-cluster config) and starts watching the ring ConfigMap, on a private
-    /// tokio runtime (see [`KubeRing::handle`]).
+    /// (`KUBECONFIG` or in-cluster config) and starts watching the ring ConfigMap into `feed`,
+    /// on a private tokio runtime.
     ///
     /// # Errors
-    /// [`KubeError::Liveness`] when the ring address cannot be bound for UDP;
-    /// [`KubeError::Runtime`] or [`KubeError::Client`] when no runtime or client can be built.
-    pub fn start(env: WorkerEnv, key: Vec<u8>) -> Result<KubeRing, KubeError> {
+    /// As [`KubeRing::start`].
+    fn start(env: WorkerEnv, key: &[u8], feed: Feed) -> Result<RingConfigMap, KubeError> {
         // Alive from the start, so that peers never take this process for a hung one.
         let addr = SocketAddr::new(env.pod_ip, env.ring_port);
         let responder = UdpSocket::bind(addr)
-            .and_then(|s| Responder::spawn(s, key.clone()))
+            .and_then(|s| Responder::spawn(s, key.to_vec()))
             .map_err(|source| KubeError::Liveness { addr, source })?;
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .map_err(KubeError::Runtime)?;
+        let rt = runtime()?;
         // SIGTERM first: from here on it means "leave the ring and exit 0".
         let terminating = Arc::new(AtomicBool::new(false));
         let term = terminating.clone();
@@ -475,151 +384,59 @@ impl KubeRing {
             .block_on(kube::Client::try_default())
             .map_err(KubeError::Client)?;
         let ring: Api<ConfigMap> = Api::namespaced(client.clone(), &env.namespace);
+        watch_ring(rt.handle(), ring, &env.membership, feed);
+        Ok(RingConfigMap::new(env, rt, client, terminating, responder))
+    }
+
+    /// The backend over `client` on `rt`, watching nothing (the caller feeds it).
+    pub(crate) fn new(
+        env: WorkerEnv,
+        rt: tokio::runtime::Runtime,
+        client: kube::Client,
+        terminating: Arc<AtomicBool>,
+        responder: Responder,
+    ) -> RingConfigMap {
         let heartbeat = Api::namespaced(client, &env.namespace);
-        let in_flight: InFlight = Arc::default();
-        let watch = Memberships::watch(rt.handle(), ring, &env.membership, Some(in_flight.clone()));
-        Ok(KubeRing {
+        RingConfigMap {
             env,
-            key,
             rt,
             heartbeat,
-            watch,
-            current: None,
-            in_flight,
-            last_progress: None,
-            last_report: None,
             pending_progress: None,
             terminating,
-            removed: false,
-            reported: None,
-            op_timeout: OP_TIMEOUT,
             _responder: responder,
-        })
-    }
-
-    /// Binds the ring port and builds generation `m` for rank `rank`.
-    fn join(&mut self, m: Membership, rank: usize) -> Result<Generation, KubeError> {
-        let addr = SocketAddr::new(self.env.pod_ip, self.env.ring_port);
-        let listener =
-            TcpListener::bind(addr).map_err(|source| KubeError::Bind { addr, source })?;
-        let mut config = Config::new(
-            rank,
-            m.members.len(),
-            m.addresses(),
-            m.generation,
-            m.job_uid.clone(),
-            self.key.clone(),
-        );
-        config.timeout = self.op_timeout;
-        config.liveness = Some(liveness_window(self.env.detection));
-        config.protection = self.env.protection;
-        self.current = Some(m);
-        Ok(Generation { config, listener })
-    }
-
-    /// The private tokio runtime the watch and the heartbeat writes run on (the worker serves
-    /// `/metrics` on it too).
-    pub fn handle(&self) -> &tokio::runtime::Handle {
-        self.rt.handle()
-    }
-
-    /// Sets the bound on each connect (default [`OP_TIMEOUT`]). Collectives follow the job's
-    /// `detectionSeconds` instead (see [`liveness_window`]).
-    pub fn set_op_timeout(&mut self, t: Duration) {
-        self.op_timeout = t;
-    }
-
-    /// True once SIGTERM arrived: the rank leaves at the next step boundary, or gives up
-    /// re-forming after a failure, and the process exits 0.
-    pub fn terminating(&self) -> bool {
-        self.terminating.load(Ordering::SeqCst)
-    }
-
-    /// True when this rank should stop and exit 0: SIGTERM arrived, or the newest generation
-    /// no longer lists this pod (scale-down).
-    pub fn done(&self) -> bool {
-        self.terminating() || self.removed
-    }
-
-    /// Blocks until a generation lists this pod, and returns it; `None` when SIGTERM arrives
-    /// first.
-    ///
-    /// # Errors
-    /// [`KubeError::Bind`] when the ring port cannot be bound.
-    pub fn first_generation(&mut self) -> Result<Option<Generation>, KubeError> {
-        let mut seen = None;
-        while !self.terminating() {
-            self.watch.wait_newer(seen, Duration::from_millis(500));
-            let Some(m) = self.watch.latest.clone() else {
-                continue;
-            };
-            if let Some(r) = m.rank_of(&self.env.pod_name) {
-                return self.join(m, r).map(Some);
-            }
-            // Not (yet) a member: wait for the next generation.
-            seen = Some(m.generation);
         }
-        Ok(None)
     }
 
     fn patch_heartbeat(&self, key: String, value: String) -> impl Future<Output = ()> + use<> {
         let name = contract::heartbeat_configmap_name(&self.env.job_name);
         patch_heartbeat(self.heartbeat.clone(), name, key, value)
     }
-
-    fn decision(&mut self) -> Control {
-        self.watch.drain();
-        let cur = self.current.as_ref().map(|m| m.generation);
-        let Some(m) = self.watch.latest.clone() else {
-            return Control::Continue;
-        };
-        match decide(cur, &m, &self.env.pod_name) {
-            Decision::Stay => Control::Continue,
-            Decision::NotMember => {
-                self.removed = true;
-                Control::Leave
-            }
-            Decision::Join(r) => match self.join(m, r) {
-                Ok(g) => Control::Switch(g),
-                Err(e) => {
-                    tracing::error!("{e}");
-                    Control::Leave
-                }
-            },
-        }
-    }
 }
 
-impl KubeRing {
-    /// Rank 0 patches `p` into the heartbeat as its progress record when it is the last step or
-    /// [`PROGRESS_EVERY`] has passed since its previous write (in the background; the last one
-    /// waits). Other ranks write nothing. [`RingSource::after_commit`] calls it; a training loop
-    /// that reports between commits (`diphoma.report` in Python) may too.
-    pub fn publish_progress(&mut self, p: &Progress) {
-        if let Some(report) = p.record(self.last_progress, now(), Some(self.env.job_uid.clone())) {
-            self.last_progress = Some(Instant::now());
-            self.write_progress(&report, p.is_last());
-            self.last_report = Some(report);
-        }
+impl Backend for RingConfigMap {
+    type Error = KubeError;
+
+    /// Binds the ring port on the pod IP; collectives probe silent peers within the job's
+    /// [`liveness_window`], under the job's protection.
+    fn listen(
+        &mut self,
+        _m: &Membership,
+        _rank: usize,
+        config: &mut Config,
+    ) -> Result<TcpListener, KubeError> {
+        let addr = SocketAddr::new(self.env.pod_ip, self.env.ring_port);
+        let listener =
+            TcpListener::bind(addr).map_err(|source| KubeError::Bind { addr, source })?;
+        config.liveness = Some(liveness_window(self.env.detection));
+        config.protection = self.env.protection;
+        Ok(listener)
     }
 
-    /// Rank 0's last word: its final progress report again, with the trained model's accuracy
-    /// on the test split (in [0, 1]), for the job's status. Other ranks write nothing.
-    pub fn report_test_accuracy(&mut self, accuracy: f64) {
-        if let Some(mut report) = self.last_report.take() {
-            report.test_accuracy = Some(accuracy);
-            report.time = now();
-            self.write_progress(&report, true);
-        }
-    }
-
-    /// Patches `report` into the heartbeat after the write still in flight: in the background,
-    /// or waiting for both (at most 10 s) when it is the last one before the process exits.
-    fn write_progress(&mut self, report: &ProgressReport, wait: bool) {
-        let write = self.patch_heartbeat(
-            contract::PROGRESS_KEY.to_string(),
-            serde_json::to_string(report).expect("serializable"),
-        );
+    /// Patches the record into the heartbeat after the write still in flight: in the
+    /// background, or waiting for both (at most 10 s) when it is the last one before the
+    /// process exits.
+    fn write_progress(&mut self, json: String, last: bool) {
+        let write = self.patch_heartbeat(contract::PROGRESS_KEY.to_string(), json);
         let previous = self.pending_progress.take();
         let in_order = async move {
             if let Some(p) = previous {
@@ -627,13 +444,50 @@ impl KubeRing {
             }
             write.await
         };
-        if wait {
+        if last {
             self.rt.block_on(async {
                 let _ = tokio::time::timeout(Duration::from_secs(10), in_order).await;
             });
         } else {
             self.pending_progress = Some(self.rt.spawn(in_order));
         }
+    }
+
+    /// Patches the report into the heartbeat, waiting up to 5 s.
+    fn write_report(&mut self, key: String, json: String) {
+        let write = self.patch_heartbeat(key, json);
+        self.rt.block_on(async {
+            let _ = tokio::time::timeout(Duration::from_secs(5), write).await;
+        });
+    }
+
+    fn terminating(&self) -> bool {
+        self.terminating.load(Ordering::SeqCst)
+    }
+}
+
+impl Follower<RingConfigMap> {
+    /// Starts the liveness responder at the ring address, connects to the API server
+    /// (`KUBECONFIG` or in-cluster config) and starts following the ring ConfigMap as pod
+    /// `env.pod_name`, on a private tokio runtime (see [`KubeRing::handle`]); connects are
+    /// bounded by [`OP_TIMEOUT`] until [`Follower::set_op_timeout`]. SIGTERM from then on
+    /// means "leave the ring" ([`Follower::done`]).
+    ///
+    /// # Errors
+    /// [`KubeError::Liveness`] when the ring address cannot be bound for UDP;
+    /// [`KubeError::Runtime`] or [`KubeError::Client`] when no runtime or client can be built.
+    pub fn start(env: WorkerEnv, key: Vec<u8>) -> Result<KubeRing, KubeError> {
+        let (name, uid) = (env.pod_name.clone(), env.job_uid.clone());
+        let cm_key = key.clone();
+        Follower::with_backend(name, Some(uid), key, OP_TIMEOUT, move |feed| {
+            RingConfigMap::start(env, &cm_key, feed)
+        })
+    }
+
+    /// The private tokio runtime the watch and the heartbeat writes run on (the worker serves
+    /// `/metrics` on it too).
+    pub fn handle(&self) -> &tokio::runtime::Handle {
+        self.backend().rt.handle()
     }
 }
 
@@ -645,65 +499,6 @@ async fn patch_heartbeat(api: Api<ConfigMap>, name: String, key: String, value: 
         .await
     {
         tracing::warn!("writing {key} into {name}: {e}");
-    }
-}
-
-fn now() -> String {
-    jiff::Timestamp::now().to_string()
-}
-
-impl RingSource for KubeRing {
-    fn connected(&mut self, generation: u64, _rank: usize, abort: AbortHandle) {
-        *self.in_flight.lock().expect("slot") = Some((generation, abort));
-    }
-
-    fn after_commit(&mut self, p: &Progress) -> Control {
-        if self.terminating() {
-            return Control::Leave;
-        }
-        self.publish_progress(p);
-        // The ring recovered: a later failure at this generation is a new one, reported again.
-        self.reported = None;
-        self.decision()
-    }
-
-    fn after_failure(&mut self, err: &CommError) -> Option<Generation> {
-        tracing::warn!("collective failed: {err}");
-        if self.terminating() {
-            return None;
-        }
-        let cur = self.current.as_ref().map(|m| m.generation);
-        self.report_failure(err);
-        // Prefer a newer generation; else re-form the newest known one (possibly the same).
-        // Not a member of it: give up (the operator has removed this pod).
-        self.watch.wait_newer(cur, REJOIN_WAIT);
-        let m = self.watch.latest.clone()?;
-        let Some(r) = m.rank_of(&self.env.pod_name) else {
-            self.removed = true;
-            return None;
-        };
-        match self.join(m, r) {
-            Ok(g) => Some(g),
-            Err(e) => {
-                tracing::error!("{e}");
-                None
-            }
-        }
-    }
-
-    fn report_failure(&mut self, err: &CommError) {
-        let current = self.current.as_ref();
-        let uid = Some(self.env.job_uid.clone());
-        if let Some(report) = failure_report(err, current, self.reported, &self.env.pod_name, uid) {
-            self.reported = current.map(|m| m.generation);
-            let write = self.patch_heartbeat(
-                format!("{}{}", contract::REPORT_KEY_PREFIX, self.env.pod_name),
-                serde_json::to_string(&report).expect("serializable"),
-            );
-            self.rt.block_on(async {
-                let _ = tokio::time::timeout(Duration::from_secs(5), write).await;
-            });
-        }
     }
 }
 
@@ -764,31 +559,5 @@ mod tests {
                 .to_string();
             assert!(err.contains(var) && err.contains(bad), "{err}");
         }
-    }
-
-    #[test]
-    fn decisions() {
-        let m = |g: u64, pods: &[&str]| Membership {
-            generation: g,
-            job_uid: "u".into(),
-            members: pods
-                .iter()
-                .enumerate()
-                .map(|(i, p)| contract::Member {
-                    rank: i as u32,
-                    pod: p.to_string(),
-                    address: "127.0.0.1".parse().unwrap(),
-                    port: 1,
-                })
-                .collect(),
-        };
-        assert_eq!(decide(None, &m(1, &["a", "b"]), "b"), Decision::Join(1));
-        assert_eq!(decide(Some(1), &m(1, &["a", "b"]), "b"), Decision::Stay);
-        assert_eq!(decide(Some(2), &m(1, &["a"]), "b"), Decision::Stay);
-        assert_eq!(decide(Some(1), &m(2, &["b", "c"]), "b"), Decision::Join(0));
-        assert_eq!(
-            decide(Some(1), &m(2, &["a", "c"]), "b"),
-            Decision::NotMember
-        );
     }
 }

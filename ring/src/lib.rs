@@ -26,8 +26,9 @@
 //! | [`liveness`] | liveness apart from progress: the UDP [`liveness::Responder`] a process runs at its ring address, the keyed ping/pong, [`liveness::probe`] | touch the TCP ring, judge what silence means |
 //! | [`error`] | [`CommError`], the error of every communicator call | do I/O |
 //! | [`source`] | the [`source::RingSource`] a training loop follows, the standalone [`source::FixedRing`] and [`source::standalone_config`] (a launcher's env) | train |
-//! | [`k8s`] | the membership follower: contract env, the ring ConfigMap as a [`source::RingSource`], heartbeat writes | train, record metrics |
-//! | [`file`] | the standalone membership follower: a ring directory (`membership.json` in, heartbeat records out) as a [`source::RingSource`] | train |
+//! | [`follow`] | the membership follower, once: [`follow::Follower`] over a [`follow::Backend`] (newer generation aborts the collective in flight, one failure report per failure, the re-form wait, rank 0's progress cadence) | train, do I/O but through its backend |
+//! | [`k8s`] | the pod's backend: contract env, the ring ConfigMap watched ([`k8s::KubeRing`]), heartbeat writes, the launcher's [`k8s::RingWatch`] | train, record metrics, decide what a membership means |
+//! | [`file`](mod@file) | the standalone backend: a ring directory (`membership.json` in, heartbeat records out; [`file::FileRing`]) | train, decide what a membership means |
 //!
 //! This crate must not import candle, safetensors or anything of training, nor the operator:
 //! its only Diphoma dependency is `diphoma-contract`.
@@ -51,10 +52,11 @@
 //!   as long as the peer's process answers a keyed UDP ping (a responder thread, independent of
 //!   the training step), and blames it only when it does not within the window derived from
 //!   `faultTolerance.detectionSeconds`.
-//! - **Kubernetes mode** ([`k8s`]): a watch of the ring ConfigMap on a private tokio runtime; a
-//!   newer generation aborts the collective in flight; after a failure a member writes one
-//!   report per generation, waits [`k8s::REJOIN_WAIT`] for a newer generation, else re-forms the
-//!   newest it knows.
+//! - **One follower, two backends** ([`follow`]): the ring ConfigMap watched on a private tokio
+//!   runtime ([`k8s`]) or a polled ring directory ([`file`](mod@file)) only deliver memberships and write
+//!   records; a newer generation aborts the collective in flight; after a failure a member
+//!   writes one report per failure, waits [`follow::REJOIN_WAIT`] for a newer generation, else
+//!   re-forms the newest it knows.
 
 #[cfg(target_endian = "big")]
 compile_error!("the wire format is little-endian and buffers travel as raw bytes");
@@ -63,6 +65,7 @@ pub mod auth;
 pub mod comm;
 pub mod error;
 pub mod file;
+pub mod follow;
 pub mod frame;
 pub mod k8s;
 pub mod liveness;

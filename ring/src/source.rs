@@ -1,9 +1,11 @@
 //! Where a rank learns about ring generations: the [`RingSource`] a training loop asks after
 //! each committed step and after each failure, what it answers ([`Control`], [`Generation`]),
 //! and what the loop tells it ([`Progress`]). [`FixedRing`] and [`local_generation`] are the
-//! standalone source (one generation on 127.0.0.1); [`crate::k8s::KubeRing`] follows the ring
-//! ConfigMap and [`crate::file::FileRing`] a standalone launcher's ring directory. [`standalone_config`] reads a standalone rank's generation from the variables a
-//! launcher sets (`python -m diphoma.run`).
+//! standalone source (one generation on 127.0.0.1); [`crate::follow::Follower`] follows a
+//! membership document (the ring ConfigMap: [`crate::k8s::KubeRing`]; a standalone launcher's
+//! ring directory: [`crate::file::FileRing`]). [`standalone_config`] reads a standalone rank's
+//! generation from the variables a launcher sets (`python -m diphoma.run`). [`sync_root`] is
+//! whose state a new generation adopts.
 //!
 //! Owns the trait and its plain data; it must not train (no model, no optimizer) and does no
 //! I/O beyond binding the listeners of [`local_generation`] and reading the key file of
@@ -13,7 +15,8 @@ use std::net::{SocketAddr, TcpListener};
 
 use diphoma_contract::{ENV_JOB_UID, ENV_KEY_FILE, ENV_RING_PROTECTION, ProgressReport};
 
-use crate::k8s::{EnvError, PROGRESS_EVERY, protection_var};
+use crate::follow::PROGRESS_EVERY;
+use crate::k8s::{EnvError, protection_var};
 use crate::{AbortHandle, CommError, Config, Protection};
 
 /// Standalone env: this process's rank, `0..DIPHOMA_WORLD_SIZE`.
@@ -122,6 +125,27 @@ pub trait RingSource {
     /// heartbeat, the launcher's ring directory), without joining anything: for a process that
     /// is restarted rather than re-joining (a torchrun script under the in-pod launcher).
     fn report_failure(&mut self, _err: &CommError) {}
+    /// Publishes `progress` for whoever shows it (rank 0's progress record, at most every
+    /// [`PROGRESS_EVERY`] and at the last step: [`Progress::record`]) without deciding
+    /// anything: for a training loop that reports between commits. [`RingSource::after_commit`]
+    /// publishes too.
+    fn publish_progress(&mut self, _progress: &Progress) {}
+    /// Rank 0's last word: its last progress record again, with the trained model's accuracy
+    /// on the test split (in [0, 1]), for the job's status. Other ranks publish nothing.
+    fn report_test_accuracy(&mut self, _accuracy: f64) {}
+}
+
+/// The rank whose state a new generation adopts, from every rank's committed step (indexed by
+/// rank): the highest step, the lowest rank among equals; 0 for an empty list. The rule of the
+/// Rust worker and of `diphoma.torch.elastic` (through the Python module).
+pub fn sync_root(steps: &[u64]) -> usize {
+    let mut best = 0;
+    for (r, &s) in steps.iter().enumerate() {
+        if s > steps[best] {
+            best = r;
+        }
+    }
+    best
 }
 
 /// The failure report a member writes after its collective failed with `err` at generation
@@ -191,7 +215,7 @@ impl Progress {
     /// Rank 0's record of this progress for the operator, or `None` when it is not due: from
     /// rank 0 only, at the last step (`total_steps` reached) or once [`PROGRESS_EVERY`] has
     /// passed since `last_write` (`None`: never written). `time` is RFC 3339; a NaN loss is
-    /// left out. The rule of every source that publishes progress (`KubeRing`, `FileRing`).
+    /// left out. The rule of [`crate::follow::Follower`].
     pub fn record(
         &self,
         last_write: Option<std::time::Instant>,
@@ -281,6 +305,14 @@ mod tests {
                 .find(|(k, _)| *k == n)
                 .map(|(_, v)| v.to_string())
         }
+    }
+
+    #[test]
+    fn sync_root_takes_the_highest_step_lowest_rank() {
+        assert_eq!(sync_root(&[3, 4, 4, 0]), 1);
+        assert_eq!(sync_root(&[0, 0]), 0);
+        assert_eq!(sync_root(&[7]), 0);
+        assert_eq!(sync_root(&[]), 0);
     }
 
     #[test]

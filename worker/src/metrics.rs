@@ -179,6 +179,18 @@ impl<S: RingSource> RingSource for Metered<S> {
         }
         next
     }
+
+    fn report_failure(&mut self, err: &CommError) {
+        self.inner.report_failure(err);
+    }
+
+    fn publish_progress(&mut self, progress: &Progress) {
+        self.inner.publish_progress(progress);
+    }
+
+    fn report_test_accuracy(&mut self, accuracy: f64) {
+        self.inner.report_test_accuracy(accuracy);
+    }
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@
 //! only after its allreduce succeeded; on a [`CommError`] the rank restores the committed
 //! parameters, asks its [`RingSource`] for the next generation and connects it. A new generation
 //! starts with a state sync: the member with the highest committed step (the lowest rank among
-//! equals) broadcasts its step and parameters with `broadcast_bytes`, so a joiner receives the
+//! equals: [`sync_root`], the ring's rule) broadcasts its step and parameters with `broadcast_bytes`, so a joiner receives the
 //! model, and a survivor whose last allreduce succeeded locally while a peer's failed (ranks can
 //! differ by one step) agrees with the others again. The state is the step, the parameters and
 //! the optimizer's state ([`crate::optim::OptState`]: nothing for SGD, AdamW's moments and step
@@ -47,7 +47,7 @@
 use std::path::PathBuf;
 
 use diphoma_ring::source::{
-    Control, FixedRing, Generation, Progress, RingSource, local_generation,
+    Control, FixedRing, Generation, Progress, RingSource, local_generation, sync_root,
 };
 use diphoma_ring::{CommError, Communicator, ReduceOp};
 
@@ -320,18 +320,6 @@ fn decode_state(buf: &[u8], params: usize, kind: OptimizerKind) -> State {
         params: p,
         opt,
     }
-}
-
-/// The rank whose state a new generation adopts, from every rank's committed step: the highest
-/// step, the lowest rank among equals.
-pub fn sync_root(steps: &[u64]) -> usize {
-    let mut best = 0;
-    for (r, &s) in steps.iter().enumerate() {
-        if s > steps[best] {
-            best = r;
-        }
-    }
-    best
 }
 
 /// Agrees on the state at the start of a generation (see the module docs): gathers every rank's
@@ -996,13 +984,6 @@ mod tests {
         assert!(!crosses(10, 10, 19));
         assert!(!crosses(0, 0, 100));
         assert!(crosses(1, 0, 1));
-    }
-
-    #[test]
-    fn sync_root_takes_the_highest_step_lowest_rank() {
-        assert_eq!(sync_root(&[3, 4, 4, 0]), 1);
-        assert_eq!(sync_root(&[0, 0]), 0);
-        assert_eq!(sync_root(&[7]), 0);
     }
 
     #[test]

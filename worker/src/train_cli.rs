@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use diphoma_ring::k8s;
+use diphoma_ring::source::RingSource;
 use diphoma_worker::metrics::{Metered, WorkerMetrics};
 use diphoma_worker::optim::OptimizerKind;
 use diphoma_worker::{data, model, train};
@@ -238,7 +239,7 @@ pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
                 inner: kube,
                 metrics,
             };
-            let Some(first) = ring.inner.first_generation()? else {
+            let Some(first) = ring.inner.first_generation(None)? else {
                 println!("terminated before joining a ring");
                 return Ok(ExitCode::SUCCESS);
             };
@@ -287,7 +288,7 @@ pub(crate) fn train(a: TrainArgs) -> Result<ExitCode, AnyErr> {
         out.step,
     );
     if let Some(ring) = &mut ring {
-        ring.inner.report_test_accuracy(acc);
+        ring.report_test_accuracy(acc);
     }
     Ok(ExitCode::SUCCESS)
 }

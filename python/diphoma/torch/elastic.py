@@ -50,6 +50,7 @@ import torch.distributed as dist
 import diphoma
 import diphoma.torch as backend
 from diphoma import RingChanged, RingError, metrics
+from diphoma._native import sync_root
 from diphoma.torch import checkpoint
 
 
@@ -148,13 +149,14 @@ def _address(buf):
 
 def sync(state, ring):
     """Every member of ``ring`` gets the committed state of the most advanced one (highest
-    ``step``, lowest rank among equals) over the ring's broadcast; returns that rank."""
+    ``step``, lowest rank among equals: ``diphoma-ring``'s ``sync_root``, the Rust worker's rule)
+    over the ring's broadcast; returns that rank."""
     if ring.world == 1:
         return 0
     steps = torch.zeros(ring.world, dtype=torch.int64)
     steps[ring.rank] = state.step
     ring.allreduce(steps.data_ptr(), ring.world, "int64", "sum")
-    root = int(torch.argmax(steps))  # the first maximum: the lowest rank among equals
+    root = sync_root(steps.tolist())
     blob = bytearray()
     if ring.rank == root:
         out = io.BytesIO()
