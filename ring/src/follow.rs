@@ -1,6 +1,7 @@
 //! The membership follower, written once: a [`Follower`] is the [`RingSource`] of a rank whose
 //! generations a membership document announces, over a [`Backend`] that only binds, watches and
-//! writes (the ring ConfigMap of [`crate::k8s`], the ring directory of [`crate::file`]).
+//! writes (the ring ConfigMap of `crate::k8s`, with the feature `kube`; the ring directory of
+//! [`crate::file`]).
 //!
 //! Its rules: what a membership means to a member ([`decide`]); a newer generation aborts the
 //! collective in flight (the watcher hands each membership to a [`Feed`], which aborts before it
@@ -398,9 +399,12 @@ mod tests {
 
     use diphoma_contract::{MEMBERSHIP_KEY, Member};
 
+    #[cfg(feature = "kube")]
+    use crate::Protection;
     use crate::file::{FileRing, POLL, RingDir, write_atomic};
+    #[cfg(feature = "kube")]
     use crate::k8s::{KubeRing, RingConfigMap, WorkerEnv};
-    use crate::{Communicator, Protection, ReduceOp};
+    use crate::{Communicator, ReduceOp};
 
     /// One backend under test: followers of its memberships, and the records they wrote.
     trait Rig: Sync {
@@ -446,6 +450,7 @@ mod tests {
 
     /// The ring ConfigMap: memberships fed as its watch would, heartbeat patches answered by a
     /// mocked API server (tower-test) and kept.
+    #[cfg(feature = "kube")]
     #[derive(Default)]
     struct Pods {
         /// Every follower's feed, and the newest membership (what a new watch lists first).
@@ -453,6 +458,7 @@ mod tests {
         patches: Arc<Mutex<Vec<serde_json::Value>>>,
     }
 
+    #[cfg(feature = "kube")]
     impl Rig for Pods {
         type B = RingConfigMap;
         fn follower(&self, name: &str, port: u16) -> KubeRing {
@@ -683,6 +689,7 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    #[cfg(feature = "kube")]
     #[test]
     fn the_rules_over_the_ring_configmap() {
         rules(&Pods::default());

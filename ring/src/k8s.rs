@@ -11,7 +11,7 @@
 //! [`diphoma_contract::FailureReport`] under `report.<pod>`. [`RingWatch`] is the in-pod
 //! launcher's view of the same ConfigMap. Nothing is written per worker per step. From its start, the process answers
 //! liveness pings ([`crate::liveness::Responder`]) on UDP at its ring address, and every
-//! generation it joins probes silent peers ([`Config::liveness`]) with [`liveness_window`] of
+//! generation it joins probes silent peers ([`Config::liveness`]) with [`liveness_window`](crate::liveness::liveness_window) of
 //! the job's `detectionSeconds`: a slow or catching-up peer is waited for, a silent one blamed.
 //!
 //! It must not train or record metrics: the worker wraps it (its `metrics::Metered`) and serves
@@ -36,20 +36,13 @@ use diphoma_contract::{
 
 use crate::follow::{Backend, Feed, Follower, Memberships};
 use crate::liveness::Responder;
+pub use crate::source::EnvError;
+use crate::source::protection_var;
 use crate::{Config, Protection};
 
 /// Default bound on each connect in Kubernetes mode (a connect that times out blames nobody: the
-/// member re-joins). Collectives are not bounded by it: see [`liveness_window`].
+/// member re-joins). Collectives are not bounded by it: see [`liveness_window`](crate::liveness::liveness_window).
 pub const OP_TIMEOUT: Duration = Duration::from_secs(4);
-
-/// The liveness window of a job whose `faultTolerance.detectionSeconds` is `detection`: a
-/// collective probes a peer it has waited on this long, and blames it when the probe gets no
-/// answer within this long again ([`Config::liveness`]). A quarter, so that a hung peer is
-/// reported within half of `detection`, and the operator's wait of another half for the other
-/// reports (its `silent_members`) still ends within `detection`.
-pub fn liveness_window(detection: Duration) -> Duration {
-    detection / 4
-}
 
 /// The contract's environment, parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,47 +67,6 @@ pub struct WorkerEnv {
     pub detection: Duration,
     /// `DIPHOMA_RING_PROTECTION`: `integrity` (default when unset) or `encryption`.
     pub protection: Protection,
-}
-
-/// A missing or malformed contract variable; the message names it.
-#[derive(Debug, thiserror::Error)]
-pub enum EnvError {
-    /// Not set, or empty.
-    #[error("environment variable {0} is not set")]
-    Missing(&'static str),
-    /// Set to something unusable.
-    #[error("environment variable {var}: {problem}")]
-    Invalid {
-        /// The variable.
-        var: &'static str,
-        /// What is wrong with its value.
-        problem: String,
-    },
-}
-
-/// Parses `DIPHOMA_RING_PROTECTION`'s value: unset or empty gives [`Protection::default`]
-/// (integrity); otherwise one of `allowed`, by the names [`Protection`] parses.
-///
-/// # Errors
-/// [`EnvError::Invalid`] naming the variable and the allowed names.
-pub(crate) fn protection_var(
-    value: Option<String>,
-    allowed: &[Protection],
-) -> Result<Protection, EnvError> {
-    match value.as_deref().map(str::trim) {
-        None | Some("") => Ok(Protection::default()),
-        Some(v) => v
-            .parse()
-            .ok()
-            .filter(|p| allowed.contains(p))
-            .ok_or_else(|| {
-                let names: Vec<_> = allowed.iter().map(|p| p.as_str()).collect();
-                EnvError::Invalid {
-                    var: ENV_RING_PROTECTION,
-                    problem: format!("{v:?} is not one of {}", names.join(", ")),
-                }
-            }),
-    }
 }
 
 impl WorkerEnv {
@@ -417,7 +369,7 @@ impl Backend for RingConfigMap {
     type Error = KubeError;
 
     /// Binds the ring port on the pod IP; collectives probe silent peers within the job's
-    /// [`liveness_window`], under the job's protection.
+    /// [`liveness_window`](crate::liveness::liveness_window), under the job's protection.
     fn listen(
         &mut self,
         _m: &Membership,
@@ -427,7 +379,7 @@ impl Backend for RingConfigMap {
         let addr = SocketAddr::new(self.env.pod_ip, self.env.ring_port);
         let listener =
             TcpListener::bind(addr).map_err(|source| KubeError::Bind { addr, source })?;
-        config.liveness = Some(liveness_window(self.env.detection));
+        config.liveness = Some(crate::liveness::liveness_window(self.env.detection));
         config.protection = self.env.protection;
         Ok(listener)
     }

@@ -27,7 +27,7 @@
 //! | [`error`] | [`CommError`], the error of every communicator call | do I/O |
 //! | [`source`] | the [`source::RingSource`] a training loop follows, the standalone [`source::FixedRing`] and [`source::standalone_config`] (a launcher's env) | train |
 //! | [`follow`] | the membership follower, once: [`follow::Follower`] over a [`follow::Backend`] (newer generation aborts the collective in flight, one failure report per failure, the re-form wait, rank 0's progress cadence) | train, do I/O but through its backend |
-//! | [`k8s`] | the pod's backend: contract env, the ring ConfigMap watched ([`k8s::KubeRing`]), heartbeat writes, the launcher's [`k8s::RingWatch`] | train, record metrics, decide what a membership means |
+//! | `k8s` (feature `kube`) | the pod's backend: contract env, the ring ConfigMap watched (`k8s::KubeRing`), heartbeat writes, the launcher's `k8s::RingWatch`; a worker pod's, so the standalone ring does not link kube, k8s-openapi or tokio | train, record metrics, decide what a membership means |
 //! | [`file`](mod@file) | the standalone backend: a ring directory (`membership.json` in, heartbeat records out; [`file::FileRing`]) | train, decide what a membership means |
 //!
 //! This crate must not import candle, safetensors or anything of training, nor the operator:
@@ -53,7 +53,7 @@
 //!   the training step), and blames it only when it does not within the window derived from
 //!   `faultTolerance.detectionSeconds`.
 //! - **One follower, two backends** ([`follow`]): the ring ConfigMap watched on a private tokio
-//!   runtime ([`k8s`]) or a polled ring directory ([`file`](mod@file)) only deliver memberships and write
+//!   runtime (`k8s`) or a polled ring directory ([`file`](mod@file)) only deliver memberships and write
 //!   records; a newer generation aborts the collective in flight; after a failure a member
 //!   writes one report per failure, waits [`follow::REJOIN_WAIT`] for a newer generation, else
 //!   re-forms the newest it knows.
@@ -67,6 +67,7 @@ pub mod error;
 pub mod file;
 pub mod follow;
 pub mod frame;
+#[cfg(feature = "kube")]
 pub mod k8s;
 pub mod liveness;
 pub mod reduce;

@@ -204,6 +204,15 @@ fn probe_with(
     }
 }
 
+/// The liveness window of a job whose `faultTolerance.detectionSeconds` is `detection`: a
+/// collective probes a peer it has waited on this long, and blames it when the probe gets no
+/// answer within this long again ([`crate::comm::Config::liveness`]). A quarter, so that a hung peer is
+/// reported within half of `detection`, and the operator's wait of another half for the other
+/// reports (its `silent_members`) still ends within `detection`.
+pub fn liveness_window(detection: Duration) -> Duration {
+    detection / 4
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

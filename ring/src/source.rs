@@ -2,7 +2,7 @@
 //! each committed step and after each failure, what it answers ([`Control`], [`Generation`]),
 //! and what the loop tells it ([`Progress`]). [`FixedRing`] and [`local_generation`] are the
 //! standalone source (one generation on 127.0.0.1); [`crate::follow::Follower`] follows a
-//! membership document (the ring ConfigMap: [`crate::k8s::KubeRing`]; a standalone launcher's
+//! membership document (the ring ConfigMap: `k8s::KubeRing`, feature `kube`; a standalone launcher's
 //! ring directory: [`crate::file::FileRing`]). [`standalone_config`] reads a standalone rank's
 //! generation from the variables a launcher sets (`python -m diphoma.run`). [`sync_root`] is
 //! whose state a new generation adopts.
@@ -16,8 +16,48 @@ use std::net::{SocketAddr, TcpListener};
 use diphoma_contract::{ENV_JOB_UID, ENV_KEY_FILE, ENV_RING_PROTECTION, ProgressReport};
 
 use crate::follow::PROGRESS_EVERY;
-use crate::k8s::{EnvError, protection_var};
 use crate::{AbortHandle, CommError, Config, Protection};
+
+/// A missing or malformed contract variable; the message names it.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvError {
+    /// Not set, or empty.
+    #[error("environment variable {0} is not set")]
+    Missing(&'static str),
+    /// Set to something unusable.
+    #[error("environment variable {var}: {problem}")]
+    Invalid {
+        /// The variable.
+        var: &'static str,
+        /// What is wrong with its value.
+        problem: String,
+    },
+}
+
+/// Parses `DIPHOMA_RING_PROTECTION`'s value: unset or empty gives [`Protection::default`]
+/// (integrity); otherwise one of `allowed`, by the names [`Protection`] parses.
+///
+/// # Errors
+/// [`EnvError::Invalid`] naming the variable and the allowed names.
+pub(crate) fn protection_var(
+    value: Option<String>,
+    allowed: &[Protection],
+) -> Result<Protection, EnvError> {
+    match value.as_deref().map(str::trim) {
+        None | Some("") => Ok(Protection::default()),
+        Some(v) => v
+            .parse()
+            .ok()
+            .filter(|p| allowed.contains(p))
+            .ok_or_else(|| {
+                let names: Vec<_> = allowed.iter().map(|p| p.as_str()).collect();
+                EnvError::Invalid {
+                    var: ENV_RING_PROTECTION,
+                    problem: format!("{v:?} is not one of {}", names.join(", ")),
+                }
+            }),
+    }
+}
 
 /// Standalone env: this process's rank, `0..DIPHOMA_WORLD_SIZE`.
 pub const ENV_RANK: &str = "DIPHOMA_RANK";
