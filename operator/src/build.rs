@@ -29,6 +29,7 @@ use k8s_openapi::api::scheduling::v1alpha1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::{ApiResource, DynamicObject};
 use kube::{Resource, ResourceExt};
 
 use crate::api::{DiphomaJob, GangScheduler};
@@ -665,6 +666,110 @@ pub fn key_secret(job: &DiphomaJob, key: Vec<u8>) -> Secret {
     }
 }
 
+/// The kinds of object the operator writes and watches (the key of [`Child::kind`] and of the
+/// controller's read-your-writes bookkeeping, `controller::caches::Seen`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Kind {
+    /// `DiphomaJob` (the controller's own watch).
+    Job,
+    /// Worker pods.
+    Pod,
+    /// Ring and heartbeat ConfigMaps.
+    ConfigMap,
+    /// The workers' ServiceAccount.
+    ServiceAccount,
+    /// The workers' Role.
+    Role,
+    /// The workers' RoleBinding.
+    RoleBinding,
+    /// The headless Service.
+    Service,
+    /// The key Secret.
+    Secret,
+    /// The NetworkPolicy (watched only when the operator makes them).
+    NetworkPolicy,
+}
+
+impl Kind {
+    /// The Kubernetes kind, as `Kind/name` strings and errors name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Job => "DiphomaJob",
+            Kind::Pod => "Pod",
+            Kind::ConfigMap => "ConfigMap",
+            Kind::ServiceAccount => "ServiceAccount",
+            Kind::Role => "Role",
+            Kind::RoleBinding => "RoleBinding",
+            Kind::Service => "Service",
+            Kind::Secret => "Secret",
+            Kind::NetworkPolicy => "NetworkPolicy",
+        }
+    }
+}
+
+/// One static child of a job, as the API server takes it, and how it is written.
+#[derive(Debug, Clone)]
+pub struct Child {
+    /// Its kind (the store it is looked up in, the watch that delivers its writes).
+    pub kind: Kind,
+    /// Its API resource, for a dynamic `Api`.
+    pub resource: ApiResource,
+    /// The object.
+    pub object: DynamicObject,
+    /// Created once and never re-applied (server-side applied on every apply otherwise); an
+    /// orphan of a deleted job of the same name is taken over (`controller::caches::adoption`).
+    pub once: bool,
+    /// The job's workers run on it once they exist: never taken over from then on.
+    pub pinned_by_workers: bool,
+}
+
+impl Child {
+    fn new<K>(kind: Kind, obj: &K, once: bool, pinned_by_workers: bool) -> Child
+    where
+        K: Resource<DynamicType = ()> + serde::Serialize,
+    {
+        let value = serde_json::to_value(obj).expect("a typed object serializes");
+        Child {
+            kind,
+            resource: ApiResource::erase::<K>(&()),
+            object: serde_json::from_value(value).expect("a typed object is a dynamic object"),
+            once,
+            pinned_by_workers,
+        }
+    }
+
+    /// Its name.
+    pub fn name(&self) -> String {
+        self.object.name_any()
+    }
+}
+
+/// The job's static children, in the order they are written, all of them listed here and
+/// nowhere else: ServiceAccount, Role, RoleBinding, Service and (`network_policy`)
+/// NetworkPolicy, server-side applied; the key Secret holding `key` (created once, never under
+/// running workers) and the heartbeat ConfigMap (created once, empty: the workers may patch it
+/// but not create it, as create cannot be limited by resourceNames).
+pub fn children(job: &DiphomaJob, network_policy: bool, key: Vec<u8>) -> Vec<Child> {
+    let mut all = vec![
+        Child::new(Kind::ServiceAccount, &service_account(job), false, false),
+        Child::new(Kind::Role, &role(job), false, false),
+        Child::new(Kind::RoleBinding, &role_binding(job), false, false),
+        Child::new(Kind::Service, &service(job), false, false),
+    ];
+    if network_policy {
+        let np = self::network_policy(job);
+        all.push(Child::new(Kind::NetworkPolicy, &np, false, false));
+    }
+    all.push(Child::new(Kind::Secret, &key_secret(job, key), true, true));
+    all.push(Child::new(
+        Kind::ConfigMap,
+        &heartbeat_configmap(job),
+        true,
+        false,
+    ));
+    all
+}
+
 /// The replica index of one of the job's pods (its label).
 pub fn replica_index(pod: &Pod) -> Option<i32> {
     pod.labels().get(LABEL_REPLICA_INDEX)?.parse().ok()
@@ -1076,5 +1181,49 @@ pub(crate) mod tests {
         assert_eq!(r["rules"][0]["resourceNames"], json!(["train-ring"]));
         assert_eq!(r["rules"][1]["resourceNames"], json!(["train-heartbeat"]));
         assert_eq!(r["rules"].as_array().unwrap().len(), 2);
+    }
+
+    /// The one table of static children: their order, how each is written, and the objects the
+    /// typed builders make, unchanged as dynamic objects.
+    #[test]
+    fn the_static_children_are_one_table() {
+        let job = basic();
+        let names = |np| -> Vec<String> {
+            children(&job, np, vec![7; 32])
+                .iter()
+                .map(|c| format!("{}/{}:{}", c.kind.name(), c.name(), c.once))
+                .collect()
+        };
+        assert_eq!(
+            names(false),
+            [
+                "ServiceAccount/train-worker:false",
+                "Role/train-worker:false",
+                "RoleBinding/train-worker:false",
+                "Service/train:false",
+                "Secret/train-key:true",
+                "ConfigMap/train-heartbeat:true",
+            ]
+        );
+        assert_eq!(names(true)[4], "NetworkPolicy/train:false");
+        let all = children(&job, true, vec![7; 32]);
+        assert!(
+            all.iter()
+                .all(|c| c.pinned_by_workers == (c.kind == Kind::Secret))
+        );
+        let dynamic = |k: Kind| {
+            let c = all.iter().find(|c| c.kind == k).unwrap();
+            (
+                serde_json::to_value(&c.object).unwrap(),
+                c.resource.plural.clone(),
+            )
+        };
+        let typed = serde_json::to_value(key_secret(&job, vec![7; 32])).unwrap();
+        assert_eq!(dynamic(Kind::Secret), (typed, "secrets".into()));
+        let typed = serde_json::to_value(network_policy(&job)).unwrap();
+        assert_eq!(
+            dynamic(Kind::NetworkPolicy),
+            (typed, "networkpolicies".into())
+        );
     }
 }

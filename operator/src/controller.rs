@@ -15,12 +15,14 @@
 //! or after [`Options::resync`], a long safety net.
 //!
 //! API calls per reconcile:
-//! - reads: none (`observe` reads the caches);
+//! - reads: none (`observe` reads the caches), but for a queued job's WorkloadPriorityClass
+//!   (when labelled with one) and the ResourceFlavors of its admission ([`crate::queue`]);
 //! - writes, only what the plan asks for, in this order: for a gang-scheduled job, its gang
 //!   Workload created, or deleted when its `minCount` is no longer the ring's minimum
 //!   ([`crate::gang`], read from the store of their watch); then (`apply`) the static children
-//!   (ServiceAccount, Role, RoleBinding, Service, NetworkPolicy by server-side apply; key Secret
-//!   and heartbeat ConfigMap created once) when [`Plan::apply_children`]; the status when it
+//!   ([`build::children`]: ServiceAccount, Role, RoleBinding, Service, NetworkPolicy by
+//!   server-side apply; key Secret and heartbeat ConfigMap created once) when
+//!   [`Plan::apply_children`]; the status when it
 //!   differs; a failure annotation on each newly failed pod; an annotation, then a deletion, for
 //!   each pod to delete; each new pod (server-side apply: a pod the API server refuses is
 //!   remembered for the next plan, the others are still created, and the reconcile then fails
@@ -34,6 +36,7 @@
 //!
 //! A steady job therefore reads and writes nothing.
 
+pub mod applier;
 pub mod caches;
 pub mod memories;
 
@@ -48,16 +51,13 @@ use diphoma_contract::{
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Pod};
-use kube::api::{
-    ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
-};
+use kube::api::{ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
-use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::api::{DiphomaJob, DiphomaJobStatus, FIELD_MANAGER};
@@ -289,7 +289,12 @@ pub async fn run(
     let jobs: Api<DeserializeGuard<DiphomaJob>> = Api::all(client.clone());
     let metrics = Metrics::default();
     let ready = Arc::new(AtomicBool::new(false));
-    let (caches, writers) = Caches::new(opts.network_policy);
+    let (mut caches, writers) = Caches::new(opts.network_policy);
+    // Kueue's Workloads, when the API server serves them (a job labelled with a queue is held
+    // without them): kept in a store, so that a reconcile reads its job's without a request.
+    let workloads = caches::serves(&client, "kueue.x-k8s.io/v1beta2", "workloads")
+        .await
+        .then(|| caches.keep_workloads());
     let caches = Arc::new(caches);
     let streams = caches.watches(&client, writers);
     let (job_store, job_writer) = reflector::store();
@@ -321,15 +326,9 @@ pub async fn run(
     if let Some(np) = streams.network_policies {
         controller = controller.owns_stream(np);
     }
-    // Kueue's Workloads, when the API server serves them (a job labelled with a queue is held
-    // without them).
-    if caches::serves(&client, "kueue.x-k8s.io/v1beta2", "workloads").await {
-        let ar = crate::queue::workloads();
-        controller = controller.owns_with(
-            Api::<DynamicObject>::all_with(client.clone(), &ar),
-            ar,
-            caches::owned(),
-        );
+    if let Some(writer) = workloads {
+        let events = caches.watch_workloads(&client, writer);
+        controller = controller.owns_stream_with(events, crate::queue::workloads());
     }
     // Gang Workloads (`scheduling.k8s.io/v1alpha1`), when the API server serves them (Kubernetes
     // 1.35 with the feature gate `GenericWorkload` and the API enabled; a job asking for a gang
@@ -518,10 +517,15 @@ async fn reconcile_job(job: &DiphomaJob, ctx: &Context) -> Result<Action, Error>
     ctx.metrics.reconciles.inc();
     let _timer = ctx.metrics.duration.start_timer();
     let memory = ctx.memories.get(job);
-    let obs = observe_job(ctx, job, &memory).await?;
+    // The static children, built once: compared with the caches, applied when the plan says.
+    let key = (0..contract::MIN_KEY_LEN)
+        .map(|_| rand::random::<u8>())
+        .collect();
+    let children = build::children(job, ctx.network_policy, key);
+    let obs = observe_job(ctx, job, &children, &memory).await?;
     let (plan, next) = plan::plan(job, &obs, &memory); // pure
     let mut answered = Answered::default();
-    let applied = apply(ctx, job, &plan, &mut answered).await; // writes
+    let applied = apply(ctx, job, &plan, &children, &mut answered).await; // writes
     let next = plan::memory::remember(&memory, next, &answered, obs.now);
     let held = next.held_for(jiff::Timestamp::now());
     ctx.memories.put(job, next);
@@ -549,20 +553,25 @@ fn requeue(plan: &Plan, held: Option<Duration>, resync: Duration) -> Duration {
 }
 
 /// Everything the plan reads of `job`: the caches ([`observe`]), the answers of members it
-/// would count as hung to a liveness probe, its Kueue Workload (an API read, only for a job
-/// with a queue), its gang Workload (from the store of their watch), another gang being
+/// would count as hung to a liveness probe, its Kueue Workload (from the store of their watch;
+/// its priority class and admitted flavors are API reads), its gang Workload (from the store of their watch), another gang being
 /// repaired, and what its `memory` recalls ([`plan::memory::recall`]).
-async fn observe_job(ctx: &Context, job: &DiphomaJob, memory: &Memory) -> Result<Observed, Error> {
-    let mut obs = observe(&ctx.caches, job)?;
+async fn observe_job(
+    ctx: &Context,
+    job: &DiphomaJob,
+    children: &[build::Child],
+    memory: &Memory,
+) -> Result<Observed, Error> {
+    let mut obs = observe(&ctx.caches, job, children)?;
     // Members the plan would count as hung are asked first whether their process runs; the
     // plan then reads the caches as they are after the asking.
     let suspects = plan::failures::suspects(job, &obs);
     if !suspects.is_empty() {
         let probed = probe_suspects(job, &suspects).await;
-        obs = observe(&ctx.caches, job)?;
+        obs = observe(&ctx.caches, job, children)?;
         (obs.answering, obs.exited) = probed;
     }
-    obs.queue = crate::queue::observe(&ctx.client, job).await?;
+    obs.queue = crate::queue::observe(&ctx.client, ctx.caches.workloads.as_ref(), job).await?;
     obs.gang = crate::gang::observe(ctx.gangs.as_ref(), job);
     obs.gang_repairing = ctx.memories.repairing_other(job, |ns, name, uid| {
         ctx.jobs.as_ref().is_none_or(|jobs| {
@@ -582,7 +591,11 @@ async fn observe_job(ctx: &Context, job: &DiphomaJob, memory: &Memory) -> Result
 /// in [`Observed::missing`].
 ///
 /// Errors: [`Error::Ring`] when the ring ConfigMap holds no readable membership.
-fn observe(caches: &Caches, job: &DiphomaJob) -> Result<Observed, Error> {
+fn observe(
+    caches: &Caches,
+    job: &DiphomaJob,
+    children: &[build::Child],
+) -> Result<Observed, Error> {
     let ns = job.namespace().unwrap_or_default();
     let name = job.name_any();
     let uid = job.uid().unwrap_or_default();
@@ -631,7 +644,7 @@ fn observe(caches: &Caches, job: &DiphomaJob) -> Result<Observed, Error> {
     let observed = Observed {
         pods,
         foreign: foreign.iter().map(|p| p.name_any()).collect(),
-        missing: caches.missing(job),
+        missing: caches.missing(job, children),
         heartbeat_version: version,
         heartbeat_changed: None,
         ring,
@@ -708,7 +721,7 @@ async fn probe_suspects(
 ) -> (BTreeSet<String>, BTreeSet<String>) {
     use diphoma_ring::liveness::{Answer, probe_unkeyed};
     let detection = Duration::from_secs(job.spec.fault_tolerance.detection_seconds.max(1) as u64);
-    let window = diphoma_ring::k8s::liveness_window(detection).min(PROBE_WINDOW_MAX);
+    let window = diphoma_ring::liveness::liveness_window(detection).min(PROBE_WINDOW_MAX);
     let probes = suspects.iter().map(|m| {
         let pod = m.pod.clone();
         let addr = std::net::SocketAddr::new(m.address, m.port);
@@ -740,20 +753,6 @@ async fn probe_suspects(
     (alive, exited)
 }
 
-/// Server-side applies `obj` (forced, as [`FIELD_MANAGER`]); the object as stored.
-async fn apply_one<K>(api: &Api<K>, obj: &K) -> Result<K, kube::Error>
-where
-    K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
-{
-    let name = obj.meta().name.clone().unwrap_or_default();
-    api.patch(
-        &name,
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(obj),
-    )
-    .await
-}
-
 /// Carries out the plan, in the order the module doc lists: the gang Workload, the job's own
 /// writes ([`write`]), a wait until the watches delivered them (read-your-writes: the next
 /// reconcile plans from what this one wrote), the Kueue Workload. What the API server refused
@@ -762,12 +761,13 @@ async fn apply(
     ctx: &Context,
     job: &DiphomaJob,
     plan: &Plan,
+    children: &[build::Child],
     answered: &mut Answered,
 ) -> Result<(), Error> {
     // The gang first: the workers wait for the Workload they point at.
     crate::gang::apply(&ctx.client, job, &plan.gang).await?;
     let mut written = Written::default();
-    let wrote = write(ctx, job, plan, answered, &mut written).await;
+    let wrote = write(ctx, job, plan, children, answered, &mut written).await;
     tracing::debug!(job = %job.name_any(), ?written, ok = wrote.is_ok(), "applied");
     let late = ctx.caches.caught_up(&written, CATCH_UP).await;
     if !late.is_empty() {
@@ -794,6 +794,7 @@ async fn write(
     ctx: &Context,
     job: &DiphomaJob,
     plan: &Plan,
+    children: &[build::Child],
     answered: &mut Answered,
     written: &mut Written,
 ) -> Result<(), Error> {
@@ -808,7 +809,7 @@ async fn write(
         return Ok(());
     }
     if plan.apply_children {
-        apply_children(ctx, job, written).await?;
+        apply_children(ctx, job, children, written).await?;
     }
     // Status first: a counted failure is never lost, even if what follows fails.
     // Conditional on the job as observed: a plan made from a stale job (its watch behind this
@@ -835,12 +836,11 @@ async fn write(
         } else {
             DeleteParams::default()
         };
-        let gone =
-            ignore_missing(pods.delete(&d.pod, &dp).await.map(|e| e.left())).map_err(|source| {
-                Error::DeletePod {
-                    pod: d.pod.clone(),
-                    source,
-                }
+        let gone = applier::delete(&pods, &d.pod, &dp)
+            .await
+            .map_err(|source| Error::DeletePod {
+                pod: d.pod.clone(),
+                source,
             })?;
         if let Some(p) = gone {
             written.note(Kind::Pod, &p.metadata);
@@ -859,7 +859,7 @@ async fn write(
     };
     for p in &plan.create {
         let pod = p.name_any();
-        match apply_one(&pods, p).await {
+        match applier::apply(&pods, p).await {
             Ok(created) => written.note(Kind::Pod, &created.metadata),
             Err(kube::Error::Api(s)) => {
                 refused.insert(pod.clone(), s.message.clone());
@@ -888,7 +888,7 @@ async fn write(
             .collect(),
     );
     if let Some(m) = &plan.publish {
-        let cm = apply_one(
+        let cm = applier::apply(
             &Api::<ConfigMap>::namespaced(client.clone(), &ns),
             &build::ring_configmap(job, m),
         )
@@ -1000,125 +1000,57 @@ async fn relabel(pods: &Api<Pod>, r: &plan::Relabel) -> Result<Pod, Error> {
 /// Merge-patches `body` into `pod`; the pod as stored (a pod already gone is fine: an empty
 /// pod).
 async fn mark(pods: &Api<Pod>, pod: &str, body: serde_json::Value) -> Result<Pod, Error> {
-    let r = pods
-        .patch(pod, &PatchParams::default(), &Patch::Merge(&body))
-        .await;
-    ignore_missing(r).map_err(|source| Error::MarkPod {
-        pod: pod.to_owned(),
-        source,
-    })
+    applier::merge(pods, pod, &PatchParams::default(), &body)
+        .await
+        .map(Option::unwrap_or_default)
+        .map_err(|source| Error::MarkPod {
+            pod: pod.to_owned(),
+            source,
+        })
 }
 
-/// The static children: ServiceAccount, Role, RoleBinding, Service and (with
-/// [`Options::network_policy`]) NetworkPolicy applied; the key Secret and the heartbeat
-/// ConfigMap created once. Each write is noted in `written`.
+/// The static children ([`build::children`]), in the table's order: server-side applied, or
+/// created once as [`caches::adoption`] says (an object the job owns, or another owner's, is
+/// never overwritten; an orphan of a job of the same name is replaced, conditional on the
+/// `resourceVersion` seen; one written meanwhile stays missing for this job, so the next
+/// reconcile tries again). Each write is noted in `written`.
 async fn apply_children(
     ctx: &Context,
     job: &DiphomaJob,
+    children: &[build::Child],
     written: &mut Written,
 ) -> Result<(), Error> {
-    let (client, ns) = (&ctx.client, job.namespace().unwrap_or_default());
-    let failed = |kind: &'static str, name: &str| {
-        let name = name.to_owned();
-        move |source| Error::ApplyChild { kind, name, source }
-    };
-    let sa = build::service_account(job);
-    let o = apply_one(&Api::namespaced(client.clone(), &ns), &sa)
-        .await
-        .map_err(failed("ServiceAccount", &sa.name_any()))?;
-    written.note(Kind::ServiceAccount, o.meta());
-    let role = build::role(job);
-    let o = apply_one(&Api::namespaced(client.clone(), &ns), &role)
-        .await
-        .map_err(failed("Role", &role.name_any()))?;
-    written.note(Kind::Role, o.meta());
-    let binding = build::role_binding(job);
-    let o = apply_one(&Api::namespaced(client.clone(), &ns), &binding)
-        .await
-        .map_err(failed("RoleBinding", &binding.name_any()))?;
-    written.note(Kind::RoleBinding, o.meta());
-    let service = build::service(job);
-    let o = apply_one(&Api::namespaced(client.clone(), &ns), &service)
-        .await
-        .map_err(failed("Service", &service.name_any()))?;
-    written.note(Kind::Service, o.meta());
-    if ctx.network_policy {
-        let np = build::network_policy(job);
-        let o = apply_one(&Api::namespaced(client.clone(), &ns), &np)
-            .await
-            .map_err(failed("NetworkPolicy", &np.name_any()))?;
-        written.note(Kind::NetworkPolicy, o.meta());
-    }
-    let key: Vec<u8> = (0..contract::MIN_KEY_LEN)
-        .map(|_| rand::random::<u8>())
-        .collect();
-    let (secret_meta, heartbeat_meta) = ctx.caches.created_once(job);
-    let secret = build::key_secret(job, key);
-    let o = create_once(
-        &Api::namespaced(client.clone(), &ns),
-        secret,
-        caches::adoption(secret_meta.as_ref(), job, ctx.caches.has_workers(job)),
-    )
-    .await
-    .map_err(failed("Secret", &build::key_secret_name(&job.name_any())))?;
-    if let Some(o) = o {
-        written.note(Kind::Secret, o.meta());
-    }
-    // The workers may patch the heartbeat object but not create it (create cannot be limited by
-    // resourceNames), so the operator creates it, empty, once.
-    let heartbeat = build::heartbeat_configmap(job);
-    let heartbeat_name = heartbeat.name_any();
-    let o = create_once(
-        &Api::namespaced(client.clone(), &ns),
-        heartbeat,
-        caches::adoption(heartbeat_meta.as_ref(), job, false),
-    )
-    .await
-    .map_err(failed("ConfigMap", &heartbeat_name))?;
-    if let Some(o) = o {
-        written.note(Kind::ConfigMap, o.meta());
+    let ns = job.namespace().unwrap_or_default();
+    for child in children {
+        let api = Api::namespaced_with(ctx.client.clone(), &ns, &child.resource);
+        let name = child.name();
+        let wrote = match child.once {
+            false => applier::apply(&api, &child.object).await.map(Some),
+            true => {
+                let existing = ctx.caches.child_meta(child.kind, &ns, &name);
+                let in_use = child.pinned_by_workers && ctx.caches.has_workers(job);
+                match caches::adoption(existing.as_ref(), job, in_use) {
+                    caches::Adoption::Keep | caches::Adoption::Foreign => Ok(None),
+                    caches::Adoption::TakeOver(rv) => {
+                        tracing::info!(%name, "taking over an orphaned child of a job of the same name");
+                        let mut obj = child.object.clone();
+                        obj.metadata.resource_version = Some(rv);
+                        applier::replace(&api, &obj).await
+                    }
+                    caches::Adoption::Create => applier::create(&api, &child.object).await,
+                }
+            }
+        };
+        let wrote = wrote.map_err(|source| Error::ApplyChild {
+            kind: child.kind.name(),
+            name,
+            source,
+        })?;
+        if let Some(o) = wrote {
+            written.note(child.kind, &o.metadata);
+        }
     }
     Ok(())
-}
-
-/// Creates `obj` unless an object of its name exists, or takes an orphaned one over, as
-/// `adoption` says ([`caches::adoption`]): an object the job owns, or another owner's, is never
-/// overwritten; an orphan of a job of the same name is replaced by `obj` (conditional on the
-/// `resourceVersion` seen). The object written (none: nothing was).
-async fn create_once<K>(
-    api: &Api<K>,
-    mut obj: K,
-    adoption: caches::Adoption,
-) -> Result<Option<K>, kube::Error>
-where
-    K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
-{
-    match adoption {
-        caches::Adoption::Keep | caches::Adoption::Foreign => Ok(None),
-        caches::Adoption::TakeOver(rv) => {
-            let name = obj.meta().name.clone().unwrap_or_default();
-            tracing::info!(%name, "taking over an orphaned child of a job of the same name");
-            obj.meta_mut().resource_version = Some(rv);
-            match api.replace(&name, &PostParams::default(), &obj).await {
-                // Written meanwhile (an orphaned worker still reporting): the child stays
-                // missing for this job, so the next reconcile tries again from the new version.
-                Err(kube::Error::Api(s)) if s.code == 409 => Ok(None),
-                other => other.map(Some),
-            }
-        }
-        caches::Adoption::Create => match api.create(&PostParams::default(), &obj).await {
-            Err(kube::Error::Api(s)) if s.is_already_exists() => Ok(None),
-            other => other.map(Some),
-        },
-    }
-}
-
-/// A 404 is success: the object is already gone.
-fn ignore_missing<T: Default>(r: Result<T, kube::Error>) -> Result<T, kube::Error> {
-    match r {
-        Err(kube::Error::Api(s)) if s.is_not_found() => Ok(T::default()),
-        other => other,
-    }
 }
 
 #[cfg(test)]

@@ -114,16 +114,6 @@ pub enum Error {
     },
 }
 
-/// `result` with the API server's answer `code` counted as success: a delete that finds the
-/// object gone (404) or a create that finds it there (409) has nothing left to do, as the
-/// operator's writes are idempotent. Other errors are returned as they are.
-pub fn already_done<T>(result: Result<T, kube::Error>, code: u16) -> Result<(), kube::Error> {
-    match result {
-        Err(kube::Error::Api(e)) if e.code == code => Ok(()),
-        r => r.map(drop),
-    }
-}
-
 impl Error {
     /// Every value of [`Error::metric_label`] (metric label values are initialized from it).
     pub const LABELS: [&'static str; 11] = [

@@ -3,13 +3,14 @@
 //! [`crate::plan::gang`] decided (create, delete). Decides nothing.
 
 use k8s_openapi::api::scheduling::v1alpha1::Workload;
-use kube::api::{DeleteParams, PostParams};
+use kube::api::DeleteParams;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client, ResourceExt};
 
 use crate::api::{DiphomaJob, GangScheduler};
 use crate::build;
-use crate::error::{Error, already_done};
+use crate::controller::applier;
+use crate::error::Error;
 use crate::plan::gang::{self, Gang, GangPlan};
 
 /// The job's gang as the store of watched gang Workloads shows it (`store`: none when the API
@@ -31,22 +32,22 @@ pub fn observe(store: Option<&Store<Workload>>, job: &DiphomaJob) -> Gang {
 }
 
 /// Carries out `plan` for `job`'s gang Workload: delete, create. A Workload already gone or
-/// already created (the store had not shown it yet) is fine.
+/// already created (the store had not shown it yet) is fine ([`applier`]).
 ///
 /// Errors: [`Error::Gang`] naming the action, the Workload and the API server's answer.
 pub async fn apply(client: &Client, job: &DiphomaJob, plan: &GangPlan) -> Result<(), Error> {
     let api: Api<Workload> = Api::namespaced(client.clone(), &job.namespace().unwrap_or_default());
     if let Some(name) = &plan.delete {
-        let deleted = api.delete(name, &DeleteParams::background()).await;
-        already_done(deleted, 404).map_err(|source| Error::Gang {
+        let deleted = applier::delete(&api, name, &DeleteParams::background()).await;
+        deleted.map_err(|source| Error::Gang {
             action: "delete",
             name: name.clone(),
             source,
         })?;
     }
     if let Some(w) = &plan.create {
-        let created = api.create(&PostParams::default(), w).await;
-        already_done(created, 409).map_err(|source| Error::Gang {
+        let created = applier::create(&api, w).await;
+        created.map_err(|source| Error::Gang {
             action: "create",
             name: w.name_any(),
             source,

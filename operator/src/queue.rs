@@ -1,17 +1,18 @@
-//! Kueue I/O: reads a queued job's Workload (`kueue.x-k8s.io/v1beta2`) and the ResourceFlavors
-//! its admission assigns, and carries out what [`crate::plan::queue`] decided (create, delete,
+//! Kueue I/O: reads a queued job's Workload (`kueue.x-k8s.io/v1beta2`) from the store the
+//! controller's watch keeps (no API request), its WorkloadPriorityClass and the ResourceFlavors
+//! its admission assigns (API reads), and carries out what [`crate::plan::queue`] decided (create, delete,
 //! patch the Workload's status). Decides nothing. Workloads and ResourceFlavors are read as
 //! dynamic objects: Kueue's types are not a Rust crate, and the plan reads only a few fields.
 
 use std::collections::BTreeMap;
 
-use kube::api::{
-    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
-};
+use kube::api::{ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client, ResourceExt};
 
 use crate::api::{DiphomaJob, FIELD_MANAGER};
-use crate::error::{Error, already_done};
+use crate::controller::applier;
+use crate::error::Error;
 use crate::plan::queue::{self, Queue, QueuePlan, WorkloadView};
 
 fn resource(kind: &str, plural: &str) -> ApiResource {
@@ -27,22 +28,26 @@ pub fn workloads() -> ApiResource {
 }
 
 /// The job's place in Kueue: [`Queue::NotQueued`] without [`queue::QUEUE_LABEL`]; else its
-/// Workload (if any), with the flavors of its admission resolved.
+/// Workload (if any) as the store of their watch shows it (`workloads`: none when the API server
+/// does not serve them, read as no Workload: the job stays held and its status says so), its
+/// priority, and the flavors of its admission resolved. The WorkloadPriorityClass and the
+/// ResourceFlavors are API reads (only for a job with a priority class label, or admitted).
 ///
-/// Errors: [`Error::Observe`] when the Workload or a ResourceFlavor cannot be read (Kueue not
-/// installed reads as no Workload: the job stays held and its status says so).
-pub async fn observe(client: &Client, job: &DiphomaJob) -> Result<Queue, Error> {
+/// Errors: [`Error::Observe`] when the WorkloadPriorityClass or a ResourceFlavor cannot be read.
+pub async fn observe(
+    client: &Client,
+    workloads: Option<&Store<DynamicObject>>,
+    job: &DiphomaJob,
+) -> Result<Queue, Error> {
     let Some(queue_name) = queue::queue_of(job) else {
         return Ok(Queue::NotQueued);
     };
     let ns = job.namespace().unwrap_or_default();
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &workloads());
     let read = |what| move |source| Error::Observe { what, source };
-    let object = match api.get_opt(&queue::workload_name(&job.name_any())).await {
-        Ok(o) => o,
-        Err(kube::Error::Api(e)) if e.code == 404 => None, // the CRD is not installed
-        Err(e) => return Err(read("Kueue Workload")(e)),
-    };
+    let object = workloads.and_then(|store| {
+        let name = queue::workload_name(&job.name_any());
+        store.get(&ObjectRef::new_with(&name, self::workloads()).within(&ns))
+    });
     let priority = match job.labels().get(queue::PRIORITY_CLASS_LABEL) {
         Some(class) => {
             let classes: Api<DynamicObject> = Api::all_with(
@@ -66,7 +71,7 @@ pub async fn observe(client: &Client, job: &DiphomaJob) -> Result<Queue, Error> 
             priority,
         });
     };
-    let value = serde_json::to_value(&object).unwrap_or_default();
+    let value = serde_json::to_value(&*object).unwrap_or_default();
     let flavors_api: Api<DynamicObject> = Api::all_with(
         client.clone(),
         &resource("ResourceFlavor", "resourceflavors"),
@@ -108,8 +113,8 @@ pub async fn apply(client: &Client, job: &DiphomaJob, plan: &QueuePlan) -> Resul
     let ns = job.namespace().unwrap_or_default();
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &workloads());
     if let Some(name) = &plan.delete {
-        let deleted = api.delete(name, &DeleteParams::background()).await;
-        already_done(deleted, 404).map_err(|source| Error::Workload {
+        let deleted = applier::delete(&api, name, &DeleteParams::background()).await;
+        deleted.map_err(|source| Error::Workload {
             action: "delete",
             name: name.clone(),
             source,
@@ -117,8 +122,8 @@ pub async fn apply(client: &Client, job: &DiphomaJob, plan: &QueuePlan) -> Resul
     }
     if let Some(object) = &plan.create {
         let w: DynamicObject = serde_json::from_value(object.clone()).expect("a Workload object");
-        let created = api.create(&PostParams::default(), &w).await; // 409: created meanwhile
-        already_done(created, 409).map_err(|source| Error::Workload {
+        let created = applier::create(&api, &w).await; // 409: created meanwhile
+        created.map_err(|source| Error::Workload {
             action: "create",
             name: w.name_any(),
             source,

@@ -32,7 +32,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::PartialObjectMeta;
+use kube::api::{DynamicObject, PartialObjectMeta};
 use kube::core::DeserializeGuard;
 use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -45,28 +45,7 @@ use crate::build::{self, MANAGED_BY};
 use crate::plan::NodeHealth;
 use crate::plan::nodes::{LeaseSeen, observe_lease};
 
-/// The kinds whose watches the operator keeps, for [`Seen`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Kind {
-    /// `DiphomaJob` (the controller's own watch).
-    Job,
-    /// Worker pods.
-    Pod,
-    /// Ring and heartbeat ConfigMaps.
-    ConfigMap,
-    /// The workers' ServiceAccount.
-    ServiceAccount,
-    /// The workers' Role.
-    Role,
-    /// The workers' RoleBinding.
-    RoleBinding,
-    /// The headless Service.
-    Service,
-    /// The key Secret.
-    Secret,
-    /// The NetworkPolicy (watched only when the operator makes them).
-    NetworkPolicy,
-}
+pub use crate::build::Kind;
 
 /// The number of [`Kind`]s.
 const KINDS: usize = 9;
@@ -92,6 +71,8 @@ pub enum Listed {
     Leases,
     /// The Nodes.
     Nodes,
+    /// The Kueue Workloads.
+    Workloads,
 }
 
 impl Listed {
@@ -100,6 +81,7 @@ impl Listed {
             Listed::Kind(k) => 1 << (k as u32),
             Listed::Leases => 1 << KINDS,
             Listed::Nodes => 1 << (KINDS + 1),
+            Listed::Workloads => 1 << (KINDS + 2),
         }
     }
 }
@@ -192,6 +174,9 @@ pub struct Caches {
     pub secrets: Store<PartialObjectMeta<Secret>>,
     /// Metadata of the NetworkPolicies (none: the operator makes none).
     pub network_policies: Option<Store<PartialObjectMeta<NetworkPolicy>>>,
+    /// The Kueue Workloads (`kueue.x-k8s.io/v1beta2`) this operator created (none: the API
+    /// server does not serve them, or they are not watched: [`Caches::keep_workloads`]).
+    pub workloads: Option<Store<DynamicObject>>,
     /// Per node name: its Lease and readiness.
     pub nodes: Mutex<BTreeMap<String, NodeSeen>>,
     /// Set when the controller stops: the watches are no longer polled ([`Caches::close`]).
@@ -271,6 +256,7 @@ impl Caches {
             services,
             secrets,
             network_policies,
+            workloads: None,
             nodes: Mutex::default(),
             closing: watch::Sender::new(false),
             seen: Arc::default(),
@@ -312,7 +298,40 @@ impl Caches {
         if self.network_policies.is_some() {
             all.push(Listed::Kind(Kind::NetworkPolicy));
         }
+        if self.workloads.is_some() {
+            all.push(Listed::Workloads);
+        }
         all
+    }
+
+    /// Keeps the Kueue Workloads too: the writer of their store, for [`Caches::watch_workloads`].
+    pub fn keep_workloads(&mut self) -> Writer<DynamicObject> {
+        let writer = Writer::new(crate::queue::workloads());
+        self.workloads = Some(writer.as_reader());
+        writer
+    }
+
+    /// Starts nothing: the watch of the Kueue Workloads this operator created (by label
+    /// `app.kubernetes.io/managed-by`, `managedFields` dropped), feeding `writer`'s store; the
+    /// objects touched, for `owns_stream_with`.
+    pub fn watch_workloads(
+        &self,
+        client: &Client,
+        writer: Writer<DynamicObject>,
+    ) -> Objects<DynamicObject> {
+        let api = Api::<DynamicObject>::all_with(client.clone(), &crate::queue::workloads());
+        let stream = watcher(api, owned())
+            .default_backoff()
+            .modify(|o: &mut DynamicObject| o.metadata.managed_fields = None);
+        let seen = self.seen.clone();
+        reflector::reflector(writer, stream)
+            .inspect(move |ev| {
+                if let Ok(watcher::Event::InitDone) = ev {
+                    seen.listed(Listed::Workloads);
+                }
+            })
+            .touched_objects()
+            .boxed()
     }
 
     /// Counts every watch as listed (caches filled by hand).
@@ -354,8 +373,7 @@ impl Caches {
         let deadline = tokio::time::Instant::now() + limit;
         let mut late = vec![];
         for (kind, rv) in &w.0 {
-            let unwatched = *kind == Kind::NetworkPolicy && self.network_policies.is_none();
-            if unwatched {
+            if !self.keeps(*kind) {
                 continue;
             }
             let wait = tokio::time::timeout_at(deadline, self.seen.caught_up(*kind, *rv));
@@ -580,58 +598,50 @@ impl Caches {
             .is_empty()
     }
 
-    /// The metadata of the job's key Secret and heartbeat ConfigMap as the stores hold them
-    /// (none: not there), for [`adoption`].
-    pub fn created_once(&self, job: &DiphomaJob) -> (Option<ObjectMeta>, Option<ObjectMeta>) {
-        let ns = job.namespace().unwrap_or_default();
-        let name = job.name_any();
-        let secret = self
-            .secrets
-            .get(&ObjectRef::new(&build::key_secret_name(&name)).within(&ns))
-            .map(|s| s.metadata.clone());
-        let heartbeat = self
-            .configmaps
-            .get(&ObjectRef::new(&diphoma_contract::heartbeat_configmap_name(&name)).within(&ns))
-            .map(|c| c.metadata.clone());
-        (secret, heartbeat)
+    /// Whether a store here keeps the children of `kind` (a NetworkPolicy only when the
+    /// operator makes them).
+    fn keeps(&self, kind: Kind) -> bool {
+        kind != Kind::NetworkPolicy || self.network_policies.is_some()
     }
 
-    /// The job's static children missing from the stores or not its own (`Kind/name`): its
-    /// ServiceAccount, Role, RoleBinding, Service, key Secret, heartbeat ConfigMap and (when kept)
-    /// NetworkPolicy.
-    pub fn missing(&self, job: &DiphomaJob) -> Vec<String> {
+    /// The metadata of the `kind` object `name` in `ns` as its store holds it (none: not there,
+    /// or a kind not kept here).
+    pub fn child_meta(&self, kind: Kind, ns: &str, name: &str) -> Option<ObjectMeta> {
+        fn get<K>(store: &Store<K>, ns: &str, name: &str) -> Option<ObjectMeta>
+        where
+            K: Resource + Clone,
+            K::DynamicType: Default + Eq + std::hash::Hash + Clone,
+        {
+            let found = store.get(&ObjectRef::new(name).within(ns));
+            found.map(|o| o.meta().clone())
+        }
+        match kind {
+            Kind::Job => None,
+            Kind::Pod => get(&self.pods, ns, name),
+            Kind::ConfigMap => get(&self.configmaps, ns, name),
+            Kind::ServiceAccount => get(&self.service_accounts, ns, name),
+            Kind::Role => get(&self.roles, ns, name),
+            Kind::RoleBinding => get(&self.role_bindings, ns, name),
+            Kind::Service => get(&self.services, ns, name),
+            Kind::Secret => get(&self.secrets, ns, name),
+            Kind::NetworkPolicy => get(self.network_policies.as_ref()?, ns, name),
+        }
+    }
+
+    /// The job's static `children` ([`build::children`]) missing from the stores or not its own
+    /// (`Kind/name`), of the kinds kept here.
+    pub fn missing(&self, job: &DiphomaJob, children: &[build::Child]) -> Vec<String> {
         let ns = job.namespace().unwrap_or_default();
         let uid = job.uid().unwrap_or_default();
-        let name = job.name_any();
-        let heartbeat = diphoma_contract::heartbeat_configmap_name(&name);
-        let heartbeat_owned = self
-            .configmaps
-            .get(&ObjectRef::new(&heartbeat).within(&ns))
-            .is_some_and(|cm| owned_by(&cm.metadata, &uid));
-        [
-            absent(
-                &self.service_accounts,
-                &ns,
-                &build::service_account(job).name_any(),
-                &uid,
-            ),
-            absent(&self.roles, &ns, &build::role(job).name_any(), &uid),
-            absent(
-                &self.role_bindings,
-                &ns,
-                &build::role_binding(job).name_any(),
-                &uid,
-            ),
-            absent(&self.services, &ns, &build::service(job).name_any(), &uid),
-            absent(&self.secrets, &ns, &build::key_secret_name(&name), &uid),
-            self.network_policies
-                .as_ref()
-                .and_then(|np| absent(np, &ns, &build::network_policy(job).name_any(), &uid)),
-            (!heartbeat_owned).then(|| format!("ConfigMap/{heartbeat}")),
-        ]
-        .into_iter()
-        .flatten()
-        .collect()
+        children
+            .iter()
+            .filter(|c| self.keeps(c.kind))
+            .filter(|c| {
+                let meta = self.child_meta(c.kind, &ns, &c.name());
+                !meta.is_some_and(|m| owned_by(&m, &uid))
+            })
+            .map(|c| format!("{}/{}", c.kind.name(), c.name()))
+            .collect()
     }
 }
 
@@ -697,15 +707,6 @@ pub fn adoption(existing: Option<&ObjectMeta>, job: &DiphomaJob, in_use: bool) -
         (true, Some(rv)) => Adoption::TakeOver(rv.clone()),
         _ => Adoption::Foreign,
     }
-}
-
-/// `Kind/name` when `store` holds no object `name` in `ns` owned by `uid`.
-fn absent<K>(store: &Store<PartialObjectMeta<K>>, ns: &str, name: &str, uid: &str) -> Option<String>
-where
-    K: Resource<DynamicType = ()> + Clone,
-{
-    let found = store.get(&ObjectRef::new(name).within(ns));
-    (!found.is_some_and(|o| owned_by(&o.metadata, uid))).then(|| format!("{}/{name}", K::kind(&())))
 }
 
 /// What the operator never reads of a worker pod, dropped before the pod store keeps it (the store

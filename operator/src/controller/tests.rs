@@ -200,7 +200,8 @@ fn context(client: Client, job: &DiphomaJob, objects: &[(String, Value)]) -> Arc
 
 /// The job as the operator left it after the previous reconcile of `objects`.
 fn settled(job: DiphomaJob, objects: &[(String, Value)]) -> DiphomaJob {
-    let obs = observe(&caches(&job, objects), &job).unwrap();
+    let children = build::children(&job, false, vec![]);
+    let obs = observe(&caches(&job, objects), &job, &children).unwrap();
     let mut j = job;
     j.status = Some(plan::plan(&j, &obs, &Memory::default()).0.status);
     j
