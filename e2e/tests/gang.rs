@@ -351,6 +351,27 @@ async fn two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed(
     Ok(())
 }
 
+/// Gang jobs `first` and `second` of 3 workers each (`steps` each) on the 4 GPUs: `first`
+/// runs, then `second` waits (`gang of 3 waits: ...`); the ring `first` formed.
+async fn first_runs_second_waits(
+    ctx: &Ctx,
+    ns: &str,
+    steps: (u64, u64),
+) -> Result<diphoma_contract::Membership> {
+    apply_json(ctx, ns, &training_job("first", 3, steps.0, true).build())?;
+    let ring = running_ring(ctx, ns, "first", 3, 0).await?;
+    apply_json(ctx, ns, &training_job("second", 3, steps.1, true).build())?;
+    eventually(60, "the second gang waiting", async || {
+        let st = status(ctx, ns, "second").await?;
+        Ok(st
+            .waiting
+            .as_deref()
+            .is_some_and(|w| w.starts_with("gang of 3 waits: ")))
+    })
+    .await?;
+    Ok(ring)
+}
+
 /// A running gang of 3 on 4 GPUs loses a worker while a second gang of 3 waits: the scheduler
 /// would hold the waiting gang's workers in the freed GPUs (2 of the 3 it needs) and leave the
 /// replacement no room, each gang waiting on the other. The waiting gang yields (its workers
@@ -361,17 +382,7 @@ async fn a_gang_being_repaired_gets_its_room_before_a_gang_that_waits(
     ctx: Arc<Ctx>,
     ns: String,
 ) -> Result<()> {
-    apply_json(&ctx, &ns, &training_job("first", 3, 6_000, true).build())?;
-    let g1 = running_ring(&ctx, &ns, "first", 3, 0).await?;
-    apply_json(&ctx, &ns, &training_job("second", 3, 2_000, true).build())?;
-    eventually(60, "the second gang waiting", async || {
-        let st = status(&ctx, &ns, "second").await?;
-        Ok(st
-            .waiting
-            .as_deref()
-            .is_some_and(|w| w.starts_with("gang of 3 waits: ")))
-    })
-    .await?;
+    let g1 = first_runs_second_waits(&ctx, &ns, (6_000, 2_000)).await?;
     ensure!(
         status(&ctx, &ns, "first").await?.completion_time.is_none(),
         "the first job finished before its worker was deleted: give it more steps"
@@ -427,17 +438,7 @@ async fn a_gang_job_deleted_during_its_repair_is_yielded_to_no_more(
         }
         Ok(())
     };
-    apply_json(&ctx, &ns, &training_job("first", 3, 100_000, true).build())?;
-    running_ring(&ctx, &ns, "first", 3, 0).await?;
-    apply_json(&ctx, &ns, &training_job("second", 3, 1_000, true).build())?;
-    eventually(60, "the second gang waiting", async || {
-        let st = status(&ctx, &ns, "second").await?;
-        Ok(st
-            .waiting
-            .as_deref()
-            .is_some_and(|w| w.starts_with("gang of 3 waits: ")))
-    })
-    .await?;
+    first_runs_second_waits(&ctx, &ns, (100_000, 1_000)).await?;
     cordon("cordon")?;
     // The nodes are uncordoned whatever happens next: the suite's other tests share them.
     let repaired_then_deleted = async {
