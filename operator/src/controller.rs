@@ -15,8 +15,8 @@
 //! or after [`Options::resync`], a long safety net.
 //!
 //! API calls per reconcile:
-//! - reads: none (`observe` reads the caches), but for a queued job's WorkloadPriorityClass
-//!   (when labelled with one) and the ResourceFlavors of its admission ([`crate::queue`]);
+//! - reads: none (`observe` reads the caches, and Kueue's Workloads, WorkloadPriorityClasses
+//!   and ResourceFlavors from the stores of their watches: [`crate::queue::Stores`]);
 //! - writes, only what the plan asks for, in this order: for a gang-scheduled job, its gang
 //!   Workload created, or deleted when its `minCount` is no longer the ring's minimum
 //!   ([`crate::gang`], read from the store of their watch); then (`apply`) the static children
@@ -290,11 +290,12 @@ pub async fn run(
     let metrics = Metrics::default();
     let ready = Arc::new(AtomicBool::new(false));
     let (mut caches, writers) = Caches::new(opts.network_policy);
-    // Kueue's Workloads, when the API server serves them (a job labelled with a queue is held
-    // without them): kept in a store, so that a reconcile reads its job's without a request.
-    let workloads = caches::serves(&client, "kueue.x-k8s.io/v1beta2", "workloads")
+    // Kueue's Workloads, WorkloadPriorityClasses and ResourceFlavors, when the API server serves
+    // them (a job labelled with a queue is held without them): kept in stores, so that a
+    // reconcile reads its job's place in Kueue without a request.
+    let kueue = caches::serves(&client, "kueue.x-k8s.io/v1beta2", "workloads")
         .await
-        .then(|| caches.keep_workloads());
+        .then(|| caches.keep_kueue());
     let caches = Arc::new(caches);
     let streams = caches.watches(&client, writers);
     let (job_store, job_writer) = reflector::store();
@@ -326,8 +327,8 @@ pub async fn run(
     if let Some(np) = streams.network_policies {
         controller = controller.owns_stream(np);
     }
-    if let Some(writer) = workloads {
-        let events = caches.watch_workloads(&client, writer);
+    if let Some(writers) = kueue {
+        let events = caches.watch_kueue(&client, writers);
         controller = controller.owns_stream_with(events, crate::queue::workloads());
     }
     // Gang Workloads (`scheduling.k8s.io/v1alpha1`), when the API server serves them (Kubernetes
@@ -553,9 +554,9 @@ fn requeue(plan: &Plan, held: Option<Duration>, resync: Duration) -> Duration {
 }
 
 /// Everything the plan reads of `job`: the caches ([`observe`]), the answers of members it
-/// would count as hung to a liveness probe, its Kueue Workload (from the store of their watch;
-/// its priority class and admitted flavors are API reads), its gang Workload (from the store of their watch), another gang being
-/// repaired, and what its `memory` recalls ([`plan::memory::recall`]).
+/// would count as hung to a liveness probe, its place in Kueue and its gang Workload (from the
+/// stores of their watches), another gang being repaired, and what its `memory` recalls
+/// ([`plan::memory::recall`]).
 async fn observe_job(
     ctx: &Context,
     job: &DiphomaJob,
@@ -571,7 +572,7 @@ async fn observe_job(
         obs = observe(&ctx.caches, job, children)?;
         (obs.answering, obs.exited) = probed;
     }
-    obs.queue = crate::queue::observe(&ctx.client, ctx.caches.workloads.as_ref(), job).await?;
+    obs.queue = crate::queue::observe(ctx.caches.kueue.as_ref(), job);
     obs.gang = crate::gang::observe(ctx.gangs.as_ref(), job);
     obs.gang_repairing = ctx.memories.repairing_other(job, |ns, name, uid| {
         ctx.jobs.as_ref().is_none_or(|jobs| {

@@ -1,6 +1,6 @@
-//! Kueue I/O: reads a queued job's Workload (`kueue.x-k8s.io/v1beta2`) from the store the
-//! controller's watch keeps (no API request), its WorkloadPriorityClass and the ResourceFlavors
-//! its admission assigns (API reads), and carries out what [`crate::plan::queue`] decided (create, delete,
+//! Kueue I/O: reads a queued job's Workload (`kueue.x-k8s.io/v1beta2`), its
+//! WorkloadPriorityClass and the ResourceFlavors its admission assigns from the stores the
+//! controller's watches keep ([`Stores`]: no API request), and carries out what [`crate::plan::queue`] decided (create, delete,
 //! patch the Workload's status). Decides nothing. Workloads and ResourceFlavors are read as
 //! dynamic objects: Kueue's types are not a Rust crate, and the plan reads only a few fields.
 
@@ -27,71 +27,77 @@ pub fn workloads() -> ApiResource {
     resource("Workload", "workloads")
 }
 
-/// The job's place in Kueue: [`Queue::NotQueued`] without [`queue::QUEUE_LABEL`]; else its
-/// Workload (if any) as the store of their watch shows it (`workloads`: none when the API server
-/// does not serve them, read as no Workload: the job stays held and its status says so), its
-/// priority, and the flavors of its admission resolved. The WorkloadPriorityClass and the
-/// ResourceFlavors are API reads (only for a job with a priority class label, or admitted).
-///
-/// Errors: [`Error::Observe`] when the WorkloadPriorityClass or a ResourceFlavor cannot be read.
-pub async fn observe(
-    client: &Client,
-    workloads: Option<&Store<DynamicObject>>,
-    job: &DiphomaJob,
-) -> Result<Queue, Error> {
+/// The WorkloadPriorityClass resource (`kueue.x-k8s.io/v1beta2`).
+pub fn priority_classes() -> ApiResource {
+    resource("WorkloadPriorityClass", "workloadpriorityclasses")
+}
+
+/// The ResourceFlavor resource (`kueue.x-k8s.io/v1beta2`).
+pub fn flavors() -> ApiResource {
+    resource("ResourceFlavor", "resourceflavors")
+}
+
+/// What the watches keep of Kueue, when the API server serves it
+/// ([`crate::controller::caches::Caches::keep_kueue`]).
+#[derive(Clone)]
+pub struct Stores {
+    /// The Workloads this operator created (label `app.kubernetes.io/managed-by`).
+    pub workloads: Store<DynamicObject>,
+    /// Every WorkloadPriorityClass.
+    pub priority_classes: Store<DynamicObject>,
+    /// Every ResourceFlavor.
+    pub flavors: Store<DynamicObject>,
+}
+
+/// The job's place in Kueue, from the stores of their watches (`stores`: none when the API
+/// server does not serve Kueue, read as no Workload: the job stays held and its status says
+/// so): [`Queue::NotQueued`] without [`queue::QUEUE_LABEL`]; else its Workload (if any), the
+/// value of its WorkloadPriorityClass (none: no label, or no such class) and the flavors of its
+/// admission resolved. No API request.
+pub fn observe(stores: Option<&Stores>, job: &DiphomaJob) -> Queue {
     let Some(queue_name) = queue::queue_of(job) else {
-        return Ok(Queue::NotQueued);
+        return Queue::NotQueued;
     };
     let ns = job.namespace().unwrap_or_default();
-    let read = |what| move |source| Error::Observe { what, source };
-    let object = workloads.and_then(|store| {
-        let name = queue::workload_name(&job.name_any());
-        store.get(&ObjectRef::new_with(&name, self::workloads()).within(&ns))
-    });
-    let priority = match job.labels().get(queue::PRIORITY_CLASS_LABEL) {
-        Some(class) => {
-            let classes: Api<DynamicObject> = Api::all_with(
-                client.clone(),
-                &resource("WorkloadPriorityClass", "workloadpriorityclasses"),
-            );
-            match classes.get_opt(class).await {
-                Ok(c) => c
-                    .and_then(|c| c.data.get("value")?.as_i64())
-                    .map(|v| v as i32),
-                Err(kube::Error::Api(e)) if e.code == 404 => None,
-                Err(e) => return Err(read("Kueue WorkloadPriorityClass")(e)),
-            }
-        }
-        None => None,
+    let get = |store: &Store<DynamicObject>, ar: ApiResource, name: &str, ns: Option<&str>| {
+        let key = ObjectRef::new_with(name, ar);
+        store.get(&match ns {
+            Some(ns) => key.within(ns),
+            None => key,
+        })
     };
-    let Some(object) = object else {
-        return Ok(Queue::Queued {
+    let object = stores.and_then(|s| {
+        let name = queue::workload_name(&job.name_any());
+        get(&s.workloads, workloads(), &name, Some(&ns))
+    });
+    let priority = job
+        .labels()
+        .get(queue::PRIORITY_CLASS_LABEL)
+        .zip(stores)
+        .and_then(|(class, s)| get(&s.priority_classes, priority_classes(), class, None))
+        .and_then(|c| c.data.get("value")?.as_i64())
+        .map(|v| v as i32);
+    let (Some(object), Some(stores)) = (object, stores) else {
+        return Queue::Queued {
             queue: queue_name,
             workload: None,
             priority,
-        });
+        };
     };
     let value = serde_json::to_value(&*object).unwrap_or_default();
-    let flavors_api: Api<DynamicObject> = Api::all_with(
-        client.clone(),
-        &resource("ResourceFlavor", "resourceflavors"),
-    );
-    let mut flavors = BTreeMap::new();
-    for name in queue::assigned_flavors(&value) {
-        if let Some(f) = flavors_api
-            .get_opt(&name)
-            .await
-            .map_err(read("Kueue ResourceFlavor"))?
-        {
-            flavors.insert(name, f.data.get("spec").cloned().unwrap_or_default());
-        }
-    }
+    let flavors: BTreeMap<String, serde_json::Value> = queue::assigned_flavors(&value)
+        .into_iter()
+        .filter_map(|name| {
+            let f = get(&stores.flavors, flavors(), &name, None)?;
+            Some((name, f.data.get("spec").cloned().unwrap_or_default()))
+        })
+        .collect();
     let view: WorkloadView = queue::view(&value, &job.uid().unwrap_or_default(), &flavors);
-    Ok(Queue::Queued {
+    Queue::Queued {
         queue: queue_name,
         workload: Some(Box::new(view)),
         priority,
-    })
+    }
 }
 
 /// What the job's status says of the API server's refusal `e` of its Workload: its message,

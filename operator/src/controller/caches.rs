@@ -73,6 +73,10 @@ pub enum Listed {
     Nodes,
     /// The Kueue Workloads.
     Workloads,
+    /// Kueue's WorkloadPriorityClasses.
+    PriorityClasses,
+    /// Kueue's ResourceFlavors.
+    Flavors,
 }
 
 impl Listed {
@@ -82,6 +86,8 @@ impl Listed {
             Listed::Leases => 1 << KINDS,
             Listed::Nodes => 1 << (KINDS + 1),
             Listed::Workloads => 1 << (KINDS + 2),
+            Listed::PriorityClasses => 1 << (KINDS + 3),
+            Listed::Flavors => 1 << (KINDS + 4),
         }
     }
 }
@@ -174,9 +180,10 @@ pub struct Caches {
     pub secrets: Store<PartialObjectMeta<Secret>>,
     /// Metadata of the NetworkPolicies (none: the operator makes none).
     pub network_policies: Option<Store<PartialObjectMeta<NetworkPolicy>>>,
-    /// The Kueue Workloads (`kueue.x-k8s.io/v1beta2`) this operator created (none: the API
-    /// server does not serve them, or they are not watched: [`Caches::keep_workloads`]).
-    pub workloads: Option<Store<DynamicObject>>,
+    /// What the watches keep of Kueue (`kueue.x-k8s.io/v1beta2`): the Workloads this operator
+    /// created, the WorkloadPriorityClasses, the ResourceFlavors (none: the API server does not
+    /// serve them, or they are not watched: [`Caches::keep_kueue`]).
+    pub kueue: Option<crate::queue::Stores>,
     /// Per node name: its Lease and readiness.
     pub nodes: Mutex<BTreeMap<String, NodeSeen>>,
     /// Set when the controller stops: the watches are no longer polled ([`Caches::close`]).
@@ -256,7 +263,7 @@ impl Caches {
             services,
             secrets,
             network_policies,
-            workloads: None,
+            kueue: None,
             nodes: Mutex::default(),
             closing: watch::Sender::new(false),
             seen: Arc::default(),
@@ -298,38 +305,60 @@ impl Caches {
         if self.network_policies.is_some() {
             all.push(Listed::Kind(Kind::NetworkPolicy));
         }
-        if self.workloads.is_some() {
-            all.push(Listed::Workloads);
+        if self.kueue.is_some() {
+            all.extend([Listed::Workloads, Listed::PriorityClasses, Listed::Flavors]);
         }
         all
     }
 
-    /// Keeps the Kueue Workloads too: the writer of their store, for [`Caches::watch_workloads`].
-    pub fn keep_workloads(&mut self) -> Writer<DynamicObject> {
-        let writer = Writer::new(crate::queue::workloads());
-        self.workloads = Some(writer.as_reader());
-        writer
+    /// Keeps Kueue's objects too ([`Caches::kueue`]): the writers of their stores, for
+    /// [`Caches::watch_kueue`] (Workloads, WorkloadPriorityClasses, ResourceFlavors).
+    pub fn keep_kueue(&mut self) -> [Writer<DynamicObject>; 3] {
+        use crate::queue::{Stores, flavors, priority_classes, workloads};
+        let writers = [
+            Writer::new(workloads()),
+            Writer::new(priority_classes()),
+            Writer::new(flavors()),
+        ];
+        self.kueue = Some(Stores {
+            workloads: writers[0].as_reader(),
+            priority_classes: writers[1].as_reader(),
+            flavors: writers[2].as_reader(),
+        });
+        writers
     }
 
-    /// Starts nothing: the watch of the Kueue Workloads this operator created (by label
-    /// `app.kubernetes.io/managed-by`, `managedFields` dropped), feeding `writer`'s store; the
-    /// objects touched, for `owns_stream_with`.
-    pub fn watch_workloads(
+    /// The watches of Kueue's objects, feeding `writers`' stores ([`Caches::keep_kueue`]):
+    /// the WorkloadPriorityClasses and ResourceFlavors (all of them) polled by tasks of their
+    /// own; the Workloads this operator created (by label `app.kubernetes.io/managed-by`)
+    /// returned, the objects touched, for `owns_stream_with`. `managedFields` dropped.
+    pub fn watch_kueue(
         &self,
         client: &Client,
-        writer: Writer<DynamicObject>,
+        writers: [Writer<DynamicObject>; 3],
     ) -> Objects<DynamicObject> {
-        let api = Api::<DynamicObject>::all_with(client.clone(), &crate::queue::workloads());
-        let stream = watcher(api, owned())
-            .default_backoff()
-            .modify(|o: &mut DynamicObject| o.metadata.managed_fields = None);
-        let seen = self.seen.clone();
-        reflector::reflector(writer, stream)
-            .inspect(move |ev| {
+        use crate::queue::{flavors, priority_classes, workloads};
+        let [w, p, f] = writers;
+        let watch = |ar, cfg: watcher::Config, writer, listed| {
+            let api = Api::<DynamicObject>::all_with(client.clone(), &ar);
+            let stream = watcher(api, cfg)
+                .default_backoff()
+                .modify(|o: &mut DynamicObject| o.metadata.managed_fields = None);
+            let seen = self.seen.clone();
+            reflector::reflector(writer, stream).inspect(move |ev| {
                 if let Ok(watcher::Event::InitDone) = ev {
-                    seen.listed(Listed::Workloads);
+                    seen.listed(listed);
                 }
             })
+        };
+        let all = watcher::Config::default;
+        for stream in [
+            watch(priority_classes(), all(), p, Listed::PriorityClasses).boxed(),
+            watch(flavors(), all(), f, Listed::Flavors).boxed(),
+        ] {
+            tokio::spawn(stream.for_each(|_| async {}));
+        }
+        watch(workloads(), owned(), w, Listed::Workloads)
             .touched_objects()
             .boxed()
     }

@@ -374,8 +374,15 @@ pub fn plan(job: &DiphomaJob, obs: &Observed, memory: &memory::Memory) -> (Plan,
     let hold = admission::hold(admitted, obs);
     // 1-5. The job's failures, lifecycle, workers, ring and status.
     decide(admitted, obs, hold.as_ref(), &mut plan);
-    // 6. Kueue: the job's Workload.
+    // 6. Kueue: the job's Workload. A job held for a priority class not found looks again for
+    // the class (created after the job: no event of the job's says so).
     plan.queue = queue::queue_plan(job, &obs.queue, &obs.pods, plan.status.phase, obs.now);
+    if hold
+        .as_ref()
+        .is_some_and(|h| h.reason == queue::NO_PRIORITY_CLASS)
+    {
+        plan.due_in(queue::PRIORITY_CLASS_LOOK_AGAIN);
+    }
     // 7. Gang: the job's gang Workload. A gang waiting, or yielding, looks again for another
     // gang's repair starting or ending (the other job's pods are not this job's: no event of
     // its own says so).

@@ -141,6 +141,14 @@ fn is_true(conds: &[Condition], t: &str) -> bool {
     find(conds, t).is_some_and(|c| c.status == "True")
 }
 
+/// [`Hold::reason`] of a job whose WorkloadPriorityClass (its label) is not found: it is read
+/// from the store of their watch, and no event of the job's says when one is created.
+pub const NO_PRIORITY_CLASS: &str = "PriorityClassNotFound";
+
+/// How often a job held for [`NO_PRIORITY_CLASS`] looks whether the class was created
+/// (a look reads the caches: no API request).
+pub const PRIORITY_CLASS_LOOK_AGAIN: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The hold the queue puts on the job, if any: not admitted yet (Kueue's `QuotaReserved`
 /// reason and message, e.g. `Pending: couldn't assign flavors …`), evicted (`Evicted`'s:
 /// `Preempted`, `InactiveWorkload`, …), or a Workload that is being replaced.
@@ -164,7 +172,7 @@ pub fn hold(job: &DiphomaJob, q: &Queue) -> Option<Hold> {
         && workload.is_none()
     {
         return h(
-            "PriorityClassNotFound",
+            NO_PRIORITY_CLASS,
             format!("WorkloadPriorityClass {class} (label {PRIORITY_CLASS_LABEL}) not found"),
         );
     }
@@ -593,6 +601,53 @@ mod tests {
         let c = &ps["template"]["spec"]["containers"][0];
         assert_eq!(c["resources"]["requests"]["nvidia.com/gpu"], "1");
         assert_eq!(w["metadata"]["name"], "diphomajob-train");
+    }
+
+    /// A priority class created after the job: the job looks again for it (its creation
+    /// reconciles no job), and runs on its Workload once found.
+    #[test]
+    fn a_job_whose_priority_class_is_not_found_looks_again_for_it() {
+        let mut j = elastic();
+        j.metadata
+            .labels
+            .get_or_insert_default()
+            .insert(PRIORITY_CLASS_LABEL.into(), "high".into());
+        let obs = |priority| crate::plan::Observed {
+            queue: Queue::Queued {
+                queue: "team".into(),
+                workload: None,
+                priority,
+            },
+            now: t(0),
+            ..Default::default()
+        };
+        let plan = |o| crate::plan::plan(&j, &o, &Default::default()).0;
+        let missing = plan(obs(None));
+        assert_eq!(
+            missing
+                .status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Suspended")
+                .map(|c| c.reason.as_str()),
+            Some(NO_PRIORITY_CLASS)
+        );
+        assert!(
+            missing
+                .requeue_after
+                .is_some_and(|d| d <= PRIORITY_CLASS_LOOK_AGAIN),
+            "{:?}",
+            missing.requeue_after
+        );
+        let found = plan(obs(Some(1000)));
+        assert!(found.queue.create.is_some());
+        assert!(
+            found
+                .requeue_after
+                .is_none_or(|d| d > PRIORITY_CLASS_LOOK_AGAIN),
+            "{:?}",
+            found.requeue_after
+        );
     }
 
     #[test]
