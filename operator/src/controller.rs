@@ -16,7 +16,9 @@
 //!
 //! API calls per reconcile:
 //! - reads: none (`observe` reads the caches, and Kueue's Workloads, WorkloadPriorityClasses
-//!   and ResourceFlavors from the stores of their watches: [`crate::queue::Stores`]);
+//!   and ResourceFlavors from the stores of their watches: [`crate::queue::Stores`]), but for a
+//!   queued job while those watches have not listed yet, or when Kueue was not served at the
+//!   operator's start ([`crate::queue::observe`]);
 //! - writes, only what the plan asks for, in this order: for a gang-scheduled job, its gang
 //!   Workload created, or deleted when its `minCount` is no longer the ring's minimum
 //!   ([`crate::gang`], read from the store of their watch); then (`apply`) the static children
@@ -572,7 +574,7 @@ async fn observe_job(
         obs = observe(&ctx.caches, job, children)?;
         (obs.answering, obs.exited) = probed;
     }
-    obs.queue = crate::queue::observe(ctx.caches.kueue.as_ref(), job);
+    obs.queue = crate::queue::observe(&ctx.client, ctx.caches.kueue_listed(), job).await?;
     obs.gang = crate::gang::observe(ctx.gangs.as_ref(), job);
     obs.gang_repairing = ctx.memories.repairing_other(job, |ns, name, uid| {
         ctx.jobs.as_ref().is_none_or(|jobs| {
@@ -585,11 +587,11 @@ async fn observe_job(
 }
 
 /// The job's pods, its published ring, the workers' reports, the health of the nodes its pods
-/// run on, its missing children and the heartbeat ConfigMap's `resourceVersion`, from the caches
-/// (no API request). Only what the job owns (owner
-/// UID) is its own: pods, ring and heartbeat left by a deleted job of the same name are not;
-/// such pods' names are [`Observed::foreign`], and a missing or foreign heartbeat ConfigMap is
-/// in [`Observed::missing`].
+/// run on, which of its `children` are missing and the heartbeat ConfigMap's `resourceVersion`,
+/// from the caches (no API request). Only what the job owns (owner UID) is its own: pods, ring
+/// and heartbeat left by a deleted job of the same name are not; such pods' names are
+/// [`Observed::foreign`], and a missing or foreign heartbeat ConfigMap is in
+/// [`Observed::missing`].
 ///
 /// Errors: [`Error::Ring`] when the ring ConfigMap holds no readable membership.
 fn observe(

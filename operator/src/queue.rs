@@ -49,12 +49,27 @@ pub struct Stores {
     pub flavors: Store<DynamicObject>,
 }
 
-/// The job's place in Kueue, from the stores of their watches (`stores`: none when the API
-/// server does not serve Kueue, read as no Workload: the job stays held and its status says
-/// so): [`Queue::NotQueued`] without [`queue::QUEUE_LABEL`]; else its Workload (if any), the
-/// value of its WorkloadPriorityClass (none: no label, or no such class) and the flavors of its
-/// admission resolved. No API request.
-pub fn observe(stores: Option<&Stores>, job: &DiphomaJob) -> Queue {
+/// The job's place in Kueue: [`Queue::NotQueued`] without [`queue::QUEUE_LABEL`]; else its
+/// Workload (if any), the value of its WorkloadPriorityClass (none: no label, or no such class)
+/// and the flavors of its admission resolved. From `stores` ([`stored`], no API request) once
+/// their watches have listed; else (Kueue not served when the operator started, or its lists
+/// not complete yet: a job must not be planned from an empty store) by API reads
+/// ([`requested`]).
+///
+/// Errors: [`Error::Observe`] when an API read fails.
+pub async fn observe(
+    client: &Client,
+    stores: Option<&Stores>,
+    job: &DiphomaJob,
+) -> Result<Queue, Error> {
+    match stores {
+        Some(stores) => Ok(stored(stores, job)),
+        None => requested(client, job).await,
+    }
+}
+
+/// [`observe`] from the stores of the watches.
+fn stored(stores: &Stores, job: &DiphomaJob) -> Queue {
     let Some(queue_name) = queue::queue_of(job) else {
         return Queue::NotQueued;
     };
@@ -66,18 +81,15 @@ pub fn observe(stores: Option<&Stores>, job: &DiphomaJob) -> Queue {
             None => key,
         })
     };
-    let object = stores.and_then(|s| {
-        let name = queue::workload_name(&job.name_any());
-        get(&s.workloads, workloads(), &name, Some(&ns))
-    });
+    let name = queue::workload_name(&job.name_any());
+    let object = get(&stores.workloads, workloads(), &name, Some(&ns));
     let priority = job
         .labels()
         .get(queue::PRIORITY_CLASS_LABEL)
-        .zip(stores)
-        .and_then(|(class, s)| get(&s.priority_classes, priority_classes(), class, None))
+        .and_then(|class| get(&stores.priority_classes, priority_classes(), class, None))
         .and_then(|c| c.data.get("value")?.as_i64())
         .map(|v| v as i32);
-    let (Some(object), Some(stores)) = (object, stores) else {
+    let Some(object) = object else {
         return Queue::Queued {
             queue: queue_name,
             workload: None,
@@ -98,6 +110,66 @@ pub fn observe(stores: Option<&Stores>, job: &DiphomaJob) -> Queue {
         workload: Some(Box::new(view)),
         priority,
     }
+}
+
+/// [`observe`] by API reads: the Workload, its WorkloadPriorityClass, the ResourceFlavors of its
+/// admission.
+async fn requested(client: &Client, job: &DiphomaJob) -> Result<Queue, Error> {
+    let Some(queue_name) = queue::queue_of(job) else {
+        return Ok(Queue::NotQueued);
+    };
+    let ns = job.namespace().unwrap_or_default();
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &workloads());
+    let read = |what| move |source| Error::Observe { what, source };
+    let object = match api.get_opt(&queue::workload_name(&job.name_any())).await {
+        Ok(o) => o,
+        Err(kube::Error::Api(e)) if e.code == 404 => None, // the CRD is not installed
+        Err(e) => return Err(read("Kueue Workload")(e)),
+    };
+    let priority = match job.labels().get(queue::PRIORITY_CLASS_LABEL) {
+        Some(class) => {
+            let classes: Api<DynamicObject> = Api::all_with(
+                client.clone(),
+                &resource("WorkloadPriorityClass", "workloadpriorityclasses"),
+            );
+            match classes.get_opt(class).await {
+                Ok(c) => c
+                    .and_then(|c| c.data.get("value")?.as_i64())
+                    .map(|v| v as i32),
+                Err(kube::Error::Api(e)) if e.code == 404 => None,
+                Err(e) => return Err(read("Kueue WorkloadPriorityClass")(e)),
+            }
+        }
+        None => None,
+    };
+    let Some(object) = object else {
+        return Ok(Queue::Queued {
+            queue: queue_name,
+            workload: None,
+            priority,
+        });
+    };
+    let value = serde_json::to_value(&object).unwrap_or_default();
+    let flavors_api: Api<DynamicObject> = Api::all_with(
+        client.clone(),
+        &resource("ResourceFlavor", "resourceflavors"),
+    );
+    let mut flavors = BTreeMap::new();
+    for name in queue::assigned_flavors(&value) {
+        if let Some(f) = flavors_api
+            .get_opt(&name)
+            .await
+            .map_err(read("Kueue ResourceFlavor"))?
+        {
+            flavors.insert(name, f.data.get("spec").cloned().unwrap_or_default());
+        }
+    }
+    let view: WorkloadView = queue::view(&value, &job.uid().unwrap_or_default(), &flavors);
+    Ok(Queue::Queued {
+        queue: queue_name,
+        workload: Some(Box::new(view)),
+        priority,
+    })
 }
 
 /// What the job's status says of the API server's refusal `e` of its Workload: its message,
@@ -150,7 +222,10 @@ pub async fn apply(client: &Client, job: &DiphomaJob, plan: &QueuePlan) -> Resul
             })?;
     }
     if let Some((name, status)) = &plan.patch_status {
-        let body = serde_json::json!({"status": status});
+        let mut body = serde_json::json!({"status": status});
+        if let Some(rv) = &plan.status_version {
+            body["metadata"] = serde_json::json!({"resourceVersion": rv});
+        }
         let params = PatchParams {
             field_manager: Some(FIELD_MANAGER.into()),
             ..Default::default()

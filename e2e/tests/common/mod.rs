@@ -595,7 +595,9 @@ pub async fn pod_states(client: &Client, ns: &str) -> Result<Vec<String>> {
         .collect())
 }
 
-/// Waits for the job to run with a ring of `size` at a generation above `after`; returns it.
+/// Waits for the job to run with a ring of `size` at a generation above `after`, published for
+/// this job (its `jobUid`: not a ring ConfigMap orphaned by a deleted job of the same name, which
+/// the job's first ring replaces a moment after its status says Running); returns it.
 pub async fn running_ring(
     ctx: &Ctx,
     ns: &str,
@@ -612,9 +614,11 @@ pub async fn running_ring(
             let j = job_status(&ctx.client, ns, job).await?;
             found = ring(&ctx.client, ns, job).await?;
             let done = phase_of(&j) == Some(Phase::Running)
-                && found
-                    .as_ref()
-                    .is_some_and(|r| r.members.len() == size && r.generation > after);
+                && found.as_ref().is_some_and(|r| {
+                    r.members.len() == size
+                        && r.generation > after
+                        && j.metadata.uid.as_deref() == Some(r.job_uid.as_str())
+                });
             last = j.status;
             Ok(done)
         },

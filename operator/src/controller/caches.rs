@@ -107,6 +107,12 @@ impl Seen {
         self.listed.send_modify(|l| *l |= w.bit());
     }
 
+    /// Whether every watch of `all` has listed once.
+    fn has_listed(&self, all: &[Listed]) -> bool {
+        let mask = all.iter().fold(0, |m, w| m | w.bit());
+        *self.listed.borrow() & mask == mask
+    }
+
     /// Resolves once every watch of `all` has listed once. (Not [`Store::wait_until_ready`]: its
     /// one-shot channel wakes only the last of several waiters, and reconciles wait together.)
     async fn all_listed(&self, all: &[Listed]) {
@@ -305,10 +311,15 @@ impl Caches {
         if self.network_policies.is_some() {
             all.push(Listed::Kind(Kind::NetworkPolicy));
         }
-        if self.kueue.is_some() {
-            all.extend([Listed::Workloads, Listed::PriorityClasses, Listed::Flavors]);
-        }
         all
+    }
+
+    /// Kueue's stores once their watches have listed (none before, or when Kueue is not watched):
+    /// a job is not planned from a Kueue store still empty, nor held up by a Kueue watch that
+    /// cannot list (its place in Kueue is then read by requests, [`crate::queue::observe`]).
+    pub fn kueue_listed(&self) -> Option<&crate::queue::Stores> {
+        let all = [Listed::Workloads, Listed::PriorityClasses, Listed::Flavors];
+        self.kueue.as_ref().filter(|_| self.seen.has_listed(&all))
     }
 
     /// Keeps Kueue's objects too ([`Caches::kueue`]): the writers of their stores, for

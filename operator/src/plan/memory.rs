@@ -74,10 +74,15 @@ impl Memory {
         self.refused.until.is_some_and(|until| now < until)
     }
 
-    /// How long the refused creations are still held after `now` (a timer of the job's own).
+    /// How long the refused creations are still held after `now` (a timer of the job's own):
+    /// zero once the back-off has ended (they are due now); none without a back-off.
     pub fn held_for(&self, now: Timestamp) -> Option<Duration> {
         let left = self.refused.until?.duration_since(now);
-        left.is_positive().then(|| left.unsigned_abs())
+        Some(if left.is_positive() {
+            left.unsigned_abs()
+        } else {
+            Duration::ZERO
+        })
     }
 }
 
@@ -229,6 +234,9 @@ mod tests {
         assert_eq!((one.refused.rounds, one.refused.until), (1, Some(t(102))));
         assert!(one.held(t(101)) && !one.held(t(102)));
         assert_eq!(one.held_for(t(101)), Some(Duration::from_secs(1)));
+        // Ended while a reconcile ran: due at once, not at the next safety-net resync.
+        assert_eq!(one.held_for(t(105)), Some(Duration::ZERO));
+        assert_eq!(Memory::default().held_for(t(105)), None);
         // Held: not tried, still refused, the same deadline.
         let held = remember(&one, one.clone(), &tried(&[]), t(101));
         assert_eq!(held.refused, one.refused);

@@ -368,18 +368,21 @@ pub fn plan(job: &DiphomaJob, obs: &Observed, memory: &memory::Memory) -> (Plan,
         ..Plan::default()
     };
     // 0. Admission: admitted by Kueue, the workers run with the admitted count and flavors;
-    // the hold on the job, once.
+    // the hold on the job, once, judged on the job itself (the admitted view's replicas are
+    // the admitted count, not its Workload's: it would read as a job whose size changed).
     let admitted = queue::admitted_view(job, &obs.queue);
     let admitted = admitted.as_ref().unwrap_or(job);
-    let hold = admission::hold(admitted, obs);
+    let hold = admission::hold(job, obs);
     // 1-5. The job's failures, lifecycle, workers, ring and status.
     decide(admitted, obs, hold.as_ref(), &mut plan);
     // 6. Kueue: the job's Workload. A job held for a priority class not found looks again for
     // the class (created after the job: no event of the job's says so).
     plan.queue = queue::queue_plan(job, &obs.queue, &obs.pods, plan.status.phase, obs.now);
-    if hold
-        .as_ref()
-        .is_some_and(|h| h.reason == queue::NO_PRIORITY_CLASS)
+    let running = plan.status.phase.is_some_and(|p| !p.is_terminal());
+    if running
+        && hold
+            .as_ref()
+            .is_some_and(|h| h.reason == queue::NO_PRIORITY_CLASS)
     {
         plan.due_in(queue::PRIORITY_CLASS_LOOK_AGAIN);
     }

@@ -68,6 +68,9 @@ pub struct WorkloadView {
     /// `spec.active` is false: deactivated (Kueue evicts it, `InactiveWorkload`, and keeps it
     /// out of the queue).
     pub inactive: bool,
+    /// `metadata.resourceVersion` as observed: the status patch is conditional on it, so that a
+    /// plan made from a store behind Kueue's own writes is refused (409) and made again.
+    pub resource_version: Option<String>,
 }
 
 /// What Kueue admitted the job's workers with.
@@ -114,6 +117,9 @@ pub struct QueuePlan {
     /// Patch the Workload's status (a JSON merge patch of `status`), e.g. clear the admission
     /// of an evicted Workload or mark it Finished.
     pub patch_status: Option<(String, Value)>,
+    /// The Workload's `resourceVersion` [`QueuePlan::patch_status`] was planned from: the patch
+    /// is conditional on it (a 409 when Kueue wrote meanwhile, and the plan is made again).
+    pub status_version: Option<String>,
     /// Set the Workload's `spec.active` (Kueue's way for a user to stop an admitted
     /// workload): false while the job is suspended (`runPolicy.suspend`), so that its quota
     /// is released, true again when it is resumed.
@@ -282,6 +288,7 @@ pub fn queue_plan(
             };
             let conds = set_condition(&w.conditions, "Finished", "True", reason, message, now);
             plan.patch_status = Some((w.name.clone(), json!({"conditions": conds})));
+            plan.status_version = w.resource_version.clone();
         }
         return plan;
     }
@@ -332,6 +339,7 @@ pub fn queue_plan(
             w.name.clone(),
             json!({"admission": null, "conditions": conds}),
         ));
+        plan.status_version = w.resource_version.clone();
     }
     plan
 }
@@ -534,6 +542,10 @@ pub fn view(object: &Value, job_uid: &str, flavors: &BTreeMap<String, Value>) ->
         admitted,
         quota_reserved: admission.is_some(),
         inactive: object.pointer("/spec/active") == Some(&Value::Bool(false)),
+        resource_version: object
+            .pointer("/metadata/resourceVersion")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
     }
 }
 
@@ -749,6 +761,24 @@ mod tests {
         assert_eq!(p.node_selector.get("pool").map(String::as_str), Some("gpu"));
         assert_eq!(p.tolerations.len(), 1);
         assert_eq!(queue_plan(&j, &q, &[], None, t(0)), QueuePlan::default());
+        // The whole plan runs the 3 admitted workers, unheld: the hold is the job's own, not
+        // the admitted view's (whose replicas differ from the Workload's count).
+        let obs = crate::plan::Observed {
+            queue: q,
+            now: t(0),
+            ..Default::default()
+        };
+        let planned = crate::plan::plan(&j, &obs, &Default::default()).0;
+        let suspended = planned
+            .status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Suspended");
+        assert!(
+            suspended.is_none_or(|c| c.status != "True"),
+            "{suspended:?}"
+        );
+        assert_eq!(planned.create.len(), 3);
     }
 
     #[test]
