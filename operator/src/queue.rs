@@ -51,10 +51,9 @@ pub struct Stores {
 
 /// The job's place in Kueue: [`Queue::NotQueued`] without [`queue::QUEUE_LABEL`]; else its
 /// Workload (if any), the value of its WorkloadPriorityClass (none: no label, or no such class)
-/// and the flavors of its admission resolved. From `stores` ([`stored`], no API request) once
-/// their watches have listed; else (Kueue not served when the operator started, or its lists
-/// not complete yet: a job must not be planned from an empty store) by API reads
-/// ([`requested`]).
+/// and the flavors of its admission resolved. Read from `stores` (no API request) once their
+/// watches have listed; else (Kueue not served when the operator started, or its lists not
+/// complete yet: a job must not be planned from an empty store) by API reads.
 ///
 /// Errors: [`Error::Observe`] when an API read fails.
 pub async fn observe(
@@ -62,84 +61,19 @@ pub async fn observe(
     stores: Option<&Stores>,
     job: &DiphomaJob,
 ) -> Result<Queue, Error> {
-    match stores {
-        Some(stores) => Ok(stored(stores, job)),
-        None => requested(client, job).await,
-    }
-}
-
-/// [`observe`] from the stores of the watches.
-fn stored(stores: &Stores, job: &DiphomaJob) -> Queue {
-    let Some(queue_name) = queue::queue_of(job) else {
-        return Queue::NotQueued;
-    };
-    let ns = job.namespace().unwrap_or_default();
-    let get = |store: &Store<DynamicObject>, ar: ApiResource, name: &str, ns: Option<&str>| {
-        let key = ObjectRef::new_with(name, ar);
-        store.get(&match ns {
-            Some(ns) => key.within(ns),
-            None => key,
-        })
-    };
-    let name = queue::workload_name(&job.name_any());
-    let object = get(&stores.workloads, workloads(), &name, Some(&ns));
-    let priority = job
-        .labels()
-        .get(queue::PRIORITY_CLASS_LABEL)
-        .and_then(|class| get(&stores.priority_classes, priority_classes(), class, None))
-        .and_then(|c| c.data.get("value")?.as_i64())
-        .map(|v| v as i32);
-    let Some(object) = object else {
-        return Queue::Queued {
-            queue: queue_name,
-            workload: None,
-            priority,
-        };
-    };
-    let value = serde_json::to_value(&*object).unwrap_or_default();
-    let flavors: BTreeMap<String, serde_json::Value> = queue::assigned_flavors(&value)
-        .into_iter()
-        .filter_map(|name| {
-            let f = get(&stores.flavors, flavors(), &name, None)?;
-            Some((name, f.data.get("spec").cloned().unwrap_or_default()))
-        })
-        .collect();
-    let view: WorkloadView = queue::view(&value, &job.uid().unwrap_or_default(), &flavors);
-    Queue::Queued {
-        queue: queue_name,
-        workload: Some(Box::new(view)),
-        priority,
-    }
-}
-
-/// [`observe`] by API reads: the Workload, its WorkloadPriorityClass, the ResourceFlavors of its
-/// admission.
-async fn requested(client: &Client, job: &DiphomaJob) -> Result<Queue, Error> {
     let Some(queue_name) = queue::queue_of(job) else {
         return Ok(Queue::NotQueued);
     };
     let ns = job.namespace().unwrap_or_default();
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &workloads());
-    let read = |what| move |source| Error::Observe { what, source };
-    let object = match api.get_opt(&queue::workload_name(&job.name_any())).await {
-        Ok(o) => o,
-        Err(kube::Error::Api(e)) if e.code == 404 => None, // the CRD is not installed
-        Err(e) => return Err(read("Kueue Workload")(e)),
-    };
+    let read = Reader { client, stores };
+    let name = queue::workload_name(&job.name_any());
+    let object = read.get(Kueue::Workload, Some(&ns), &name).await?;
     let priority = match job.labels().get(queue::PRIORITY_CLASS_LABEL) {
-        Some(class) => {
-            let classes: Api<DynamicObject> = Api::all_with(
-                client.clone(),
-                &resource("WorkloadPriorityClass", "workloadpriorityclasses"),
-            );
-            match classes.get_opt(class).await {
-                Ok(c) => c
-                    .and_then(|c| c.data.get("value")?.as_i64())
-                    .map(|v| v as i32),
-                Err(kube::Error::Api(e)) if e.code == 404 => None,
-                Err(e) => return Err(read("Kueue WorkloadPriorityClass")(e)),
-            }
-        }
+        Some(class) => read
+            .get(Kueue::PriorityClass, None, class)
+            .await?
+            .and_then(|c| c.data.get("value")?.as_i64())
+            .map(|v| v as i32),
         None => None,
     };
     let Some(object) = object else {
@@ -149,18 +83,10 @@ async fn requested(client: &Client, job: &DiphomaJob) -> Result<Queue, Error> {
             priority,
         });
     };
-    let value = serde_json::to_value(&object).unwrap_or_default();
-    let flavors_api: Api<DynamicObject> = Api::all_with(
-        client.clone(),
-        &resource("ResourceFlavor", "resourceflavors"),
-    );
+    let value = serde_json::to_value(&*object).unwrap_or_default();
     let mut flavors = BTreeMap::new();
     for name in queue::assigned_flavors(&value) {
-        if let Some(f) = flavors_api
-            .get_opt(&name)
-            .await
-            .map_err(read("Kueue ResourceFlavor"))?
-        {
+        if let Some(f) = read.get(Kueue::Flavor, None, &name).await? {
             flavors.insert(name, f.data.get("spec").cloned().unwrap_or_default());
         }
     }
@@ -170,6 +96,81 @@ async fn requested(client: &Client, job: &DiphomaJob) -> Result<Queue, Error> {
         workload: Some(Box::new(view)),
         priority,
     })
+}
+
+/// The Kueue objects [`observe`] reads.
+#[derive(Debug, Clone, Copy)]
+enum Kueue {
+    Workload,
+    PriorityClass,
+    Flavor,
+}
+
+impl Kueue {
+    fn resource(self) -> ApiResource {
+        match self {
+            Kueue::Workload => workloads(),
+            Kueue::PriorityClass => priority_classes(),
+            Kueue::Flavor => flavors(),
+        }
+    }
+
+    fn store(self, stores: &Stores) -> &Store<DynamicObject> {
+        match self {
+            Kueue::Workload => &stores.workloads,
+            Kueue::PriorityClass => &stores.priority_classes,
+            Kueue::Flavor => &stores.flavors,
+        }
+    }
+
+    /// What an [`Error::Observe`] names.
+    fn what(self) -> &'static str {
+        match self {
+            Kueue::Workload => "Kueue Workload",
+            Kueue::PriorityClass => "Kueue WorkloadPriorityClass",
+            Kueue::Flavor => "Kueue ResourceFlavor",
+        }
+    }
+}
+
+/// Where [`observe`] reads: the stores when given, else the API server.
+struct Reader<'a> {
+    client: &'a Client,
+    stores: Option<&'a Stores>,
+}
+
+impl Reader<'_> {
+    /// Object `name` of `kind` (in namespace `ns`, none: cluster-scoped); none when there is
+    /// none (a 404 too: Kueue's CRDs not installed).
+    ///
+    /// Errors: [`Error::Observe`] when an API read fails.
+    async fn get(
+        &self,
+        kind: Kueue,
+        ns: Option<&str>,
+        name: &str,
+    ) -> Result<Option<std::sync::Arc<DynamicObject>>, Error> {
+        let ar = kind.resource();
+        if let Some(stores) = self.stores {
+            let key = ObjectRef::new_with(name, ar);
+            return Ok(kind.store(stores).get(&match ns {
+                Some(ns) => key.within(ns),
+                None => key,
+            }));
+        }
+        let api: Api<DynamicObject> = match ns {
+            Some(ns) => Api::namespaced_with(self.client.clone(), ns, &ar),
+            None => Api::all_with(self.client.clone(), &ar),
+        };
+        match api.get_opt(name).await {
+            Ok(o) => Ok(o.map(std::sync::Arc::new)),
+            Err(kube::Error::Api(e)) if e.code == 404 => Ok(None),
+            Err(source) => Err(Error::Observe {
+                what: kind.what(),
+                source,
+            }),
+        }
+    }
 }
 
 /// What the job's status says of the API server's refusal `e` of its Workload: its message,
