@@ -83,7 +83,7 @@ async fn chart_lints_validates_values_and_install_yaml_is_fresh(
         "kind: PodDisruptionBudget",
         "DIPHOMA_LEADER_ELECT",
         "DIPHOMA_NETWORK_POLICY",
-        "resources: [networkpolicies]",
+        "verbs: [list, watch, delete, create, patch]",
     ] {
         ensure!(
             rendered.contains(kind),
@@ -263,6 +263,13 @@ async fn the_operator_runs_as_a_pod_under_exactly_its_chart_rbac(
         vec!["watch", "serviceaccounts", "-A"],
         vec!["watch", "roles.rbac.authorization.k8s.io", "-A"],
         vec!["watch", "rolebindings.rbac.authorization.k8s.io", "-A"],
+        vec!["watch", "networkpolicies.networking.k8s.io", "-A"],
+        // A child no longer built for the job is pruned (not the key Secret: always built).
+        in_ns(&["delete", "services"]),
+        in_ns(&["delete", "serviceaccounts"]),
+        in_ns(&["delete", "roles.rbac.authorization.k8s.io"]),
+        in_ns(&["delete", "rolebindings.rbac.authorization.k8s.io"]),
+        in_ns(&["delete", "networkpolicies.networking.k8s.io"]),
         in_ns(&["create", "events.events.k8s.io"]),
         vec!["list", "nodes"],
         vec!["watch", "nodes"],

@@ -691,6 +691,34 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// The kinds of the static children ([`children`]) whose metadata alone the operator keeps,
+    /// each in a store of its own and every one watched (`controller::caches`), pruned when the
+    /// table no longer builds them. The one table to extend for a new child kind (besides the
+    /// variant, its [`Kind::name`] and [`Kind::resource`]).
+    pub const BY_METADATA: [Kind; 6] = [
+        Kind::ServiceAccount,
+        Kind::Role,
+        Kind::RoleBinding,
+        Kind::Service,
+        Kind::Secret,
+        Kind::NetworkPolicy,
+    ];
+
+    /// Its API resource (group, version, plural), for a dynamic `Api` and store.
+    pub fn resource(self) -> ApiResource {
+        match self {
+            Kind::Job => ApiResource::erase::<DiphomaJob>(&()),
+            Kind::Pod => ApiResource::erase::<Pod>(&()),
+            Kind::ConfigMap => ApiResource::erase::<ConfigMap>(&()),
+            Kind::ServiceAccount => ApiResource::erase::<ServiceAccount>(&()),
+            Kind::Role => ApiResource::erase::<Role>(&()),
+            Kind::RoleBinding => ApiResource::erase::<RoleBinding>(&()),
+            Kind::Service => ApiResource::erase::<Service>(&()),
+            Kind::Secret => ApiResource::erase::<Secret>(&()),
+            Kind::NetworkPolicy => ApiResource::erase::<NetworkPolicy>(&()),
+        }
+    }
+
     /// The Kubernetes kind, as `Kind/name` strings and errors name it.
     pub fn name(self) -> &'static str {
         match self {
@@ -710,10 +738,9 @@ impl Kind {
 /// One static child of a job, as the API server takes it, and how it is written.
 #[derive(Debug, Clone)]
 pub struct Child {
-    /// Its kind (the store it is looked up in, the watch that delivers its writes).
+    /// Its kind (the store it is looked up in, the watch that delivers its writes, its API
+    /// resource: [`Kind::resource`]).
     pub kind: Kind,
-    /// Its API resource, for a dynamic `Api`.
-    pub resource: ApiResource,
     /// The object.
     pub object: DynamicObject,
     /// Created once and never re-applied (server-side applied on every apply otherwise); an
@@ -729,9 +756,9 @@ impl Child {
         K: Resource<DynamicType = ()> + serde::Serialize,
     {
         let value = serde_json::to_value(obj).expect("a typed object serializes");
+        debug_assert_eq!(kind.resource(), ApiResource::erase::<K>(&()));
         Child {
             kind,
-            resource: ApiResource::erase::<K>(&()),
             object: serde_json::from_value(value).expect("a typed object is a dynamic object"),
             once,
             pinned_by_workers,
@@ -1215,7 +1242,7 @@ pub(crate) mod tests {
             let c = all.iter().find(|c| c.kind == k).unwrap();
             (
                 serde_json::to_value(&c.object).unwrap(),
-                c.resource.plural.clone(),
+                c.kind.resource().plural,
             )
         };
         let typed = serde_json::to_value(key_secret(&job, vec![7; 32])).unwrap();

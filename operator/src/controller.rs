@@ -291,7 +291,7 @@ pub async fn run(
     let jobs: Api<DeserializeGuard<DiphomaJob>> = Api::all(client.clone());
     let metrics = Metrics::default();
     let ready = Arc::new(AtomicBool::new(false));
-    let (mut caches, writers) = Caches::new(opts.network_policy);
+    let (mut caches, writers) = Caches::new();
     // Kueue's Workloads, WorkloadPriorityClasses and ResourceFlavors, when the API server serves
     // them (a job labelled with a queue is held without them): kept in stores, so that a
     // reconcile reads its job's place in Kueue without a request.
@@ -320,14 +320,9 @@ pub async fn run(
     let mut controller = Controller::for_stream(job_events, job_store.clone())
         .owns_stream(streams.pods)
         .owns_stream(streams.configmaps)
-        .owns_stream(streams.service_accounts)
-        .owns_stream(streams.roles)
-        .owns_stream(streams.role_bindings)
-        .owns_stream(streams.services)
-        .owns_stream(streams.secrets)
         .reconcile_on(streams.nodes);
-    if let Some(np) = streams.network_policies {
-        controller = controller.owns_stream(np);
+    for (resource, events) in streams.metas {
+        controller = controller.owns_stream_with(events, resource);
     }
     if let Some(writers) = kueue {
         let events = caches.watch_kueue(&client, writers);
@@ -648,6 +643,7 @@ fn observe(
         pods,
         foreign: foreign.iter().map(|p| p.name_any()).collect(),
         missing: caches.missing(job, children),
+        orphans: caches.orphans(job, children),
         heartbeat_version: version,
         heartbeat_changed: None,
         ring,
@@ -813,6 +809,30 @@ async fn write(
     }
     if plan.apply_children {
         apply_children(ctx, job, children, written).await?;
+    }
+    // A child the table no longer builds is deleted; a refusal (RBAC without delete on its
+    // kind) stops nothing else: it is counted and logged, and tried again at the next plan
+    // (the owner reference deletes it with the job in any case).
+    for (kind, child) in &plan.prune {
+        let api = Api::<DynamicObject>::namespaced_with(client.clone(), &ns, &kind.resource());
+        match applier::delete(&api, child, &DeleteParams::background()).await {
+            Ok(_) => {
+                tracing::info!(job = %name, kind = kind.name(), %child, "pruned: no longer built")
+            }
+            Err(source) => {
+                let kind = kind.name();
+                let err = Error::PruneChild {
+                    kind,
+                    name: child.clone(),
+                    source,
+                };
+                ctx.metrics
+                    .errors
+                    .with_label_values(&[err.metric_label()])
+                    .inc();
+                tracing::warn!(job = %name, error = %err, "prune");
+            }
+        }
     }
     // Status first: a counted failure is never lost, even if what follows fails.
     // Conditional on the job as observed: a plan made from a stale job (its watch behind this
@@ -1025,7 +1045,7 @@ async fn apply_children(
 ) -> Result<(), Error> {
     let ns = job.namespace().unwrap_or_default();
     for child in children {
-        let api = Api::namespaced_with(ctx.client.clone(), &ns, &child.resource);
+        let api = Api::namespaced_with(ctx.client.clone(), &ns, &child.kind.resource());
         let name = child.name();
         let wrote = match child.once {
             false => applier::apply(&api, &child.object).await.map(Some),

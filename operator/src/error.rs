@@ -39,6 +39,17 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    /// Deleting a child the job no longer needs (`Plan::prune`) failed.
+    #[error("prune {kind} {name}: {source}")]
+    PruneChild {
+        /// The child's kind.
+        kind: &'static str,
+        /// Its name.
+        name: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
     /// Writing the job's status failed.
     #[error("patch status: {source}")]
     PatchStatus {
@@ -136,6 +147,7 @@ impl Error {
             Error::Observe { .. } => "observe",
             Error::Ring { .. } => "ring",
             Error::ApplyChild { .. } => "apply_child",
+            Error::PruneChild { .. } => "prune_child",
             Error::PatchStatus { .. } => "patch_status",
             Error::MarkPod { .. } => "mark_pod",
             Error::DeletePod { .. } => "delete_pod",

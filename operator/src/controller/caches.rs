@@ -26,13 +26,9 @@ use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{
-    ConfigMap, ContainerStatus, Node, Pod, PodSpec, PodStatus, Secret, Service, ServiceAccount,
-};
-use k8s_openapi::api::networking::v1::NetworkPolicy;
-use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::api::core::v1::{ConfigMap, ContainerStatus, Node, Pod, PodSpec, PodStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{DynamicObject, PartialObjectMeta};
+use kube::api::{ApiResource, DynamicObject, PartialObjectMeta};
 use kube::core::DeserializeGuard;
 use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -174,18 +170,9 @@ pub struct Caches {
     pub pods: Store<Pod>,
     /// Ring and heartbeat ConfigMaps.
     pub configmaps: Store<ConfigMap>,
-    /// Metadata of the workers' ServiceAccounts.
-    pub service_accounts: Store<PartialObjectMeta<ServiceAccount>>,
-    /// Metadata of the workers' Roles.
-    pub roles: Store<PartialObjectMeta<Role>>,
-    /// Metadata of the workers' RoleBindings.
-    pub role_bindings: Store<PartialObjectMeta<RoleBinding>>,
-    /// Metadata of the jobs' Services.
-    pub services: Store<PartialObjectMeta<Service>>,
-    /// Metadata of the key Secrets (their data is never read).
-    pub secrets: Store<PartialObjectMeta<Secret>>,
-    /// Metadata of the NetworkPolicies (none: the operator makes none).
-    pub network_policies: Option<Store<PartialObjectMeta<NetworkPolicy>>>,
+    /// Metadata of the static children of the other kinds ([`Kind::BY_METADATA`]: RBAC, Service,
+    /// key Secret (its data never read), NetworkPolicy), a store per kind.
+    pub metas: BTreeMap<Kind, Store<Meta>>,
     /// What the watches keep of Kueue (`kueue.x-k8s.io/v1beta2`): the Workloads this operator
     /// created, the WorkloadPriorityClasses, the ResourceFlavors (none: the API server does not
     /// serve them, or they are not watched: [`Caches::keep_kueue`]).
@@ -204,22 +191,15 @@ pub struct Writers {
     pub pods: Writer<Pod>,
     /// See [`Caches::configmaps`].
     pub configmaps: Writer<ConfigMap>,
-    /// See [`Caches::service_accounts`].
-    pub service_accounts: Writer<PartialObjectMeta<ServiceAccount>>,
-    /// See [`Caches::roles`].
-    pub roles: Writer<PartialObjectMeta<Role>>,
-    /// See [`Caches::role_bindings`].
-    pub role_bindings: Writer<PartialObjectMeta<RoleBinding>>,
-    /// See [`Caches::services`].
-    pub services: Writer<PartialObjectMeta<Service>>,
-    /// See [`Caches::secrets`].
-    pub secrets: Writer<PartialObjectMeta<Secret>>,
-    /// See [`Caches::network_policies`].
-    pub network_policies: Option<Writer<PartialObjectMeta<NetworkPolicy>>>,
+    /// See [`Caches::metas`].
+    pub metas: BTreeMap<Kind, Writer<Meta>>,
 }
 
 /// A boxed stream of one watched kind's objects, for `Controller::owns_stream`.
 pub type Objects<K> = futures::stream::BoxStream<'static, Result<K, watcher::Error>>;
+
+/// The metadata of a child kept by metadata only (its kind: the store that holds it).
+pub type Meta = PartialObjectMeta<DynamicObject>;
 
 /// The child watches of [`Caches::watches`], each feeding its store.
 pub struct Streams {
@@ -227,48 +207,28 @@ pub struct Streams {
     pub pods: Objects<Pod>,
     /// ConfigMaps.
     pub configmaps: Objects<ConfigMap>,
-    /// ServiceAccounts.
-    pub service_accounts: Objects<PartialObjectMeta<ServiceAccount>>,
-    /// Roles.
-    pub roles: Objects<PartialObjectMeta<Role>>,
-    /// RoleBindings.
-    pub role_bindings: Objects<PartialObjectMeta<RoleBinding>>,
-    /// Services.
-    pub services: Objects<PartialObjectMeta<Service>>,
-    /// Secrets.
-    pub secrets: Objects<PartialObjectMeta<Secret>>,
-    /// NetworkPolicies, when watched.
-    pub network_policies: Option<Objects<PartialObjectMeta<NetworkPolicy>>>,
+    /// The children kept by metadata, by kind, with their API resource.
+    pub metas: Vec<(ApiResource, Objects<Meta>)>,
     /// The jobs to reconcile for node events.
     pub nodes: futures::stream::BoxStream<'static, ObjectRef<DeserializeGuard<DiphomaJob>>>,
 }
 
 impl Caches {
-    /// Empty caches and their writers; `network_policies`: whether NetworkPolicies are kept.
-    pub fn new(network_policies: bool) -> (Caches, Writers) {
+    /// Empty caches and their writers.
+    pub fn new() -> (Caches, Writers) {
         let (pods, pods_w) = reflector::store();
         let (configmaps, configmaps_w) = reflector::store();
-        let (service_accounts, service_accounts_w) = reflector::store();
-        let (roles, roles_w) = reflector::store();
-        let (role_bindings, role_bindings_w) = reflector::store();
-        let (services, services_w) = reflector::store();
-        let (secrets, secrets_w) = reflector::store();
-        let (network_policies, network_policies_w) = match network_policies {
-            true => {
-                let (r, w) = reflector::store();
-                (Some(r), Some(w))
-            }
-            false => (None, None),
-        };
+        let (metas, metas_w) = Kind::BY_METADATA
+            .iter()
+            .map(|&k| {
+                let w = Writer::new(k.resource());
+                ((k, w.as_reader()), (k, w))
+            })
+            .unzip();
         let caches = Caches {
             pods,
             configmaps,
-            service_accounts,
-            roles,
-            role_bindings,
-            services,
-            secrets,
-            network_policies,
+            metas,
             kueue: None,
             nodes: Mutex::default(),
             closing: watch::Sender::new(false),
@@ -277,12 +237,7 @@ impl Caches {
         let writers = Writers {
             pods: pods_w,
             configmaps: configmaps_w,
-            service_accounts: service_accounts_w,
-            roles: roles_w,
-            role_bindings: role_bindings_w,
-            services: services_w,
-            secrets: secrets_w,
-            network_policies: network_policies_w,
+            metas: metas_w,
         };
         (caches, writers)
     }
@@ -290,27 +245,18 @@ impl Caches {
     /// Caches fed by nothing, every watch counted as listed: every store reads empty and
     /// [`Caches::ready`] resolves at once (a context without watches).
     pub fn unwatched() -> Caches {
-        let (caches, _) = Caches::new(false);
+        let (caches, _) = Caches::new();
         caches.all_listed();
         caches
     }
 
     /// The watches these caches need listed before a plan.
-    fn needed(&self) -> Vec<Listed> {
-        let mut all = vec![
-            Listed::Kind(Kind::Pod),
-            Listed::Kind(Kind::ConfigMap),
-            Listed::Kind(Kind::ServiceAccount),
-            Listed::Kind(Kind::Role),
-            Listed::Kind(Kind::RoleBinding),
-            Listed::Kind(Kind::Service),
-            Listed::Kind(Kind::Secret),
-            Listed::Leases,
-            Listed::Nodes,
-        ];
-        if self.network_policies.is_some() {
-            all.push(Listed::Kind(Kind::NetworkPolicy));
-        }
+    fn needed() -> Vec<Listed> {
+        let children = [Kind::Pod, Kind::ConfigMap]
+            .iter()
+            .chain(&Kind::BY_METADATA);
+        let mut all: Vec<_> = children.map(|&k| Listed::Kind(k)).collect();
+        all.extend([Listed::Leases, Listed::Nodes]);
         all
     }
 
@@ -376,7 +322,7 @@ impl Caches {
 
     /// Counts every watch as listed (caches filled by hand).
     pub fn all_listed(&self) {
-        for w in self.needed() {
+        for w in Caches::needed() {
             self.seen.listed(w);
         }
     }
@@ -404,7 +350,7 @@ impl Caches {
 
     /// See [`Caches::ready`].
     async fn listed(&self) {
-        self.seen.all_listed(&self.needed()).await;
+        self.seen.all_listed(&Caches::needed()).await;
     }
 
     /// Waits, at most `limit` in all, until every watch has delivered the writes `w`; the kinds
@@ -413,9 +359,6 @@ impl Caches {
         let deadline = tokio::time::Instant::now() + limit;
         let mut late = vec![];
         for (kind, rv) in &w.0 {
-            if !self.keeps(*kind) {
-                continue;
-            }
             let wait = tokio::time::timeout_at(deadline, self.seen.caught_up(*kind, *rv));
             tokio::select! {
                 done = wait => if done.is_err() {
@@ -589,6 +532,12 @@ impl Caches {
                 futures::stream::iter(jobs)
             })
             .boxed();
+        let metas = writers.metas.into_iter().map(|(kind, writer)| {
+            let ar = kind.resource();
+            let api = Api::<Meta>::all_with(client.clone(), &ar); // metadata-only requests
+            let stream = watcher(api, owned.clone());
+            (ar, observed(stream, writer, seen.clone(), kind, keep))
+        });
         Streams {
             pods: watch_kind(client, &owned, writers.pods, seen, Kind::Pod, prune_pod),
             configmaps: watch_kind(
@@ -599,28 +548,9 @@ impl Caches {
                 Kind::ConfigMap,
                 keep,
             ),
-            service_accounts: watch_kind(
-                client,
-                &owned,
-                writers.service_accounts,
-                seen,
-                Kind::ServiceAccount,
-                keep,
-            ),
-            roles: watch_kind(client, &owned, writers.roles, seen, Kind::Role, keep),
-            role_bindings: watch_kind(
-                client,
-                &owned,
-                writers.role_bindings,
-                seen,
-                Kind::RoleBinding,
-                keep,
-            ),
-            services: watch_kind(client, &owned, writers.services, seen, Kind::Service, keep),
-            secrets: watch_kind(client, &owned, writers.secrets, seen, Kind::Secret, keep),
-            network_policies: writers
-                .network_policies
-                .map(|w| watch_kind(client, &owned, w, seen, Kind::NetworkPolicy, keep)),
+            metas: metas
+                .map(|(ar, events)| (ar, events.touched_objects().boxed()))
+                .collect(),
             nodes: node_jobs,
         }
     }
@@ -638,44 +568,58 @@ impl Caches {
             .is_empty()
     }
 
-    /// Whether a store here keeps the children of `kind` (a NetworkPolicy only when the
-    /// operator makes them).
-    fn keeps(&self, kind: Kind) -> bool {
-        kind != Kind::NetworkPolicy || self.network_policies.is_some()
-    }
-
     /// The metadata of the `kind` object `name` in `ns` as its store holds it (none: not there,
     /// or a kind not kept here).
     pub fn child_meta(&self, kind: Kind, ns: &str, name: &str) -> Option<ObjectMeta> {
-        fn get<K>(store: &Store<K>, ns: &str, name: &str) -> Option<ObjectMeta>
-        where
-            K: Resource + Clone,
-            K::DynamicType: Default + Eq + std::hash::Hash + Clone,
-        {
-            let found = store.get(&ObjectRef::new(name).within(ns));
-            found.map(|o| o.meta().clone())
-        }
+        let key = |ar| ObjectRef::new_with(name, ar).within(ns);
         match kind {
-            Kind::Job => None,
-            Kind::Pod => get(&self.pods, ns, name),
-            Kind::ConfigMap => get(&self.configmaps, ns, name),
-            Kind::ServiceAccount => get(&self.service_accounts, ns, name),
-            Kind::Role => get(&self.roles, ns, name),
-            Kind::RoleBinding => get(&self.role_bindings, ns, name),
-            Kind::Service => get(&self.services, ns, name),
-            Kind::Secret => get(&self.secrets, ns, name),
-            Kind::NetworkPolicy => get(self.network_policies.as_ref()?, ns, name),
+            Kind::Pod => self
+                .pods
+                .get(&ObjectRef::new(name).within(ns))
+                .map(|o| o.metadata.clone()),
+            Kind::ConfigMap => self
+                .configmaps
+                .get(&ObjectRef::new(name).within(ns))
+                .map(|o| o.metadata.clone()),
+            kind => {
+                let found = self.metas.get(&kind)?.get(&key(kind.resource()));
+                found.map(|o| o.metadata.clone())
+            }
         }
     }
 
+    /// The children of the kinds kept by metadata that `job` owns (by UID, with its name's
+    /// label) and `children` no longer lists (`Kind`, name): to be deleted. A NetworkPolicy
+    /// left from when the operator made them, or a kind an older operator made.
+    pub fn orphans(&self, job: &DiphomaJob, children: &[build::Child]) -> Vec<(Kind, String)> {
+        let ns = job.namespace().unwrap_or_default();
+        let uid = job.uid().unwrap_or_default();
+        let name = job.name_any();
+        let mut all = Vec::new();
+        for (&kind, store) in &self.metas {
+            for o in store.state() {
+                let mine = o.metadata.namespace.as_deref() == Some(ns.as_str())
+                    && o.labels().get(diphoma_contract::LABEL_JOB_NAME) == Some(&name)
+                    && owned_by(&o.metadata, &uid);
+                let listed = children
+                    .iter()
+                    .any(|c| c.kind == kind && c.name() == o.name_any());
+                if mine && !listed {
+                    all.push((kind, o.name_any()));
+                }
+            }
+        }
+        all.sort();
+        all
+    }
+
     /// The job's static `children` ([`build::children`]) missing from the stores or not its own
-    /// (`Kind/name`), of the kinds kept here.
+    /// (`Kind/name`).
     pub fn missing(&self, job: &DiphomaJob, children: &[build::Child]) -> Vec<String> {
         let ns = job.namespace().unwrap_or_default();
         let uid = job.uid().unwrap_or_default();
         children
             .iter()
-            .filter(|c| self.keeps(c.kind))
             .filter(|c| {
                 let meta = self.child_meta(c.kind, &ns, &c.name());
                 !meta.is_some_and(|m| owned_by(&m, &uid))
@@ -849,12 +793,26 @@ where
         + Sync
         + 'static,
 {
-    let stream = watcher(api, cfg.clone())
-        .default_backoff()
-        .modify(move |o: &mut K| {
-            o.meta_mut().managed_fields = None;
-            prune(o);
-        });
+    observed(watcher(api, cfg.clone()), writer, seen, kind, prune)
+}
+
+/// `events` (of a watch) with back-off, `managedFields` dropped and the rest `prune`d, feeding
+/// `writer`, and noting in `seen` (as `kind`) each object once its store holds it.
+fn observed<K>(
+    events: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    writer: Writer<K>,
+    seen: Arc<Seen>,
+    kind: Kind,
+    prune: fn(&mut K),
+) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
+where
+    K: Resource + Clone + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    let stream = events.default_backoff().modify(move |o: &mut K| {
+        o.meta_mut().managed_fields = None;
+        prune(o);
+    });
     reflector::reflector(writer, stream).inspect(move |ev| match ev {
         Ok(watcher::Event::Apply(o) | watcher::Event::Delete(o) | watcher::Event::InitApply(o)) => {
             seen.note(kind, o.meta())
@@ -889,7 +847,7 @@ mod tests {
     /// found from the pods' owners.
     #[test]
     fn node_events_reconcile_the_jobs_on_the_node_only_when_its_health_can_change() {
-        let (caches, mut w) = Caches::new(false);
+        let (caches, mut w) = Caches::new();
         let t0 = jiff::Timestamp::now();
         let at = Instant::now();
         let s = |d: i64| t0 + jiff::SignedDuration::from_secs(d);

@@ -134,17 +134,21 @@ fn world(job: &DiphomaJob, pods: Vec<Value>) -> Vec<(String, Value)> {
 /// Caches holding `objects` (the pods of a pod list, ConfigMaps, node Leases and Nodes) and all
 /// of `job`'s metadata-only children, each store listed, as the watches leave them.
 fn caches(job: &DiphomaJob, objects: &[(String, Value)]) -> Arc<Caches> {
+    caches_built(job, objects, false)
+}
+
+/// [`caches`], the children as an operator that made NetworkPolicies (`network_policy`) left them.
+fn caches_built(
+    job: &DiphomaJob,
+    objects: &[(String, Value)],
+    network_policy: bool,
+) -> Arc<Caches> {
     use kube::core::PartialObjectMetaExt;
     use kube::runtime::watcher::Event as Ev;
-    let (caches, mut w) = Caches::new(false);
+    let (caches, mut w) = Caches::new();
     let at = std::time::Instant::now();
     w.pods.apply_watcher_event(&Ev::Init);
     w.configmaps.apply_watcher_event(&Ev::Init);
-    w.service_accounts.apply_watcher_event(&Ev::Init);
-    w.roles.apply_watcher_event(&Ev::Init);
-    w.role_bindings.apply_watcher_event(&Ev::Init);
-    w.services.apply_watcher_event(&Ev::Init);
-    w.secrets.apply_watcher_event(&Ev::Init);
     for (path, v) in objects {
         if path.ends_with("/pods") {
             for p in v["items"].as_array().unwrap() {
@@ -162,30 +166,17 @@ fn caches(job: &DiphomaJob, objects: &[(String, Value)]) -> Arc<Caches> {
             caches.on_node(&Ev::InitApply(serde_json::from_value(v.clone()).unwrap()));
         }
     }
-    w.service_accounts.apply_watcher_event(&Ev::InitApply(
-        build::service_account(job).metadata.into_response_partial(),
-    ));
-    w.roles.apply_watcher_event(&Ev::InitApply(
-        build::role(job).metadata.into_response_partial(),
-    ));
-    w.role_bindings.apply_watcher_event(&Ev::InitApply(
-        build::role_binding(job).metadata.into_response_partial(),
-    ));
-    w.services.apply_watcher_event(&Ev::InitApply(
-        build::service(job).metadata.into_response_partial(),
-    ));
-    w.secrets.apply_watcher_event(&Ev::InitApply(
-        build::key_secret(job, vec![0; 32])
-            .metadata
-            .into_response_partial(),
-    ));
     w.pods.apply_watcher_event(&Ev::InitDone);
     w.configmaps.apply_watcher_event(&Ev::InitDone);
-    w.service_accounts.apply_watcher_event(&Ev::InitDone);
-    w.roles.apply_watcher_event(&Ev::InitDone);
-    w.role_bindings.apply_watcher_event(&Ev::InitDone);
-    w.services.apply_watcher_event(&Ev::InitDone);
-    w.secrets.apply_watcher_event(&Ev::InitDone);
+    let children = build::children(job, network_policy, vec![0; 32]);
+    for (kind, w) in &mut w.metas {
+        w.apply_watcher_event(&Ev::Init);
+        for c in children.iter().filter(|c| c.kind == *kind) {
+            let meta = c.object.metadata.clone().into_response_partial();
+            w.apply_watcher_event(&Ev::InitApply(meta));
+        }
+        w.apply_watcher_event(&Ev::InitDone);
+    }
     caches.all_listed();
     Arc::new(caches)
 }
@@ -230,6 +221,38 @@ async fn a_steady_job_makes_no_request() {
             .any(|d| format!("{action:?}").contains(d)),
         "requeued when the node would be lost: {action:?}"
     );
+}
+
+/// The NetworkPolicy an operator with `networkPolicy.enabled` made is pruned once the operator
+/// no longer makes them, and only then; nothing else is touched.
+#[tokio::test]
+async fn a_child_no_longer_built_is_pruned() {
+    let job = basic();
+    let objects = world(
+        &job,
+        (0..4).map(|i| worker(&job, i, "Running", None)).collect(),
+    );
+    let job = settled(job, &objects);
+    for network_policy in [true, false] {
+        let (client, log) = mock(objects.clone());
+        let ctx = Arc::new(Context {
+            caches: caches_built(&job, &objects, true),
+            network_policy,
+            ..Context::new(client, Metrics::default())
+        });
+        reconcile(Arc::new(DeserializeGuard(Ok(job.clone()))), ctx)
+            .await
+            .unwrap();
+        let log = log.lock().unwrap().clone();
+        let pruned = [(
+            "DELETE".to_owned(),
+            "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/train".to_owned(),
+        )];
+        match network_policy {
+            true => assert!(log.is_empty(), "a steady job made requests: {log:?}"),
+            false => assert_eq!(log, pruned),
+        }
+    }
 }
 
 /// A node whose kubelet's clock is a minute behind the operator's: its Lease's `renewTime` reads

@@ -61,6 +61,9 @@ pub struct Observed {
     /// The children the job needs that are missing or not its own (`Kind/name`): the static
     /// children are then applied again.
     pub missing: Vec<String>,
+    /// The children the job owns that its table of static children no longer builds (kind,
+    /// name): a NetworkPolicy from when the operator made them, a kind an older operator made.
+    pub orphans: Vec<(crate::build::Kind, String)>,
     /// The heartbeat ConfigMap's `resourceVersion` (none: missing, or not the job's).
     pub heartbeat_version: Option<String>,
     /// When (this operator's clock) the heartbeat ConfigMap was last seen to change; none:
@@ -287,7 +290,8 @@ pub fn fold_created(notes: Vec<EventNote>) -> Vec<EventNote> {
     out
 }
 
-/// Everything one reconcile does, in order: apply the static children, patch the status,
+/// Everything one reconcile does, in order: apply the static children (and prune those no
+/// longer built), patch the status,
 /// record failures on pods, delete pods, create pods, publish the ring, publish events.
 #[derive(Debug, Clone, Default)]
 pub struct Plan {
@@ -295,6 +299,8 @@ pub struct Plan {
     /// ConfigMap): the job has not finished, and the spec generation moved since the status
     /// last observed it or a child is missing ([`Observed::missing`]).
     pub apply_children: bool,
+    /// The job's children to delete ([`Observed::orphans`]), after the others are applied.
+    pub prune: Vec<(crate::build::Kind, String)>,
     /// Failures to count (in the status, and in its `countedPods` until they are marked).
     pub failures: Vec<Failure>,
     /// Pods to mark as counted (the `diphoma.io/failure-counted` annotation, the cause as its
@@ -364,6 +370,7 @@ pub struct Relabel {
 pub fn plan(job: &DiphomaJob, obs: &Observed, memory: &memory::Memory) -> (Plan, memory::Memory) {
     let mut plan = Plan {
         apply_children: children_due(job, obs),
+        prune: obs.orphans.clone(),
         status: status::carried(job),
         ..Plan::default()
     };

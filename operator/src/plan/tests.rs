@@ -26,6 +26,7 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         pods,
         foreign: Default::default(),
         missing: vec![],
+        orphans: vec![],
         heartbeat_version: None,
         heartbeat_changed: None,
         ring,
@@ -1194,6 +1195,15 @@ fn the_plan_says_when_to_look_again() {
     let p = plan(&ttl, &obs(vec![], None));
     assert_eq!(p.look_again, p.requeue_after);
     assert!(p.look_again.unwrap() > Duration::from_secs(3000));
+}
+
+#[test]
+fn children_the_table_no_longer_builds_are_pruned() {
+    let job = with_status(basic(), Phase::Running);
+    let mut o = obs(vec![], None);
+    assert!(plan(&job, &o).prune.is_empty());
+    o.orphans = vec![(crate::build::Kind::NetworkPolicy, "train".into())];
+    assert_eq!(plan(&job, &o).prune, o.orphans);
 }
 
 #[test]
