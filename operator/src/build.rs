@@ -686,8 +686,12 @@ pub enum Kind {
     Service,
     /// The key Secret.
     Secret,
-    /// The NetworkPolicy (watched only when the operator makes them).
+    /// The NetworkPolicy (made only when the operator's option says so).
     NetworkPolicy,
+    /// The job's Kueue Workload (`kueue.x-k8s.io/v1beta2`), when Kueue is served.
+    KueueWorkload,
+    /// The job's gang Workload (`scheduling.k8s.io/v1alpha1`), when the API server serves it.
+    GangWorkload,
 }
 
 impl Kind {
@@ -716,6 +720,8 @@ impl Kind {
             Kind::Service => ApiResource::erase::<Service>(&()),
             Kind::Secret => ApiResource::erase::<Secret>(&()),
             Kind::NetworkPolicy => ApiResource::erase::<NetworkPolicy>(&()),
+            Kind::KueueWorkload => crate::queue::workloads(),
+            Kind::GangWorkload => ApiResource::erase::<Workload>(&()),
         }
     }
 
@@ -731,6 +737,7 @@ impl Kind {
             Kind::Service => "Service",
             Kind::Secret => "Secret",
             Kind::NetworkPolicy => "NetworkPolicy",
+            Kind::KueueWorkload | Kind::GangWorkload => "Workload",
         }
     }
 }

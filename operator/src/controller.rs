@@ -334,12 +334,14 @@ pub async fn run(
     // request.
     let gangs = if caches::serves(&client, "scheduling.k8s.io/v1alpha1", "workloads").await {
         let (store, writer) = reflector::store();
-        let events = watcher(
+        let events = caches::watch_into(
             Api::<k8s_openapi::api::scheduling::v1alpha1::Workload>::all(client.clone()),
-            caches::owned(),
+            &caches::owned(),
+            writer,
+            caches.seen.clone(),
+            Kind::GangWorkload,
+            |_| {},
         )
-        .modify(|w| w.managed_fields_mut().clear())
-        .reflect(writer)
         .applied_objects();
         controller = controller.owns_stream(events);
         Some(store)
@@ -753,9 +755,9 @@ async fn probe_suspects(
 }
 
 /// Carries out the plan, in the order the module doc lists: the gang Workload, the job's own
-/// writes ([`write`]), a wait until the watches delivered them (read-your-writes: the next
-/// reconcile plans from what this one wrote), the Kueue Workload. What the API server refused
-/// is noted in `answered`, for the memory.
+/// writes ([`write`]), the Kueue Workload, then a wait until the watches delivered them all
+/// (read-your-writes: the next reconcile plans from what this one wrote). What the API server
+/// refused is noted in `answered`, for the memory.
 async fn apply(
     ctx: &Context,
     job: &DiphomaJob,
@@ -763,28 +765,33 @@ async fn apply(
     children: &[build::Child],
     answered: &mut Answered,
 ) -> Result<(), Error> {
-    // The gang first: the workers wait for the Workload they point at.
-    crate::gang::apply(&ctx.client, job, &plan.gang).await?;
     let mut written = Written::default();
-    let wrote = write(ctx, job, plan, children, answered, &mut written).await;
+    // The gang first: the workers wait for the Workload they point at.
+    let wrote = match crate::gang::apply(&ctx.client, job, &plan.gang, &mut written).await {
+        Ok(()) => write(ctx, job, plan, children, answered, &mut written).await,
+        Err(e) => Err(e),
+    };
+    // Kueue's Workload last (none after a failed write): its status says what the job's says.
+    let queued = match &wrote {
+        Ok(()) => Some(crate::queue::apply(&ctx.client, job, &plan.queue, &mut written).await),
+        Err(_) => None,
+    };
     tracing::debug!(job = %job.name_any(), ?written, ok = wrote.is_ok(), "applied");
     let late = ctx.caches.caught_up(&written, CATCH_UP).await;
     if !late.is_empty() {
         tracing::warn!(job = %job.name_any(), ?late, "the watches did not deliver this reconcile's writes within {CATCH_UP:?}");
     }
-    wrote?;
-    let queued = crate::queue::apply(&ctx.client, job, &plan.queue).await;
     // A refused Workload shows in the job's status at the next reconcile (the retry).
     answered.workload = match &queued {
-        Err(Error::Workload {
+        Some(Err(Error::Workload {
             action: "create",
             source: kube::Error::Api(s),
             ..
-        }) => Some(Err(crate::queue::refusal(s))),
-        _ if plan.queue.create.is_some() => Some(Ok(())),
+        })) => Some(Err(crate::queue::refusal(s))),
+        Some(_) if plan.queue.create.is_some() => Some(Ok(())),
         _ => None,
     };
-    queued
+    wrote.and(queued.unwrap_or(Ok(())))
 }
 
 /// The job's own writes, in the order the module doc lists; the creations the API server

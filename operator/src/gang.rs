@@ -9,7 +9,9 @@ use kube::{Api, Client, ResourceExt};
 
 use crate::api::{DiphomaJob, GangScheduler};
 use crate::build;
+use crate::build::Kind;
 use crate::controller::applier;
+use crate::controller::caches::Written;
 use crate::error::Error;
 use crate::plan::gang::{self, Gang, GangPlan};
 
@@ -35,23 +37,30 @@ pub fn observe(store: Option<&Store<Workload>>, job: &DiphomaJob) -> Gang {
 /// already created (the store had not shown it yet) is fine ([`applier`]).
 ///
 /// Errors: [`Error::Gang`] naming the action, the Workload and the API server's answer.
-pub async fn apply(client: &Client, job: &DiphomaJob, plan: &GangPlan) -> Result<(), Error> {
+pub async fn apply(
+    client: &Client,
+    job: &DiphomaJob,
+    plan: &GangPlan,
+    written: &mut Written,
+) -> Result<(), Error> {
     let api: Api<Workload> = Api::namespaced(client.clone(), &job.namespace().unwrap_or_default());
     if let Some(name) = &plan.delete {
         let deleted = applier::delete(&api, name, &DeleteParams::background()).await;
-        deleted.map_err(|source| Error::Gang {
+        let deleted = deleted.map_err(|source| Error::Gang {
             action: "delete",
             name: name.clone(),
             source,
         })?;
+        written.note_some(Kind::GangWorkload, deleted.as_ref());
     }
     if let Some(w) = &plan.create {
         let created = applier::create(&api, w).await;
-        created.map_err(|source| Error::Gang {
+        let created = created.map_err(|source| Error::Gang {
             action: "create",
             name: w.name_any(),
             source,
         })?;
+        written.note_some(Kind::GangWorkload, created.as_ref());
     }
     Ok(())
 }

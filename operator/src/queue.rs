@@ -11,7 +11,9 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client, ResourceExt};
 
 use crate::api::{DiphomaJob, FIELD_MANAGER};
+use crate::build::Kind;
 use crate::controller::applier;
+use crate::controller::caches::Written;
 use crate::error::Error;
 use crate::plan::queue::{self, Queue, QueuePlan, WorkloadView};
 
@@ -21,6 +23,9 @@ fn resource(kind: &str, plural: &str) -> ApiResource {
         plural,
     )
 }
+
+/// The kind of the Workloads written here, for read-your-writes ([`Written`]).
+const KIND: Kind = Kind::KueueWorkload;
 
 /// The Workload resource (`kueue.x-k8s.io/v1beta2`, `workloads`).
 pub fn workloads() -> ApiResource {
@@ -188,25 +193,32 @@ pub fn refusal(e: &kube::core::Status) -> String {
 /// status.
 ///
 /// Errors: [`Error::Workload`] naming the action and the Workload.
-pub async fn apply(client: &Client, job: &DiphomaJob, plan: &QueuePlan) -> Result<(), Error> {
+pub async fn apply(
+    client: &Client,
+    job: &DiphomaJob,
+    plan: &QueuePlan,
+    written: &mut Written,
+) -> Result<(), Error> {
     let ns = job.namespace().unwrap_or_default();
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &workloads());
     if let Some(name) = &plan.delete {
         let deleted = applier::delete(&api, name, &DeleteParams::background()).await;
-        deleted.map_err(|source| Error::Workload {
+        let deleted = deleted.map_err(|source| Error::Workload {
             action: "delete",
             name: name.clone(),
             source,
         })?;
+        written.note_some(KIND, deleted.as_ref());
     }
     if let Some(object) = &plan.create {
         let w: DynamicObject = serde_json::from_value(object.clone()).expect("a Workload object");
         let created = applier::create(&api, &w).await; // 409: created meanwhile
-        created.map_err(|source| Error::Workload {
+        let created = created.map_err(|source| Error::Workload {
             action: "create",
             name: w.name_any(),
             source,
         })?;
+        written.note_some(KIND, created.as_ref());
     }
     if let Some((name, active)) = &plan.set_active {
         let body = serde_json::json!({"spec": {"active": active}});
@@ -214,13 +226,13 @@ pub async fn apply(client: &Client, job: &DiphomaJob, plan: &QueuePlan) -> Resul
             field_manager: Some(FIELD_MANAGER.into()),
             ..Default::default()
         };
-        api.patch(name, &params, &Patch::Merge(&body))
-            .await
-            .map_err(|source| Error::Workload {
-                action: "set spec.active of",
-                name: name.clone(),
-                source,
-            })?;
+        let set = api.patch(name, &params, &Patch::Merge(&body)).await;
+        let set = set.map_err(|source| Error::Workload {
+            action: "set spec.active of",
+            name: name.clone(),
+            source,
+        })?;
+        written.note(KIND, &set.metadata);
     }
     if let Some((name, status)) = &plan.patch_status {
         let mut body = serde_json::json!({"status": status});
@@ -231,13 +243,13 @@ pub async fn apply(client: &Client, job: &DiphomaJob, plan: &QueuePlan) -> Resul
             field_manager: Some(FIELD_MANAGER.into()),
             ..Default::default()
         };
-        api.patch_status(name, &params, &Patch::Merge(&body))
-            .await
-            .map_err(|source| Error::Workload {
-                action: "patch status of",
-                name: name.clone(),
-                source,
-            })?;
+        let patched = api.patch_status(name, &params, &Patch::Merge(&body)).await;
+        let patched = patched.map_err(|source| Error::Workload {
+            action: "patch status of",
+            name: name.clone(),
+            source,
+        })?;
+        written.note(KIND, &patched.metadata);
     }
     Ok(())
 }

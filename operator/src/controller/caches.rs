@@ -44,7 +44,7 @@ use crate::plan::nodes::{LeaseSeen, observe_lease};
 pub use crate::build::Kind;
 
 /// The number of [`Kind`]s.
-const KINDS: usize = 9;
+const KINDS: usize = 11;
 
 /// The `resourceVersion` of an object as an integer (none: missing or not a number).
 pub fn resource_version(meta: &ObjectMeta) -> Option<u64> {
@@ -67,8 +67,6 @@ pub enum Listed {
     Leases,
     /// The Nodes.
     Nodes,
-    /// The Kueue Workloads.
-    Workloads,
     /// Kueue's WorkloadPriorityClasses.
     PriorityClasses,
     /// Kueue's ResourceFlavors.
@@ -81,9 +79,8 @@ impl Listed {
             Listed::Kind(k) => 1 << (k as u32),
             Listed::Leases => 1 << KINDS,
             Listed::Nodes => 1 << (KINDS + 1),
-            Listed::Workloads => 1 << (KINDS + 2),
-            Listed::PriorityClasses => 1 << (KINDS + 3),
-            Listed::Flavors => 1 << (KINDS + 4),
+            Listed::PriorityClasses => 1 << (KINDS + 2),
+            Listed::Flavors => 1 << (KINDS + 3),
         }
     }
 }
@@ -147,6 +144,14 @@ impl Written {
         if let Some(rv) = resource_version(meta) {
             let e = self.0.entry(kind).or_default();
             *e = (*e).max(rv);
+        }
+    }
+
+    /// Records a write of `kind` that returned `object` (none: nothing to wait for, e.g. a
+    /// deletion done at once or a creation that found the object there).
+    pub fn note_some<K: Resource>(&mut self, kind: Kind, object: Option<&K>) {
+        if let Some(o) = object {
+            self.note(kind, o.meta());
         }
     }
 }
@@ -264,7 +269,11 @@ impl Caches {
     /// a job is not planned from a Kueue store still empty, nor held up by a Kueue watch that
     /// cannot list (its place in Kueue is then read by requests, [`crate::queue::observe`]).
     pub fn kueue_listed(&self) -> Option<&crate::queue::Stores> {
-        let all = [Listed::Workloads, Listed::PriorityClasses, Listed::Flavors];
+        let all = [
+            Listed::Kind(Kind::KueueWorkload),
+            Listed::PriorityClasses,
+            Listed::Flavors,
+        ];
         self.kueue.as_ref().filter(|_| self.seen.has_listed(&all))
     }
 
@@ -315,7 +324,10 @@ impl Caches {
         ] {
             tokio::spawn(stream.for_each(|_| async {}));
         }
-        watch(workloads(), owned(), w, Listed::Workloads)
+        let api = Api::<DynamicObject>::all_with(client.clone(), &workloads());
+        let events = watcher(api, owned());
+        let kind = Kind::KueueWorkload;
+        observed(events, w, self.seen.clone(), kind, keep)
             .touched_objects()
             .boxed()
     }
@@ -355,10 +367,15 @@ impl Caches {
 
     /// Waits, at most `limit` in all, until every watch has delivered the writes `w`; the kinds
     /// it has not caught up with by then are returned (none when the controller stops first).
+    /// Kinds whose watch has not listed (Kueue's Workloads read by requests meanwhile, see
+    /// [`Caches::kueue_listed`]) are not waited for.
     pub async fn caught_up(&self, w: &Written, limit: Duration) -> Vec<Kind> {
         let deadline = tokio::time::Instant::now() + limit;
         let mut late = vec![];
         for (kind, rv) in &w.0 {
+            if !self.seen.has_listed(&[Listed::Kind(*kind)]) {
+                continue;
+            }
             let wait = tokio::time::timeout_at(deadline, self.seen.caught_up(*kind, *rv));
             tokio::select! {
                 done = wait => if done.is_err() {
