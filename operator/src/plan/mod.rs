@@ -384,7 +384,8 @@ pub fn plan(job: &DiphomaJob, obs: &Observed, memory: &memory::Memory) -> (Plan,
     decide(admitted, obs, hold.as_ref(), &mut plan);
     // 6. Kueue: the job's Workload. A job held for a priority class not found looks again for
     // the class (created after the job: no event of the job's says so).
-    plan.queue = queue::queue_plan(job, &obs.queue, &obs.pods, plan.status.phase, obs.now);
+    let (phase, ready) = (plan.status.phase, plan.status.ready_replicas);
+    plan.queue = queue::queue_plan(job, &obs.queue, &obs.pods, phase, ready, obs.now);
     let running = plan.status.phase.is_some_and(|p| !p.is_terminal());
     if running
         && hold

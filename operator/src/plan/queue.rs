@@ -247,12 +247,15 @@ pub fn admitted_view(job: &DiphomaJob, queue: &Queue) -> Option<DiphomaJob> {
 
 /// What to do with the Workload: create it when missing, replace it when it no longer matches
 /// the job (`workers`: the job's pods; a replacement waits until none runs), clear the quota
-/// reservation of an evicted one once no worker runs, mark it Finished when the job finished.
+/// reservation of an evicted one once no worker runs, say whether the admitted workers are
+/// ready ([`pods_ready`]; `ready`: the workers running as members of the ring), mark it
+/// Finished when the job finished (`phase`).
 pub fn queue_plan(
     job: &DiphomaJob,
     queue: &Queue,
     workers: &[Pod],
     phase: Option<Phase>,
+    ready: i32,
     now: Timestamp,
 ) -> QueuePlan {
     let mut plan = QueuePlan::default();
@@ -311,10 +314,10 @@ pub fn queue_plan(
         plan.set_active = Some((w.name.clone(), !suspended));
     }
     let evicted = find(&w.conditions, "Evicted").filter(|c| c.status == "True");
-    if let Some(e) = evicted
-        && w.quota_reserved
-        && !running
-    {
+    if let Some(e) = evicted {
+        if !w.quota_reserved || running {
+            return plan; // the workers stop first; then the reservation is released
+        }
         let requeued = matches!(e.reason.as_str(), "Preempted" | "NodeFailures");
         let mut conds = set_condition(
             &w.conditions,
@@ -335,13 +338,70 @@ pub fn queue_plan(
                 now,
             );
         }
+        if find(&conds, PODS_READY).is_some() {
+            let (status, reason, message) = WAIT_FOR_START;
+            conds = set_condition(&conds, PODS_READY, status, reason, message, now);
+        }
         plan.patch_status = Some((
             w.name.clone(),
             json!({"admission": null, "conditions": conds}),
         ));
         plan.status_version = w.resource_version.clone();
+        return plan;
+    }
+    if let Some((status, reason, message)) = pods_ready(w, ready) {
+        let conds = set_condition(&w.conditions, PODS_READY, status, reason, message, now);
+        plan.patch_status = Some((w.name.clone(), json!({"conditions": conds})));
+        plan.status_version = w.resource_version.clone();
     }
     plan
+}
+
+/// Kueue's Workload condition that its `waitForPodsReady` waits for (all-or-nothing admission:
+/// a Workload admitted and not `PodsReady` within its timeout is evicted and requeued, and with
+/// `blockAdmission` no other is admitted meanwhile). Kueue's own job integrations write it; for
+/// an external framework, the framework's controller must.
+pub const PODS_READY: &str = "PodsReady";
+
+/// `PodsReady` before the admitted workers have all been ready once (`WaitForStart`).
+const WAIT_FOR_START: (&str, &str, &str) = (
+    "False",
+    "WaitForStart",
+    "Not all pods are ready or succeeded",
+);
+
+/// The `PodsReady` condition to write on the admitted Workload `w` (status, reason, message),
+/// as Kueue's job reconciler computes it for its own integrations (`generatePodsReadyCondition`,
+/// Kueue v0.17): True (`Started`, or `Recovered` after a recovery) once `ready` workers, those
+/// running as members of the ring, reach the admitted count; False `WaitForStart` until then,
+/// `WaitForRecovery` after it was True. None: not admitted, or the condition already says so.
+pub fn pods_ready(
+    w: &WorkloadView,
+    ready: i32,
+) -> Option<(&'static str, &'static str, &'static str)> {
+    let admitted = w.admitted.as_ref()?;
+    let current = find(&w.conditions, PODS_READY);
+    let recovering = current.is_some_and(|c| c.status == "True" || c.reason == "WaitForRecovery");
+    let next = if ready >= admitted.count {
+        let recovered =
+            current.is_some_and(|c| matches!(c.reason.as_str(), "WaitForRecovery" | "Recovered"));
+        let reason = if recovered { "Recovered" } else { "Started" };
+        (
+            "True",
+            reason,
+            "All pods reached readiness and the workload is running",
+        )
+    } else if recovering {
+        (
+            "False",
+            "WaitForRecovery",
+            "At least one pod has failed, waiting for recovery",
+        )
+    } else {
+        WAIT_FOR_START
+    };
+    let same = current.is_some_and(|c| c.status == next.0 && c.reason == next.1);
+    (!same).then_some(next)
 }
 
 /// Whether the plan keeps the workload's spec out of step with the job: the job is held until
@@ -671,7 +731,7 @@ mod tests {
             priority: None,
         };
         assert!(hold(&j, &none).is_some());
-        assert!(queue_plan(&j, &none, &[], None, t(0)).create.is_some());
+        assert!(queue_plan(&j, &none, &[], None, 0, t(0)).create.is_some());
         // A user's suspension deactivates a matching Workload, a resumption activates it.
         let mut suspended = j.clone();
         suspended.spec.run_policy.suspend = true;
@@ -685,10 +745,10 @@ mod tests {
             priority: None,
         };
         assert_eq!(
-            queue_plan(&suspended, &mine, &[], None, t(0)).set_active,
+            queue_plan(&suspended, &mine, &[], None, 0, t(0)).set_active,
             Some(("diphomajob-train".into(), false))
         );
-        assert_eq!(queue_plan(&j, &mine, &[], None, t(0)).set_active, None);
+        assert_eq!(queue_plan(&j, &mine, &[], None, 0, t(0)).set_active, None);
         let mut off = wl(&j, json!({}));
         off["spec"]["active"] = json!(false);
         let inactive = Queue::Queued {
@@ -697,7 +757,7 @@ mod tests {
             priority: None,
         };
         assert_eq!(
-            queue_plan(&j, &inactive, &[], None, t(0)).set_active,
+            queue_plan(&j, &inactive, &[], None, 0, t(0)).set_active,
             Some(("diphomajob-train".into(), true))
         );
         // Its creation refused: the hold says so, with the API server's message.
@@ -760,7 +820,13 @@ mod tests {
         let p = run.spec.placement.unwrap();
         assert_eq!(p.node_selector.get("pool").map(String::as_str), Some("gpu"));
         assert_eq!(p.tolerations.len(), 1);
-        assert_eq!(queue_plan(&j, &q, &[], None, t(0)), QueuePlan::default());
+        // Admitted, no worker ready yet: Kueue's waitForPodsReady is told so.
+        let waiting = queue_plan(&j, &q, &[], None, 0, t(0));
+        assert_eq!(waiting.set_active, None);
+        let conds: Vec<Condition> =
+            serde_json::from_value(waiting.patch_status.unwrap().1["conditions"].clone()).unwrap();
+        let ready = find(&conds, PODS_READY).map(|c| (c.status.as_str(), c.reason.as_str()));
+        assert_eq!(ready, Some(("False", "WaitForStart")));
         // The whole plan runs the 3 admitted workers, unheld: the hold is the job's own, not
         // the admitted view's (whose replicas differ from the Workload's count).
         let obs = crate::plan::Observed {
@@ -804,12 +870,12 @@ mod tests {
         )
         .unwrap();
         assert!(
-            queue_plan(&j, &q, &[pod], None, t(0))
+            queue_plan(&j, &q, &[pod], None, 0, t(0))
                 .patch_status
                 .is_none(),
             "workers still run"
         );
-        let (name, patch) = queue_plan(&j, &q, &[], None, t(0)).patch_status.unwrap();
+        let (name, patch) = queue_plan(&j, &q, &[], None, 0, t(0)).patch_status.unwrap();
         assert_eq!(name, "diphomajob-train");
         assert!(patch["admission"].is_null());
         let conds: Vec<Condition> = serde_json::from_value(patch["conditions"].clone()).unwrap();
@@ -817,6 +883,49 @@ mod tests {
         assert_eq!(st("QuotaReserved"), Some(("False", "Pending")));
         assert_eq!(st("Admitted"), Some(("False", "NoReservation")));
         assert_eq!(st("Requeued"), Some(("True", "Preempted")));
+    }
+
+    /// `PodsReady` as Kueue's own integrations write it: False `WaitForStart` until the
+    /// admitted count of workers run in the ring, True `Started`, False `WaitForRecovery` when
+    /// one is lost, True `Recovered` once replaced; written only when it changes, and never on a
+    /// Workload not admitted.
+    #[test]
+    fn pods_ready_follows_the_workers_in_the_ring_as_kueue_writes_it() {
+        let j = elastic();
+        let admission = json!({"clusterQueue": "cq", "podSetAssignments": [{"name": "workers", "count": 3, "flavors": {}}]});
+        let at = |ready: Option<(&str, &str)>| {
+            let cond = |t: &str| json!({"type": t, "status": "True", "reason": t, "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"});
+            let mut conds = vec![cond("QuotaReserved"), cond("Admitted")];
+            if let Some((s, r)) = ready {
+                conds.push(json!({"type": "PodsReady", "status": s, "reason": r, "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"}));
+            }
+            let object = wl(&j, json!({"admission": admission, "conditions": conds}));
+            view(&object, "uid-1", &BTreeMap::new())
+        };
+        let next = |ready, n| pods_ready(&at(ready), n).map(|(s, r, _)| (s, r));
+        assert_eq!(next(None, 0), Some(("False", "WaitForStart")));
+        assert_eq!(next(None, 2), Some(("False", "WaitForStart")));
+        assert_eq!(next(Some(("False", "WaitForStart")), 2), None, "unchanged");
+        assert_eq!(
+            next(Some(("False", "WaitForStart")), 3),
+            Some(("True", "Started"))
+        );
+        assert_eq!(next(Some(("True", "Started")), 3), None);
+        assert_eq!(
+            next(Some(("True", "Started")), 2),
+            Some(("False", "WaitForRecovery"))
+        );
+        assert_eq!(next(Some(("False", "WaitForRecovery")), 2), None);
+        assert_eq!(
+            next(Some(("False", "WaitForRecovery")), 3),
+            Some(("True", "Recovered"))
+        );
+        assert_eq!(
+            next(Some(("True", "Recovered")), 2),
+            Some(("False", "WaitForRecovery"))
+        );
+        let pending = view(&wl(&j, json!({})), "uid-1", &BTreeMap::new());
+        assert_eq!(pods_ready(&pending, 4), None, "not admitted");
     }
 
     #[test]
@@ -831,11 +940,11 @@ mod tests {
         };
         assert!(mismatched(&j, &q));
         assert_eq!(
-            queue_plan(&j, &q, &[], None, t(0)).delete.as_deref(),
+            queue_plan(&j, &q, &[], None, 0, t(0)).delete.as_deref(),
             Some("diphomajob-train")
         );
         j.spec.replicas = 4;
-        let done = queue_plan(&j, &q, &[], Some(Phase::Succeeded), t(0));
+        let done = queue_plan(&j, &q, &[], Some(Phase::Succeeded), 0, t(0));
         let conds: Vec<Condition> =
             serde_json::from_value(done.patch_status.unwrap().1["conditions"].clone()).unwrap();
         assert!(is_true(&conds, "Finished"));
