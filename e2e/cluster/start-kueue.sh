@@ -83,6 +83,18 @@ manageJobsWithoutQueueName: false
 integrations:
   frameworks: ["batch/job"]
   externalFrameworks: ["DiphomaJob.v1alpha1.diphoma.io"]
+# All-or-nothing admission, as GPU clusters configure it: an admitted Workload whose PodsReady
+# condition (written by the operator from the ring) is not True within the timeout, or within
+# recoveryTimeout after it turned False, is evicted and requeued after a back-off; meanwhile
+# blockAdmission admits nothing else in its ClusterQueue.
+waitForPodsReady:
+  timeout: ${KUEUE_PODS_READY_TIMEOUT:-90s}
+  recoveryTimeout: ${KUEUE_PODS_READY_RECOVERY_TIMEOUT:-20s}
+  blockAdmission: true
+  requeuingStrategy:
+    timestamp: Eviction
+    backoffBaseSeconds: 1
+    backoffMaxSeconds: 10
 CFG
 
 # --- webhook configurations: Kueue's own group only, url client config on loopback ---

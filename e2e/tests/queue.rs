@@ -2,7 +2,8 @@
 //! `e2e/cluster/start-kueue.sh` with DiphomaJob as an external framework) and real
 //! `diphoma-worker train` workers under the in-process operator: suspension semantics
 //! (`activeDeadlineSeconds` does not run while suspended), `spec.managedBy`, admission behind a
-//! LocalQueue whose quota fits one job, and preemption by a higher-priority job. Prints the
+//! LocalQueue whose quota fits one job, preemption by a higher-priority job, and all-or-nothing
+//! admission (`waitForPodsReady`, on for the whole suite: the operator writes `PodsReady`). Prints the
 //! admission latency (Workload admitted → ring formed) and the time a preempted job takes to
 //! resume.
 
@@ -13,6 +14,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, ensure};
 use common::*;
+use diphoma_contract::Membership;
 use diphoma_e2e::kit::JobManifest;
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_operator::api::{DiphomaJobStatus, Phase};
@@ -49,6 +51,7 @@ fn main() -> Result<()> {
         a_preempted_job_is_suspended_and_resumes_from_its_checkpoint_with_its_counters,
         a_refused_workload_shows_in_the_job_status_and_is_created_once_allowed,
         suspending_an_admitted_job_releases_its_quota_to_the_next,
+        under_wait_for_pods_ready_a_job_that_cannot_recover_is_requeued_and_the_queue_moves_on,
     ];
     let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
     let conclusion = libtest_mimic::run(&sequential_args(), trials);
@@ -175,6 +178,161 @@ async fn gpu_holders(ctx: &Ctx, ns: &str) -> Result<Vec<String>> {
         .filter(|p| !matches!(phase(p), "Succeeded" | "Failed"))
         .map(|p| p.name_any())
         .collect())
+}
+
+/// A checkpoint directory for the jobs of `ns` (a hostPath on this machine) and the manifest
+/// fragment that checkpoints into it every 50 steps.
+fn checkpoints(ctx: &Ctx, ns: &str) -> Result<(std::path::PathBuf, Value)> {
+    let dir = ctx.cp.dir.join("checkpoints").join(ns);
+    std::fs::create_dir_all(&dir)?;
+    let ckpt = json!({"spec": {
+        "checkpoint": {"volume": "ckpt", "everySteps": 50},
+        "template": {"spec": {"volumes": [{"name": "ckpt", "hostPath": {"path": dir}}]}},
+    }});
+    Ok((dir, ckpt))
+}
+
+/// Waits until `job` reports a checkpoint at step `step` or later.
+async fn checkpointed(ctx: &Ctx, ns: &str, job: &str, step: i64) -> Result<()> {
+    eventually(90, &format!("a checkpoint of {job}"), async || {
+        let st = status(ctx, ns, job).await?;
+        Ok(st
+            .progress
+            .and_then(|p| p.last_checkpoint_step)
+            .is_some_and(|s| s >= step))
+    })
+    .await
+}
+
+/// The step of `job`'s newest checkpoint file in `dir` ([`checkpoints`]).
+async fn newest_checkpoint(ctx: &Ctx, dir: &std::path::Path, ns: &str, job: &str) -> Result<u64> {
+    let uid = jobs(ctx, ns).get(job).await?.uid().context("no uid")?;
+    std::fs::read_dir(dir.join(ns).join(job).join(uid))?
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            name.strip_prefix("ckpt-")?
+                .strip_suffix(".safetensors")?
+                .parse::<u64>()
+                .ok()
+        })
+        .max()
+        .context("no checkpoint")
+}
+
+/// Checks that rank 0 of `ring` started training from step `step` (its first log lines).
+async fn resumed_from(ctx: &Ctx, ns: &str, ring: &Membership, step: u64) -> Result<()> {
+    let rank0 = Api::<Pod>::namespaced(ctx.client.clone(), ns)
+        .get(&ring.members[0].pod)
+        .await?;
+    let mut log = String::new();
+    eventually(30, "the resumed rank 0's first log lines", async || {
+        log = ctx.kubelet.log_text(&rank0, "worker")?;
+        Ok(log.contains(" at step "))
+    })
+    .await?;
+    ensure!(
+        log.contains(&format!("at step {step}")),
+        "the resumed rank 0 did not start from step {step}:\n{}",
+        log.lines().take(5).collect::<Vec<_>>().join("\n")
+    );
+    Ok(())
+}
+
+/// The job's Workload's `PodsReady` condition (status, reason), if any.
+fn pods_ready(w: &DynamicObject) -> Option<(String, String)> {
+    let c = w
+        .data
+        .pointer("/status/conditions")?
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "PodsReady")?;
+    let s = |k: &str| c[k].as_str().unwrap_or_default().to_owned();
+    Some((s("status"), s("reason")))
+}
+
+/// Marks both nodes (un)schedulable.
+async fn cordon(ctx: &Ctx, unschedulable: bool) -> Result<()> {
+    let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(ctx.client.clone());
+    for i in 0..2 {
+        let body = json!({"spec": {"unschedulable": unschedulable}});
+        let node = format!("gpu-{i}");
+        nodes
+            .patch(&node, &PatchParams::default(), &Patch::Merge(body))
+            .await?;
+    }
+    Ok(())
+}
+
+/// Kueue's all-or-nothing admission (`waitForPodsReady`, configured by start-kueue.sh:
+/// `recoveryTimeout` 20 s, `blockAdmission`): the operator writes the Workload's `PodsReady`
+/// from the ring (True `Started` once both workers are ring members). A worker lost while both
+/// nodes are cordoned cannot be replaced: `PodsReady` turns False (`WaitForRecovery`), and at the
+/// recovery timeout Kueue evicts the job, which is suspended, its workers gone, and requeued.
+/// The queue is not blocked behind it: a second job (tolerating the cordon) is admitted and
+/// succeeds. Once the nodes are schedulable again the first is admitted again and resumes from
+/// its checkpoint.
+async fn under_wait_for_pods_ready_a_job_that_cannot_recover_is_requeued_and_the_queue_moves_on(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let r = cannot_recover(&ctx, &ns).await;
+    cordon(&ctx, false).await?; // the nodes are shared with the suite's other tests
+    r
+}
+
+async fn cannot_recover(ctx: &Ctx, ns: &str) -> Result<()> {
+    queues(ctx, ns)?;
+    let (dir, ckpt) = checkpoints(ctx, ns)?;
+    let first = training_job("first", 2, 100_000, merge(queued("low"), ckpt));
+    apply_json(ctx, ns, &first.build())?;
+    let g1 = running_ring(ctx, ns, "first", 2, 0).await?;
+    eventually(60, "first's Workload PodsReady", async || {
+        let w = workload(ctx, ns, "first").await?.context("no Workload")?;
+        Ok(pods_ready(&w) == Some(("True".into(), "Started".into())))
+    })
+    .await
+    .with_context(|| last_words(ctx, ns, "first"))?;
+    checkpointed(ctx, ns, "first", 50).await?;
+    // A worker lost, its replacement unschedulable: PodsReady False, waiting for recovery.
+    cordon(ctx, true).await?;
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns);
+    pods.delete(&g1.members[1].pod, &Default::default()).await?;
+    eventually(60, "first's Workload waiting for recovery", async || {
+        let w = workload(ctx, ns, "first").await?.context("no Workload")?;
+        Ok(pods_ready(&w) == Some(("False".into(), "WaitForRecovery".into())))
+    })
+    .await
+    .with_context(|| last_words(ctx, ns, "first"))?;
+    let tolerant = json!({"spec": {"placement": {"tolerations": [
+        {"key": "node.kubernetes.io/unschedulable", "operator": "Exists", "effect": "NoSchedule"}]}}});
+    let second = training_job("second", 2, 200, merge(queued("low"), tolerant));
+    apply_json(ctx, ns, &second.build())?;
+    // Evicted at the recovery timeout, suspended with Kueue's reason; its workers go.
+    let mut evicted = None;
+    eventually(90, "first evicted and suspended", async || {
+        let st = status(ctx, ns, "first").await?;
+        if st.phase == Some(Phase::Suspended) {
+            evicted = condition(&st, "Suspended");
+        }
+        Ok(evicted.is_some())
+    })
+    .await
+    .with_context(|| last_words(ctx, ns, "first"))?;
+    let (_, reason, message) = evicted.unwrap();
+    ensure!(
+        reason == "PodsReadyTimeout",
+        "suspended with {reason}: {message}"
+    );
+    // The queue moves on: second is admitted on the quota first released, and succeeds.
+    let st = finished(ctx, ns, "second", 150)
+        .await
+        .with_context(|| last_words(ctx, ns, "second"))?;
+    ensure!(st.phase == Some(Phase::Succeeded), "second: {st:?}");
+    let newest = newest_checkpoint(ctx, &dir, ns, "first").await?;
+    cordon(ctx, false).await?;
+    let g2 = running_ring(ctx, ns, "first", 2, g1.generation).await?;
+    resumed_from(ctx, ns, &g2, newest).await?;
+    Ok(())
 }
 
 async fn a_suspended_job_whose_deadline_is_shorter_than_its_suspension_still_runs(
@@ -368,23 +526,11 @@ async fn a_preempted_job_is_suspended_and_resumes_from_its_checkpoint_with_its_c
     ns: String,
 ) -> Result<()> {
     queues(&ctx, &ns)?;
-    let dir = ctx.cp.dir.join("checkpoints").join(&ns);
-    std::fs::create_dir_all(&dir)?;
-    let ckpt = json!({"spec": {
-        "checkpoint": {"volume": "ckpt", "everySteps": 50},
-        "template": {"spec": {"volumes": [{"name": "ckpt", "hostPath": {"path": dir}}]}},
-    }});
+    let (dir, ckpt) = checkpoints(&ctx, &ns)?;
     let low = training_job("low", 2, 100_000, merge(queued("low"), ckpt));
     apply_json(&ctx, &ns, &low.build())?;
     let g1 = running_ring(&ctx, &ns, "low", 2, 0).await?.generation;
-    eventually(90, "a checkpoint of low", async || {
-        let st = status(&ctx, &ns, "low").await?;
-        Ok(st
-            .progress
-            .and_then(|p| p.last_checkpoint_step)
-            .is_some_and(|s| s >= 50))
-    })
-    .await?;
+    checkpointed(&ctx, &ns, "low", 50).await?;
     let before = status(&ctx, &ns, "low").await?;
     let high = training_job("high", 2, 200, queued("high"));
     let t_high = Instant::now();
@@ -412,17 +558,7 @@ async fn a_preempted_job_is_suspended_and_resumes_from_its_checkpoint_with_its_c
             .any(|p| p.starts_with("low-")))
     })
     .await?;
-    let uid = jobs(&ctx, &ns).get("low").await?.uid().context("no uid")?;
-    let newest = std::fs::read_dir(dir.join(&ns).join("low").join(uid))?
-        .filter_map(|e| {
-            let name = e.ok()?.file_name().into_string().ok()?;
-            name.strip_prefix("ckpt-")?
-                .strip_suffix(".safetensors")?
-                .parse::<u64>()
-                .ok()
-        })
-        .max()
-        .context("no checkpoint")?;
+    let newest = newest_checkpoint(&ctx, &dir, &ns, "low").await?;
     let mut high_done = None;
     eventually(150, "high Succeeded", async || {
         let holders = gpu_holders(&ctx, &ns).await?;
@@ -455,20 +591,7 @@ async fn a_preempted_job_is_suspended_and_resumes_from_its_checkpoint_with_its_c
         after.repairs,
         after.disruptions
     );
-    let rank0 = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
-        .get(&g2.members[0].pod)
-        .await?;
-    let mut log = String::new();
-    eventually(30, "the resumed rank 0's first log lines", async || {
-        log = ctx.kubelet.log_text(&rank0, "worker")?;
-        Ok(log.contains(" at step "))
-    })
-    .await?;
-    ensure!(
-        log.contains(&format!("at step {newest}")),
-        "the resumed rank 0 did not start from step {newest}:\n{}",
-        log.lines().take(5).collect::<Vec<_>>().join("\n")
-    );
+    resumed_from(&ctx, &ns, &g2, newest).await?;
     println!(
         "\nKueue preemption: high submitted → low suspended {:.2} s; high finished → low's \
          ring formed again {:.2} s (resumed from step {newest})",

@@ -17,6 +17,10 @@
 //!   counters stay), and once none runs the Workload's quota reservation is cleared (`admission`
 //!   removed, `QuotaReserved` False `Pending`, `Requeued`), as the jobframework does, so Kueue
 //!   queues it again;
+//! - while admitted, the Workload's `PodsReady` condition says whether the admitted count of
+//!   workers run as members of the ring ([`pods_ready`]), as Kueue's reconciler writes it for its
+//!   own integrations: Kueue's `waitForPodsReady` (all-or-nothing admission) evicts a job whose
+//!   ring does not form, or does not re-form, within its timeouts;
 //! - a Workload that no longer matches the job (`replicas` or `minReplicas` changed: scaling
 //!   goes through Kueue) is deleted while the workers stop, and a new one is created;
 //! - a finished job marks its Workload `Finished`, which releases the quota.
