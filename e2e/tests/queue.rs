@@ -52,6 +52,7 @@ fn main() -> Result<()> {
         a_refused_workload_shows_in_the_job_status_and_is_created_once_allowed,
         suspending_an_admitted_job_releases_its_quota_to_the_next,
         under_wait_for_pods_ready_a_job_that_cannot_recover_is_requeued_and_the_queue_moves_on,
+        an_admission_checks_pod_set_updates_reach_the_workers,
     ];
     let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
     let conclusion = libtest_mimic::run(&sequential_args(), trials);
@@ -167,6 +168,14 @@ fn last_words(ctx: &Ctx, ns: &str, job: &str) -> String {
     )
 }
 
+/// The last lines of Kueue's log that name `job`'s Workload, for a failure message.
+fn kueue_says(ctx: &Ctx, job: &str) -> String {
+    let log = std::fs::read_to_string(ctx.cp.dir.join("logs/kueue.log")).unwrap_or_default();
+    let name = format!("diphomajob-{job}");
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains(&name)).collect();
+    lines[lines.len().saturating_sub(12)..].join("\n")
+}
+
 /// Worker pods of `ns` that hold GPUs now (not finished), by job.
 async fn gpu_holders(ctx: &Ctx, ns: &str) -> Result<Vec<String>> {
     let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns)
@@ -250,6 +259,100 @@ fn pods_ready(w: &DynamicObject) -> Option<(String, String)> {
     Some((s("status"), s("reason")))
 }
 
+/// An admission check (as a ProvisioningRequest or a custom controller runs one) whose
+/// controller is this test: the ClusterQueue of `ns` requires it; once the job's Workload has
+/// its quota reserved, the test marks the check Ready with `podSetUpdates` (a label, an
+/// annotation, a node selector, a toleration), Kueue admits the Workload, and the workers the
+/// operator creates carry all four.
+async fn an_admission_checks_pod_set_updates_reach_the_workers(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    queues(&ctx, &ns)?;
+    let check = format!("{ns}-check");
+    let checks = Api::<DynamicObject>::all_with(
+        ctx.client.clone(),
+        &kueue("AdmissionCheck", "admissionchecks"),
+    );
+    let ac = json!({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "AdmissionCheck",
+        "metadata": {"name": check}, "spec": {"controllerName": "diphoma.io/e2e-check"}});
+    checks
+        .create(&Default::default(), &serde_json::from_value(ac)?)
+        .await?;
+    let active = json!({"status": {"conditions": [{"type": "Active", "status": "True",
+        "reason": "Active", "message": "the e2e test runs it", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
+    checks
+        .patch_status(&check, &PatchParams::default(), &Patch::Merge(active))
+        .await?;
+    let cqs =
+        Api::<DynamicObject>::all_with(ctx.client.clone(), &kueue("ClusterQueue", "clusterqueues"));
+    let strategy =
+        json!({"spec": {"admissionChecksStrategy": {"admissionChecks": [{"name": check}]}}});
+    cqs.patch(&ns, &PatchParams::default(), &Patch::Merge(strategy))
+        .await?;
+    let job = training_job("checked", 2, 200, queued("low"));
+    apply_json(&ctx, &ns, &job.build())?;
+    let workloads = Api::<DynamicObject>::namespaced_with(
+        ctx.client.clone(),
+        &ns,
+        &kueue("Workload", "workloads"),
+    );
+    eventually(
+        60,
+        "the Workload's quota reserved, its check pending",
+        async || {
+            let Some(w) = workload(&ctx, &ns, "checked").await? else {
+                return Ok(false);
+            };
+            Ok(workload_condition(&w, "QuotaReserved").is_some()
+                && w.data.pointer("/status/admissionChecks/0/state") == Some(&json!("Pending")))
+        },
+    )
+    .await
+    .with_context(|| last_words(&ctx, &ns, "checked"))?;
+    let ready = json!({"status": {"admissionChecks": [{"name": check, "state": "Ready",
+        "message": "provisioned", "lastTransitionTime": "2026-01-01T00:00:00Z",
+        "podSetUpdates": [{"name": "workers",
+            "labels": {"provisioned-by": "e2e-check"},
+            "annotations": {"e2e.diphoma.io/request": "pr-1"},
+            "nodeSelector": {"nvidia.com/gpu.present": "true"},
+            "tolerations": [{"key": "e2e.diphoma.io/reserved", "operator": "Exists", "effect": "NoSchedule"}]}]}]}});
+    workloads
+        .patch_status(
+            "diphomajob-checked",
+            &PatchParams::default(),
+            &Patch::Merge(ready),
+        )
+        .await?;
+    let ring = running_ring(&ctx, &ns, "checked", 2, 0).await?;
+    for m in &ring.members {
+        let pod = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+            .get(&m.pod)
+            .await?;
+        let label = pod.labels().get("provisioned-by").cloned();
+        let note = pod.annotations().get("e2e.diphoma.io/request").cloned();
+        let spec = pod.spec.unwrap_or_default();
+        let selector = spec.node_selector.unwrap_or_default();
+        let tolerated = spec
+            .tolerations
+            .unwrap_or_default()
+            .iter()
+            .any(|t| t.key.as_deref() == Some("e2e.diphoma.io/reserved"));
+        ensure!(
+            label.as_deref() == Some("e2e-check")
+                && note.as_deref() == Some("pr-1")
+                && selector.get("nvidia.com/gpu.present").map(String::as_str) == Some("true")
+                && tolerated,
+            "{}: label {label:?}, annotation {note:?}, node selector {selector:?}, tolerated {tolerated}",
+            m.pod
+        );
+    }
+    let st = finished(&ctx, &ns, "checked", 120).await?;
+    ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
+    checks.delete(&check, &Default::default()).await?;
+    Ok(())
+}
+
 /// Marks both nodes (un)schedulable.
 async fn cordon(ctx: &Ctx, unschedulable: bool) -> Result<()> {
     let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(ctx.client.clone());
@@ -317,7 +420,13 @@ async fn cannot_recover(ctx: &Ctx, ns: &str) -> Result<()> {
         Ok(evicted.is_some())
     })
     .await
-    .with_context(|| last_words(ctx, ns, "first"))?;
+    .with_context(|| {
+        format!(
+            "{}\nKueue: {}",
+            last_words(ctx, ns, "first"),
+            kueue_says(ctx, "first")
+        )
+    })?;
     let (_, reason, message) = evicted.unwrap();
     ensure!(
         reason == "PodsReadyTimeout",

@@ -303,9 +303,8 @@ pub async fn run(
     let (job_store, job_writer) = reflector::store();
     let memories = Arc::new(Memories::default());
     let forget = memories.clone();
-    let job_events = caches::watch_into(
-        jobs,
-        &watcher::Config::default().any_semantic(),
+    let job_events = caches::observed(
+        watcher(jobs, watcher::Config::default().any_semantic()),
         job_writer,
         caches.seen.clone(),
         Kind::Job,
@@ -334,9 +333,9 @@ pub async fn run(
     // request.
     let gangs = if caches::serves(&client, "scheduling.k8s.io/v1alpha1", "workloads").await {
         let (store, writer) = reflector::store();
-        let events = caches::watch_into(
-            Api::<k8s_openapi::api::scheduling::v1alpha1::Workload>::all(client.clone()),
-            &caches::owned(),
+        let api = Api::<k8s_openapi::api::scheduling::v1alpha1::Workload>::all(client.clone());
+        let events = caches::observed(
+            watcher(api, caches::owned()),
             writer,
             caches.seen.clone(),
             Kind::GangWorkload,

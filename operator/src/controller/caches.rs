@@ -778,9 +778,8 @@ where
         + 'static,
 {
     let seen = seen.clone();
-    watch_into(
-        Api::<K>::all(client.clone()),
-        cfg,
+    observed(
+        watcher(Api::<K>::all(client.clone()), cfg.clone()),
         writer,
         seen,
         kind,
@@ -790,32 +789,10 @@ where
     .boxed()
 }
 
-/// The event stream of a watch of `api` feeding `writer`, `managedFields` dropped and the rest
-/// `prune`d (e.g. [`prune_pod`]) before the store keeps it, noting in `seen` (as `kind`) each
-/// object once its store holds it.
-pub fn watch_into<K>(
-    api: Api<K>,
-    cfg: &watcher::Config,
-    writer: Writer<K>,
-    seen: Arc<Seen>,
-    kind: Kind,
-    prune: fn(&mut K),
-) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
-where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
-{
-    observed(watcher(api, cfg.clone()), writer, seen, kind, prune)
-}
-
-/// `events` (of a watch) with back-off, `managedFields` dropped and the rest `prune`d, feeding
-/// `writer`, and noting in `seen` (as `kind`) each object once its store holds it.
-fn observed<K>(
+/// `events` (of a watch) with back-off, `managedFields` dropped and the rest `prune`d (e.g.
+/// [`prune_pod`]) before the store keeps it, feeding `writer`, and noting in `seen` (as `kind`)
+/// each object once its store holds it.
+pub fn observed<K>(
     events: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
     writer: Writer<K>,
     seen: Arc<Seen>,

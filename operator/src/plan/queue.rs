@@ -84,10 +84,17 @@ pub struct Admission {
     pub cluster_queue: String,
     /// Workers admitted (`podSetAssignments[0].count`, at least `minCount`).
     pub count: i32,
-    /// Node labels of the assigned ResourceFlavors (their `spec.nodeLabels`).
+    /// Node labels of the assigned ResourceFlavors (their `spec.nodeLabels`), then the
+    /// admission checks' `podSetUpdates` node selectors.
     pub node_selector: BTreeMap<String, String>,
-    /// Tolerations of the assigned ResourceFlavors (their `spec.tolerations`).
+    /// Tolerations of the assigned ResourceFlavors (their `spec.tolerations`) and of the
+    /// admission checks' `podSetUpdates`.
     pub tolerations: Vec<Toleration>,
+    /// Labels the admission checks' `podSetUpdates` give the workers (a ProvisioningRequest's,
+    /// a custom check's).
+    pub labels: BTreeMap<String, String>,
+    /// Annotations the admission checks' `podSetUpdates` give the workers.
+    pub annotations: BTreeMap<String, String>,
     /// The assigned flavors by resource, for the status message.
     pub flavors: BTreeMap<String, String>,
 }
@@ -246,6 +253,11 @@ pub fn admitted_view(job: &DiphomaJob, queue: &Queue) -> Option<DiphomaJob> {
     let placement = job.spec.placement.get_or_insert_default();
     placement.node_selector.extend(a.node_selector.clone());
     placement.tolerations.extend(a.tolerations.clone());
+    let meta = job.spec.template.metadata.get_or_insert_default();
+    meta.labels.get_or_insert_default().extend(a.labels.clone());
+    meta.annotations
+        .get_or_insert_default()
+        .extend(a.annotations.clone());
     Some(job)
 }
 
@@ -528,9 +540,16 @@ fn podset_template(job: &DiphomaJob) -> PodTemplateSpec {
     }
 }
 
+/// A JSON object of strings as a map (empty: none, or not such an object).
+fn strings(v: Option<&Value>) -> BTreeMap<String, String> {
+    v.and_then(|v| serde_json::from_value(v.clone()).ok())
+        .unwrap_or_default()
+}
+
 /// Reads a Workload object (`kueue.x-k8s.io/v1beta2`) into a [`WorkloadView`]; `job_uid`
 /// decides ownership and `flavors` gives each ResourceFlavor's `spec` (node labels,
-/// tolerations) by name. Fields missing from the object read as empty.
+/// tolerations) by name; the admission checks' `podSetUpdates` of its podSet add to the
+/// admission. Fields missing from the object read as empty.
 pub fn view(object: &Value, job_uid: &str, flavors: &BTreeMap<String, Value>) -> WorkloadView {
     let s = |p: &str| {
         object
@@ -562,17 +581,9 @@ pub fn view(object: &Value, job_uid: &str, flavors: &BTreeMap<String, Value>) ->
                 .unwrap_or_default();
             let mut node_selector = BTreeMap::new();
             let mut tolerations: Vec<Toleration> = vec![];
-            for flavor in assigned.values().collect::<std::collections::BTreeSet<_>>() {
-                let Some(spec) = flavors.get(flavor) else {
-                    continue;
-                };
-                if let Some(labels) = spec.get("nodeLabels").and_then(|l| {
-                    serde_json::from_value::<BTreeMap<String, String>>(l.clone()).ok()
-                }) {
-                    node_selector.extend(labels);
-                }
-                for t in spec
-                    .get("tolerations")
+            let mut merge = |selector: Option<&Value>, tols: Option<&Value>| {
+                node_selector.extend(strings(selector));
+                for t in tols
                     .and_then(|t| serde_json::from_value::<Vec<Toleration>>(t.clone()).ok())
                     .unwrap_or_default()
                 {
@@ -580,6 +591,29 @@ pub fn view(object: &Value, job_uid: &str, flavors: &BTreeMap<String, Value>) ->
                         tolerations.push(t);
                     }
                 }
+            };
+            for flavor in assigned.values().collect::<std::collections::BTreeSet<_>>() {
+                if let Some(spec) = flavors.get(flavor) {
+                    merge(spec.get("nodeLabels"), spec.get("tolerations"));
+                }
+            }
+            // The admission checks' updates of this podSet, as Kueue's jobframework applies
+            // them to a batch Job's template once every check is Ready.
+            let name = podset.and_then(|p| p.get("name")).and_then(Value::as_str);
+            let updates: Vec<&Value> = object
+                .pointer("/status/admissionChecks")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(|c| c.get("podSetUpdates")?.as_array())
+                .flatten()
+                .filter(|u| u.get("name").and_then(Value::as_str) == name)
+                .collect();
+            let (mut labels, mut annotations) = (BTreeMap::new(), BTreeMap::new());
+            for u in updates {
+                merge(u.get("nodeSelector"), u.get("tolerations"));
+                labels.extend(strings(u.get("labels")));
+                annotations.extend(strings(u.get("annotations")));
             }
             Admission {
                 cluster_queue: a
@@ -590,6 +624,8 @@ pub fn view(object: &Value, job_uid: &str, flavors: &BTreeMap<String, Value>) ->
                 count: int(assignment.and_then(|p| p.get("count"))).unwrap_or(count),
                 node_selector,
                 tolerations,
+                labels,
+                annotations,
                 flavors: assigned,
             }
         });
@@ -893,6 +929,54 @@ mod tests {
     /// admitted count of workers run in the ring, True `Started`, False `WaitForRecovery` when
     /// one is lost, True `Recovered` once replaced; written only when it changes, and never on a
     /// Workload not admitted.
+    /// An admission check's `podSetUpdates` (a ProvisioningRequest's, a custom check's) reach
+    /// the workers: labels and annotations on their template, node selector and tolerations in
+    /// their placement, beside the flavor's; another podSet's updates do not.
+    #[test]
+    fn admission_checks_pod_set_updates_reach_the_workers() {
+        let j = elastic();
+        let admitted = wl(
+            &j,
+            json!({
+            "admission": {"clusterQueue": "cq", "podSetAssignments": [{"name": "workers", "count": 4, "flavors": {"nvidia.com/gpu": "gpu"}}]},
+            "admissionChecks": [{"name": "prov", "state": "Ready", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z",
+                "podSetUpdates": [
+                    {"name": "workers", "labels": {"provisioned": "yes"}, "annotations": {"cluster-autoscaler.kubernetes.io/consume-provisioning-request": "pr-1"},
+                     "nodeSelector": {"pool": "reserved"}, "tolerations": [{"key": "reserved", "operator": "Exists", "effect": "NoSchedule"}]},
+                    {"name": "other", "labels": {"wrong": "podset"}}]}],
+            "conditions": [
+                {"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"},
+                {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"}]}),
+        );
+        let flavors = BTreeMap::from([("gpu".to_owned(), json!({"nodeLabels": {"gpu": "h100"}}))]);
+        let q = Queue::Queued {
+            queue: "team".into(),
+            workload: Some(Box::new(view(&admitted, "uid-1", &flavors))),
+            priority: None,
+        };
+        let run = admitted_view(&j, &q).unwrap();
+        let pod = build::worker_pod(&run, 0, 0).unwrap();
+        let meta = &pod.metadata;
+        assert_eq!(meta.labels.as_ref().unwrap()["provisioned"], "yes");
+        assert!(!meta.labels.as_ref().unwrap().contains_key("wrong"));
+        assert_eq!(
+            meta.annotations.as_ref().unwrap()["cluster-autoscaler.kubernetes.io/consume-provisioning-request"],
+            "pr-1"
+        );
+        let spec = pod.spec.unwrap();
+        let selector = spec.node_selector.unwrap_or_default();
+        assert_eq!(
+            (selector["pool"].as_str(), selector["gpu"].as_str()),
+            ("reserved", "h100")
+        );
+        assert!(
+            spec.tolerations
+                .unwrap_or_default()
+                .iter()
+                .any(|t| t.key.as_deref() == Some("reserved"))
+        );
+    }
+
     #[test]
     fn pods_ready_follows_the_workers_in_the_ring_as_kueue_writes_it() {
         let j = elastic();
