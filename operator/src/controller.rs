@@ -24,15 +24,17 @@
 //!   ([`crate::gang`], read from the store of their watch); then (`apply`) the static children
 //!   ([`build::children`]: ServiceAccount, Role, RoleBinding, Service, NetworkPolicy by
 //!   server-side apply; key Secret and heartbeat ConfigMap created once) when
-//!   [`Plan::apply_children`]; the status when it
-//!   differs; a failure annotation on each newly failed pod; an annotation, then a deletion, for
-//!   each pod to delete; each new pod (server-side apply: a pod the API server refuses is
-//!   remembered for the next plan, the others are still created, and the reconcile then fails
-//!   so that it is retried with exponential back-off); the ring ConfigMap of a new generation;
-//!   the events. The static children are applied again whenever one is missing. Once the TTL
-//!   passed ([`Plan::delete_job`]), only the job's deletion. After its writes, a reconcile waits
-//!   until the watches have delivered them ([`Caches::caught_up`]), so that the next one plans
-//!   from what it wrote;
+//!   [`Plan::apply_children`], and the deletion of the children the job owns that the table no
+//!   longer builds ([`Plan::prune`]: a NetworkPolicy after the option was turned off); the
+//!   status when it differs; a failure annotation on each newly failed pod; an annotation, then
+//!   a deletion, for each pod to delete; each new pod (server-side apply: a pod the API server
+//!   refuses is remembered for the next plan, the others are still created, and the reconcile
+//!   then fails so that it is retried with exponential back-off); the ring ConfigMap of a new
+//!   generation; the events; then, for a queued job, its Kueue Workload (created, deleted,
+//!   activated, its status: `PodsReady`, an eviction's requeue, `Finished`). The static children
+//!   are applied again whenever one is missing. Once the TTL passed ([`Plan::delete_job`]), only
+//!   the job's deletion. After its writes, a reconcile waits until the watches have delivered
+//!   them ([`Caches::caught_up`]), so that the next one plans from what it wrote;
 //! - a job that does not decode gets one list of the job as stored, then its status and event
 //!   ([`plan::invalid`]).
 //!
