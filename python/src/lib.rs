@@ -425,7 +425,8 @@ fn required(var: &str) -> PyResult<String> {
 /// The ring's generations as this process sees them: joins each one and asks `diphoma-ring`'s
 /// membership source what to do after a commit or a failure (the same decisions as the Rust
 /// worker). The source is chosen by the environment: `DIPHOMA_RING_DIR` (standalone elastic,
-/// with `DIPHOMA_POD_NAME` naming this member), `DIPHOMA_MEMBERSHIP` (a worker pod: the
+/// with `DIPHOMA_POD_NAME` naming this member; `DIPHOMA_LOCAL_RANK` of
+/// `DIPHOMA_PROCESSES_PER_WORKER` this process's place in it, as in a worker pod), `DIPHOMA_MEMBERSHIP` (a worker pod: the
 /// contract's variables), else the fixed standalone ring of `Ring.from_env`.
 #[pyclass(module = "diphoma._native", frozen)]
 pub struct Follower {
@@ -490,6 +491,10 @@ impl Follower {
             let name = required(diphoma_contract::ENV_POD_NAME)?;
             let t = timeout.unwrap_or(diphoma_ring::comm::DEFAULT_TIMEOUT);
             let mut f = FileRing::start(dir.clone().into(), name.clone(), read_key()?, t);
+            f.set_local(
+                diphoma_contract::Local::from_lookup(|n| std::env::var(n).ok())
+                    .map_err(config_err)?,
+            );
             let g = py
                 .detach(|| f.first_generation(Some(t)))
                 .map_err(|e| RingError::new_err(e.to_string()))?
@@ -833,6 +838,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SMOOTHING", balance::SMOOTHING)?;
     m.add("DEFAULT_BALANCE_EVERY", balance::DEFAULT_EVERY)?;
     m.add("ENV_SPEED_WEIGHTED", diphoma_contract::ENV_SPEED_WEIGHTED)?;
+    m.add("ENV_LOCAL_RANK", diphoma_contract::ENV_LOCAL_RANK)?;
+    m.add(
+        "ENV_PROCESSES_PER_WORKER",
+        diphoma_contract::ENV_PROCESSES_PER_WORKER,
+    )?;
     m.add("ENV_BALANCE_EVERY", diphoma_contract::ENV_BALANCE_EVERY)?;
     m.add("RESTART_MEMBER_LOST", diphoma_contract::RESTART_MEMBER_LOST)?;
     m.add(
