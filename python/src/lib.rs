@@ -747,7 +747,7 @@ type Seen = (u64, Option<usize>, Vec<(String, String)>);
 /// Where a [`RingWatch`] reads the generations: the ring ConfigMap (a worker pod) or a ring
 /// directory (a local stand-in for a pod).
 enum Watched {
-    Kube(Watch),
+    Kube(Box<Watch>),
     Dir(DirWatch),
 }
 
@@ -799,7 +799,7 @@ impl RingWatch {
         let env = WorkerEnv::from_env().map_err(config_err)?;
         let watch = Watch::start(&env).map_err(config_err)?;
         Ok(RingWatch {
-            watch: Mutex::new(Watched::Kube(watch)),
+            watch: Mutex::new(Watched::Kube(Box::new(watch))),
             pod: env.pod_name,
             job_uid: Some(env.job_uid),
         })
