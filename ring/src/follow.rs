@@ -484,7 +484,9 @@ mod tests {
                     contract::ENV_POD_IP => "127.0.0.1".into(),
                     contract::ENV_RING_PORT => port.to_string(),
                     contract::ENV_DETECTION_SECONDS => "20".into(),
-                    contract::ENV_RING_PROTECTION => return None,
+                    contract::ENV_RING_PROTECTION
+                    | contract::ENV_LOCAL_RANK
+                    | contract::ENV_PROCESSES_PER_WORKER => return None,
                     _ => "x".into(),
                 })
             };
