@@ -17,8 +17,9 @@
 use crate::membership::{Member, Membership};
 
 /// Env: how many training processes each worker pod runs (`spec.processesPerWorker`, at least
-/// 1; unset: 1). Set by the operator for the pod's launcher, and by the launcher for each of
-/// its processes.
+/// 1; unset: 1). Set by the operator for the pod's launcher (`python -m diphoma.run`), and by
+/// the launcher for each of its processes, with [`ENV_LOCAL_RANK`]; a process without a local
+/// rank is its pod's only one ([`Local::from_lookup`]).
 pub const ENV_PROCESSES_PER_WORKER: &str = "DIPHOMA_PROCESSES_PER_WORKER";
 /// Env: this training process's local rank in its pod, `0..processesPerWorker` (unset: 0). Set
 /// by the pod's launcher (`python -m diphoma.run`) for each process it starts, next to
@@ -60,12 +61,19 @@ pub struct LocalError {
 
 impl Local {
     /// The layout from [`ENV_LOCAL_RANK`] and [`ENV_PROCESSES_PER_WORKER`] through `get` (a
-    /// variable's value, `None` when unset; unset means local rank 0 of 1).
+    /// variable's value, `None` when unset). A process is one of several only when its launcher
+    /// set [`ENV_LOCAL_RANK`]: without it, it is the pod's only process (local rank 0 of 1)
+    /// whatever [`ENV_PROCESSES_PER_WORKER`] (the operator's instruction to a launcher) says,
+    /// so a worker image that runs one process per pod (the Rust worker, a script started
+    /// without `python -m diphoma.run`) stays the pod's one ring rank.
     ///
     /// # Errors
     /// [`LocalError`] naming the variable that is not a whole number in range (processes
     /// `1..=64`, local rank below them).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Local, LocalError> {
+        if get(ENV_LOCAL_RANK).is_none_or(|v| v.trim().is_empty()) {
+            return Ok(Local::default());
+        }
         let read = |var: &'static str, default: u32| match get(var) {
             None => Ok(default),
             Some(v) if v.trim().is_empty() => Ok(default),
@@ -215,9 +223,20 @@ mod tests {
             (ENV_LOCAL_RANK, "2"),
         ]));
         assert_eq!(e.unwrap_err().var, ENV_LOCAL_RANK);
-        let e = Local::from_lookup(env(&[(ENV_PROCESSES_PER_WORKER, "0")]));
+        assert_eq!(
+            Local::from_lookup(env(&[(ENV_PROCESSES_PER_WORKER, "8")])).unwrap(),
+            Local::default(),
+            "no launcher set a local rank: the pod's one process"
+        );
+        let e = Local::from_lookup(env(&[
+            (ENV_PROCESSES_PER_WORKER, "0"),
+            (ENV_LOCAL_RANK, "0"),
+        ]));
         assert_eq!(e.unwrap_err().var, ENV_PROCESSES_PER_WORKER);
-        let e = Local::from_lookup(env(&[(ENV_PROCESSES_PER_WORKER, "two")]));
+        let e = Local::from_lookup(env(&[
+            (ENV_PROCESSES_PER_WORKER, "two"),
+            (ENV_LOCAL_RANK, "0"),
+        ]));
         assert!(
             e.unwrap_err()
                 .to_string()

@@ -520,7 +520,6 @@ mod tests {
             (ENV_DETECTION_SECONDS, "2.5s"),
             (ENV_RING_PROTECTION, "none"),
             (ENV_RING_PROTECTION, "aes"),
-            (contract::ENV_PROCESSES_PER_WORKER, "0"),
             (contract::ENV_LOCAL_RANK, "x"),
         ] {
             let mut e = env.clone();
