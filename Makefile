@@ -10,7 +10,7 @@ RUNTIME ?= process
 # 1: cluster-up maps the image diphoma-pytorch (the PyTorch examples) to the cached torch venv.
 PYTORCH ?= 0
 
-.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair bench-scale cluster-up cluster-down demo wheel test-python images image-pytorch bench-torch bench-balance
+.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair bench-scale cluster-up cluster-down demo wheel test-python images image-pytorch bench-torch bench-balance gpu-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -54,6 +54,9 @@ bench: deps ## allreduce benchmark side by side with gloo and Open MPI (prints t
 
 bench-torch: deps ## DDP step time gloo vs diphoma with and without frame protection (ResNet-18/50, CPU, world 2 and 4, interleaved rounds), all_reduce from Python vs the Rust bench, and all_reduce's time beyond the ring; PARTS selects (e.g. PARTS=allreduce SIZES=1M ROUNDS=5 WORLDS=2); writes python/bench/RESULTS.md
 	bash python/bench/run.sh
+
+gpu-check: deps ## issue 27's GPU check on one NVIDIA GPU (< 8 min): CUDA all_reduce via the host-staged ring vs gloo (f32/bf16, 1 KiB-256 MiB, exact, bar 1.3x from 16 MiB), DDP ResNet-50 diphoma vs gloo on CUDA, kill -9 of one of 2 elastic CUDA ranks; says "no CUDA device" and exits 0 without one (PYTHON= a CUDA torch)
+	bash python/bench/gpu_check.sh
 
 bench-balance: deps ## speed-weighted shares (4 ranks, one sharing its CPU with a burner; compute-dominated steps) vs equal vs ideal with a 15%-of-ideal verdict (~5 min), and periodic averaging H=1,4,16 vs every step on the 50 M synthetic model (16 steps, ~8 min); prints the report (worker/bench/BALANCE.md is a committed one)
 	bash worker/bench/balance.sh

@@ -24,6 +24,7 @@
 //! | crate root | env names, ports, labels, key-file constants, protocol bounds shared with the ring | do I/O |
 //! | [`membership`] | the ring-membership document ([`Membership`]), its validation, the key-file check | do I/O |
 //! | [`heartbeat`] | the heartbeat ConfigMap: rank 0's [`ProgressReport`], the workers' [`FailureReport`]s | do I/O |
+//! | [`local`] | a pod of several training processes: its members' ranks and ports ([`Local`], [`Membership::per_process`], [`process_port`]) | do I/O |
 //! | [`balance`] | speed-weighted shares that every worker of a job derives alike: the smoothed compute time per sample ([`balance::Speed`]), the split of the global batch by largest remainder ([`balance::split`]) | do I/O, time anything itself |
 //!
 //! This crate imports nothing of ours (only serde, serde_json and thiserror): the operator, the
@@ -31,12 +32,17 @@
 
 pub mod balance;
 pub mod heartbeat;
+pub mod local;
 pub mod membership;
 
 pub use heartbeat::{
     FailureReport, PROGRESS_KEY, ProgressReport, REPORT_KEY_PREFIX, RESTART_MEMBER_JOINED,
     RESTART_MEMBER_LOST, RESTART_RING_FAULT, RESTARTS_KEY_PREFIX, RestartReport,
     heartbeat_configmap_name, share_range,
+};
+pub use local::{
+    ENV_LOCAL_RANK, ENV_PROCESSES_PER_WORKER, Local, LocalError, MAX_PROCESSES_PER_WORKER,
+    last_port, process_port,
 };
 pub use membership::{
     ContractError, MEMBERSHIP_KEY, Member, Membership, membership_configmap_name, parse_key,

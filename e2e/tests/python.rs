@@ -5,8 +5,9 @@
 //! kill -9 of a worker, scraped by a real Prometheus that finds every worker up and data for every
 //! query of the Training dashboard; an unchanged torchrun script (`python/tests/scripts/torchrun_ddp.py`)
 //! under `python -m diphoma.run` through a kill -9, restarted in place in the surviving pods;
-//! a rank that raises, its traceback's last line in the job's status; and `kubectl diphoma
-//! submit` of a script.
+//! a rank that raises, its traceback's last line in the job's status; `kubectl diphoma
+//! submit` of a script; and pods of two training processes each (`processesPerWorker: 2`)
+//! through a kill -9 of one process.
 
 mod common;
 
@@ -42,7 +43,8 @@ fn main() -> Result<()> {
             a_torchrun_script_is_restarted_in_place_through_a_killed_worker,
             a_frozen_torchrun_process_is_reported_by_its_peers_and_replaced,
             a_raising_rank_fails_the_job_with_its_traceback_in_last_failure,
-            kubectl_diphoma_submit_runs_a_script_as_a_job
+            kubectl_diphoma_submit_runs_a_script_as_a_job,
+            pods_of_two_processes_go_on_through_a_killed_process
         ],
     )
 }
@@ -479,4 +481,106 @@ async fn kubectl_diphoma_submit_runs_a_script_as_a_job(ctx: Arc<Ctx>, ns: String
         async || Ok(cms.get_opt("raise-on-rank-script").await?.is_none()),
     )
     .await
+}
+
+/// The children of process `pid` (its main thread's, from procfs).
+fn children(pid: u32) -> Result<Vec<u32>> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))?;
+    Ok(text
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect())
+}
+
+/// `processesPerWorker: 2` with `gpusPerWorker: 2` (fake GPUs): 2 pods of 2 elastic training
+/// processes each (`python -m diphoma.run --elastic`, `python/tests/scripts/elastic_train.py`),
+/// the status's layout 2 × 2 = 4; a kill -9 of one process of worker 1 takes its pod out (its
+/// launcher stops the sibling and exits 137), the operator replaces the pod, worker 0's
+/// processes keep theirs and the job Succeeds.
+async fn pods_of_two_processes_go_on_through_a_killed_process(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let shared = Shared::new(&ns)?;
+    let path = repo_root().join("python/tests/scripts/elastic_train.py");
+    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+    apply_json(
+        &ctx,
+        &ns,
+        &json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "local-script"},
+                "data": {"train.py": text}}),
+    )?;
+    apply_json(
+        &ctx,
+        &ns,
+        &json!({
+            "apiVersion": "diphoma.io/v1alpha1", "kind": "DiphomaJob", "metadata": {"name": "local"},
+            "spec": {
+                "replicas": 2, "gpusPerWorker": 2, "processesPerWorker": 2,
+                "template": {"spec": {
+                    "terminationGracePeriodSeconds": 5,
+                    "containers": [{
+                        "name": "worker", "image": "ghcr.io/diphoma/diphoma-pytorch:0.1.0",
+                        "command": ["python", "-m", "diphoma.run", "--elastic", "/scripts/train.py", "/shared", "300"],
+                        "env": [{"name": "DIPHOMA_TIMEOUT", "value": "60"}],
+                        "volumeMounts": [{"name": "script", "mountPath": "/scripts"},
+                                         {"name": "shared", "mountPath": "/shared"}]}],
+                    "volumes": [{"name": "script", "configMap": {"name": "local-script"}},
+                                {"name": "shared", "hostPath": {"path": shared.0, "type": "DirectoryOrCreate"}}]}}}}),
+    )?;
+    let record = |name: &str| -> Option<serde_json::Value> {
+        let text = std::fs::read_to_string(shared.0.join(format!("{name}.json"))).ok()?;
+        serde_json::from_str(&text).ok()
+    };
+    let step = |name: &str| record(name).and_then(|r| r["step"].as_u64()).unwrap_or(0);
+    let first = [
+        "local-worker-0.0",
+        "local-worker-0.1",
+        "local-worker-1.0",
+        "local-worker-1.1",
+    ];
+    eventually(240, "4 processes training at world 4", async || {
+        Ok(first
+            .iter()
+            .all(|n| step(n) >= 5 && record(n).is_some_and(|r| r["world"] == 4)))
+    })
+    .await?;
+    let st = status(&ctx, &ns, "local").await?;
+    let ring = st.ring.context("no ring in the status")?;
+    ensure!(
+        (ring.size, ring.processes_per_worker, ring.world_size) == (2, 2, 4),
+        "layout {ring:?}"
+    );
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let launcher = pid_of(&pods.get("local-worker-1").await?)?;
+    let killed = record("local-worker-1.1").context("no record")?["pid"]
+        .as_u64()
+        .context("no pid")? as u32;
+    ensure!(
+        children(launcher)?.contains(&killed),
+        "{killed} is not a process of worker 1's launcher {launcher}"
+    );
+    let survivors: Vec<u64> = ["local-worker-0.0", "local-worker-0.1"]
+        .iter()
+        .map(|n| record(n).and_then(|r| r["pid"].as_u64()).unwrap_or(0))
+        .collect();
+    signal(killed, libc::SIGKILL);
+    let st = finished(&ctx, &ns, "local", 300).await?;
+    ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
+    ensure!(st.repairs.total >= 1, "repairs {:?}", st.repairs);
+    for (name, pid) in ["local-worker-0.0", "local-worker-0.1"]
+        .iter()
+        .zip(&survivors)
+    {
+        let r = record(name).context("no record")?;
+        ensure!(
+            r["pid"].as_u64() == Some(*pid),
+            "{name} changed its process: {r}"
+        );
+        ensure!(
+            r["step"] == 300 && r["generation"].as_u64() > Some(1),
+            "{name}: {r}"
+        );
+    }
+    Ok(())
 }

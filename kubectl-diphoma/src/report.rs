@@ -59,14 +59,35 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map_or_else(|| "-".to_owned(), |v| v.to_string())
 }
 
+/// The training processes each worker pod of `pods` runs: the operator's
+/// `DIPHOMA_PROCESSES_PER_WORKER` on a worker container (the largest found), else 1.
+pub fn processes_per_worker(pods: &BTreeMap<String, Pod>) -> u32 {
+    pods.values()
+        .filter_map(|p| {
+            let c = p.spec.as_ref()?.containers.first()?;
+            let e = c
+                .env
+                .iter()
+                .flatten()
+                .find(|e| e.name == diphoma_contract::ENV_PROCESSES_PER_WORKER)?;
+            e.value.as_deref()?.parse::<u32>().ok()
+        })
+        .max()
+        .unwrap_or(1)
+        .max(1)
+}
+
 /// `kubectl diphoma ring`: the generation, then per rank its pod, node, ring address, readiness,
 /// and the last step and loss from its metrics (`-` where unknown). `pods` and `metrics` are
-/// looked up by pod name.
+/// looked up by pod name. Where the pods run several processes each
+/// ([`processes_per_worker`]), the first line gives the layout (`P pods × L processes = W
+/// ranks`) and each pod's row its processes' ring ranks (`RANKS`, `p·L ..= p·L + L − 1`).
 pub fn ring(
     m: &Membership,
     pods: &BTreeMap<String, Pod>,
     metrics: &BTreeMap<String, Samples>,
 ) -> String {
+    let processes = processes_per_worker(pods);
     let rows: Vec<Vec<String>> = m
         .members
         .iter()
@@ -75,17 +96,34 @@ pub fn ring(
             let node = pod.and_then(|p| p.spec.as_ref()?.node_name.clone());
             let s = metrics.get(&mem.pod);
             let get = |k: &str| s.and_then(|s| s.get(k).copied());
-            vec![
-                mem.rank.to_string(),
+            let mut row = vec![mem.rank.to_string()];
+            if processes > 1 {
+                let first = mem.rank * processes;
+                row.push(format!("{first}-{}", first + processes - 1));
+            }
+            row.extend([
                 mem.pod.clone(),
                 opt(node),
                 format!("{}:{}", mem.address, mem.port),
                 pod.map_or("gone".into(), |p| pod_ready(p).to_string()),
                 opt(get("diphoma_worker_step")),
                 opt(get("diphoma_worker_loss").map(|l| format!("{l:.4}"))),
-            ]
+            ]);
+            row
         })
         .collect();
+    if processes > 1 {
+        let header = [
+            "RANK", "RANKS", "POD", "NODE", "ADDRESS", "READY", "STEP", "LOSS",
+        ];
+        let pods_n = m.members.len();
+        return format!(
+            "generation {} ({pods_n} pods × {processes} processes = {} ranks)\n{}",
+            m.generation,
+            pods_n * processes as usize,
+            table(&header, &rows)
+        );
+    }
     let header = ["RANK", "POD", "NODE", "ADDRESS", "READY", "STEP", "LOSS"];
     format!("generation {}\n{}", m.generation, table(&header, &rows))
 }
@@ -309,6 +347,27 @@ mod tests {
             "# HELP diphoma_worker_step x\ndiphoma_worker_step 42\nlabelled{a=\"b\"} 1\nbad x\n",
         );
         assert_eq!(s, Samples::from([("diphoma_worker_step".into(), 42.0)]));
+    }
+
+    #[test]
+    fn ring_shows_the_layout_of_pods_of_several_processes() {
+        let p0 = pod(
+            json!({"metadata": {"name": "j-worker-0"}, "spec": {"containers": [{"name": "w",
+            "env": [{"name": "DIPHOMA_PROCESSES_PER_WORKER", "value": "8"}]}]}}),
+        );
+        let pods = BTreeMap::from([("j-worker-0".to_owned(), p0)]);
+        assert_eq!(processes_per_worker(&pods), 8);
+        assert_eq!(processes_per_worker(&BTreeMap::new()), 1);
+        let out = ring(&membership(), &pods, &BTreeMap::new());
+        let lines: Vec<&str> = out.lines().collect();
+        let n = membership().members.len();
+        assert_eq!(
+            lines[0],
+            format!("generation 3 ({n} pods × 8 processes = {} ranks)", n * 8)
+        );
+        assert!(lines[1].starts_with("RANK   RANKS"), "{}", lines[1]);
+        let r1: Vec<&str> = lines[3].split_whitespace().collect();
+        assert_eq!(r1[..2], ["1", "8-15"]);
     }
 
     #[test]

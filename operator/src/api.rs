@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::PodTemplateSpec;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
@@ -53,6 +54,10 @@ const GANG_MESSAGE: &str = "spec.gang is immutable: the workers point at their g
 pub(crate) const GANG_RULE: &str = "(has(self.gang) && has(self.gang.scheduler) ? self.gang.scheduler : 'None') == (has(oldSelf.gang) && has(oldSelf.gang.scheduler) ? oldSelf.gang.scheduler : 'None')";
 
 const RING_PORT_METRICS_MESSAGE: &str = "spec.ringPort and the rendezvous store's port after it (spec.ringPort + 1) must not be 9400, the workers' metrics port";
+/// The processes' ports (`ringPort + 2·l`, `l < P`, P the effective `processesPerWorker`) end
+/// below 65536 and do not reach the metrics port 9400 from below.
+const PROCESS_PORTS_RULE: &str = "(has(self.ringPort) ? self.ringPort : 29500) + 2 * ((has(self.processesPerWorker) ? self.processesPerWorker : (has(self.gpusPerWorker) && self.gpusPerWorker > 0 ? self.gpusPerWorker : 1)) - 1) <= 65535 && ((has(self.ringPort) ? self.ringPort : 29500) > 9400 || (has(self.ringPort) ? self.ringPort : 29500) + 2 * ((has(self.processesPerWorker) ? self.processesPerWorker : (has(self.gpusPerWorker) && self.gpusPerWorker > 0 ? self.gpusPerWorker : 1)) - 1) < 9399)";
+const PROCESS_PORTS_MESSAGE: &str = "spec.processesPerWorker: local rank l listens at spec.ringPort + 2*l, so spec.ringPort + 2*(processesPerWorker - 1) must be at most 65535 and the ports must not reach the metrics port 9400 (choose another spec.ringPort)";
 const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers listen on it (delete and re-create the job to change it)";
 
 /// A distributed data-parallel training job: a ring of worker pods that the operator keeps alive,
@@ -126,6 +131,7 @@ const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers
 #[x_kube(validation = Rule::new(gpu_rule("requests")).message(GPU_MESSAGE).field_path(".gpusPerWorker"))]
 #[x_kube(validation = Rule::new("!has(self.elastic) || (self.elastic.minReplicas <= self.replicas && self.replicas <= self.elastic.maxReplicas)")
     .message("spec.replicas must lie within [spec.elastic.minReplicas, spec.elastic.maxReplicas]").field_path(".replicas"))]
+#[x_kube(validation = Rule::new(PROCESS_PORTS_RULE).message(PROCESS_PORTS_MESSAGE).field_path(".processesPerWorker"))]
 #[x_kube(validation = Rule::new(MANAGED_BY_RULE).message(MANAGED_BY_MESSAGE).field_path(".managedBy"))]
 #[x_kube(validation = Rule::new(GANG_RULE).message(GANG_MESSAGE).field_path(".gang"))]
 #[serde(rename_all = "camelCase")]
@@ -145,6 +151,28 @@ pub struct DiphomaJobSpec {
     #[serde(default)]
     #[schemars(range(min = 0, max = 64))]
     pub gpus_per_worker: i32,
+    /// Training processes in each worker pod, one per GPU as `torchrun --nproc-per-node` runs
+    /// them (absent: `gpusPerWorker` when it is above 0, else 1; at least 1, at most 64). The
+    /// pod's launcher (`python -m diphoma.run`, told by `DIPHOMA_PROCESSES_PER_WORKER`) starts
+    /// them with `LOCAL_RANK` `0..P`, `RANK` = pod rank × P + local rank and `WORLD_SIZE` =
+    /// pods × P; each picks `cuda:LOCAL_RANK` itself (`CUDA_VISIBLE_DEVICES` is not set). The pod
+    /// stays the ring's member and the unit of failure and repair: a process that fails takes
+    /// its pod out and the pod is replaced. Local rank `l` listens at `ringPort + 2·l` (the
+    /// store keeps `ringPort + 1`), so the ports `ringPort ..= ringPort + 2·(P − 1)` must stay
+    /// clear of the metrics port 9400 and below 65536. With P > 1 each worker gets an
+    /// in-memory `/dev/shm` (see `sharedMemory`). A worker that is not started by that
+    /// launcher (the Rust worker image, a script run by plain `python`) stays one process and
+    /// one ring rank per pod. An edit while workers run replaces them all at once (see
+    /// `template`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub processes_per_worker: Option<i32>,
+    /// Size limit of the in-memory `/dev/shm` (`emptyDir`, `medium: Memory`, counted against the
+    /// pod's memory) that workers running more than one process get, for the local processes'
+    /// shared memory (data-loader workers, intra-pod exchanges). Absent: 2Gi per process. A
+    /// template that mounts its own `/dev/shm` keeps it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_memory: Option<Quantity>,
     /// Where workers may run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placement: Option<Placement>,
@@ -652,8 +680,14 @@ impl Phase {
 pub struct RingStatus {
     /// Generation number (strictly increasing).
     pub generation: i64,
-    /// Members in this generation.
+    /// Members (worker pods) in this generation.
     pub size: i32,
+    /// Training processes in each member (`spec.processesPerWorker` in effect).
+    #[serde(default = "one")]
+    pub processes_per_worker: i32,
+    /// Ranks of the training processes' ring: `size × processesPerWorker`.
+    #[serde(default)]
+    pub world_size: i32,
     /// ConfigMap holding the full membership (rank → pod, address).
     pub config_map: String,
     /// Members of this generation that have left and were already accounted for (a counted
@@ -843,7 +877,38 @@ pub fn preserved_array(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({"type": "array", "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}})
 }
 
+fn one() -> i32 {
+    1
+}
+
+/// The in-memory `/dev/shm` of a worker running several processes: this much per process when
+/// `spec.sharedMemory` is absent, in GiB.
+pub const DEFAULT_SHARED_MEMORY_GIB_PER_PROCESS: i32 = 2;
+
 impl DiphomaJobSpec {
+    /// The training processes in each worker pod: `processesPerWorker`, else `gpusPerWorker`
+    /// when above 0, else 1 (the API server keeps a set value within 1..=64).
+    pub fn processes_per_worker(&self) -> i32 {
+        self.processes_per_worker
+            .unwrap_or(if self.gpus_per_worker > 0 {
+                self.gpus_per_worker
+            } else {
+                1
+            })
+    }
+
+    /// The size limit of the workers' in-memory `/dev/shm` ([`Self::shared_memory`], else
+    /// [`DEFAULT_SHARED_MEMORY_GIB_PER_PROCESS`] per process); `None` with one process (no
+    /// volume is added).
+    pub fn shm_size_limit(&self) -> Option<Quantity> {
+        let p = self.processes_per_worker();
+        (p > 1).then(|| {
+            self.shared_memory.clone().unwrap_or_else(|| {
+                Quantity(format!("{}Gi", p * DEFAULT_SHARED_MEMORY_GIB_PER_PROCESS))
+            })
+        })
+    }
+
     /// Whether this operator runs the job (`spec.managedBy` absent or [`CONTROLLER_NAME`]).
     pub fn managed_here(&self) -> bool {
         self.managed_by

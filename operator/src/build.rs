@@ -13,9 +13,10 @@ use diphoma_contract::{
     LABEL_REPLICA_INDEX, MEMBERSHIP_KEY, Membership,
 };
 use k8s_openapi::api::core::v1::{
-    Affinity, ConfigMap, Container, ContainerPort, EnvVar, EnvVarSource, NodeSelectorRequirement,
-    NodeSelectorTerm, ObjectFieldSelector, Pod, PodSpec, Secret, SecretVolumeSource, Service,
-    ServiceAccount, ServicePort, ServiceSpec, Toleration, Volume, VolumeMount, WorkloadReference,
+    Affinity, ConfigMap, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
+    NodeSelectorRequirement, NodeSelectorTerm, ObjectFieldSelector, Pod, PodSpec, Secret,
+    SecretVolumeSource, Service, ServiceAccount, ServicePort, ServiceSpec, Toleration, Volume,
+    VolumeMount, WorkloadReference,
 };
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
@@ -49,6 +50,10 @@ pub const CHECKPOINT_MOUNT_DIR: &str = "/var/lib/diphoma/checkpoints";
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
 /// Environment variable NVIDIA's container runtime reads; `void` exposes no GPU.
 pub const NVIDIA_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
+/// The in-memory volume of a worker running several processes, and where it is mounted.
+pub const SHM_VOLUME: &str = "diphoma-shm";
+/// See [`SHM_VOLUME`].
+pub const SHM_PATH: &str = "/dev/shm";
 
 /// Name of the per-job key Secret.
 pub fn key_secret_name(job: &str) -> String {
@@ -155,6 +160,50 @@ pub enum BuildError {
         /// The job.
         job: String,
     },
+    /// `spec.processesPerWorker` is out of range (the CRD's schema and rules refuse it at
+    /// apply; this catches a job that bypassed them).
+    #[error("job {job}: spec.processesPerWorker {processes}: {problem}")]
+    ProcessesPerWorker {
+        /// The job.
+        job: String,
+        /// The value in effect (`gpusPerWorker` when the field is absent).
+        processes: i32,
+        /// What is wrong with it.
+        problem: String,
+    },
+}
+
+/// The training processes each worker of `job` runs ([`crate::api::DiphomaJobSpec::processes_per_worker`]),
+/// checked: at least 1, at most [`contract::MAX_PROCESSES_PER_WORKER`], and their ports
+/// ([`contract::process_port`], `ringPort + 2·l`) below 65536 and clear of the metrics port.
+///
+/// # Errors
+/// [`BuildError::ProcessesPerWorker`] naming the field and what is wrong.
+pub fn processes_per_worker(job: &DiphomaJob) -> Result<i32, BuildError> {
+    let spec = &job.spec;
+    let processes = spec.processes_per_worker();
+    let bad = |problem: String| BuildError::ProcessesPerWorker {
+        job: job.name_any(),
+        processes,
+        problem,
+    };
+    let max = contract::MAX_PROCESSES_PER_WORKER;
+    let p = u32::try_from(processes)
+        .ok()
+        .filter(|p| (1..=max).contains(p))
+        .ok_or_else(|| bad(format!("must be 1..={max}")))?;
+    let ring = u16::try_from(spec.ring_port).unwrap_or(u16::MAX);
+    let last = contract::last_port(ring, p);
+    let metrics = u32::from(contract::DEFAULT_METRICS_PORT);
+    if last > u32::from(u16::MAX) || (u32::from(ring) <= metrics && metrics <= last + 1) {
+        return Err(bad(format!(
+            "local rank {} would listen at spec.ringPort {} + {}: above 65535 or reaching the metrics port {metrics}",
+            p - 1,
+            spec.ring_port,
+            2 * (p - 1)
+        )));
+    }
+    Ok(processes)
 }
 
 /// A digest of everything in the spec that a worker is built from and that its ring peers must
@@ -179,6 +228,19 @@ pub fn worker_spec_digest(job: &DiphomaJob) -> String {
         s.sync,
         s.fault_tolerance.detection_seconds,
     ]);
+    // Appended only when not 1 (set), so that a job of one process per worker keeps its digest
+    // across the upgrade that introduced them (its workers are not replaced); a GPU job whose
+    // default became one process per GPU is replaced at once, never a ring of both layouts.
+    let mut shaping = shaping;
+    if let Some(list) = shaping.as_array_mut() {
+        let p = s.processes_per_worker();
+        if p != 1 {
+            list.push(serde_json::json!({ "processesPerWorker": p }));
+        }
+        if let Some(m) = &s.shared_memory {
+            list.push(serde_json::json!({ "sharedMemory": m }));
+        }
+    }
     let hash = sha2::Sha256::digest(shaping.to_string().as_bytes());
     hash[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -188,7 +250,12 @@ pub fn worker_spec_digest(job: &DiphomaJob) -> String {
 /// `restartPolicy` is `Never`: the operator replaces failed workers itself. The first container
 /// is the worker.
 ///
-/// Errors: [`BuildError`] naming the job when the template has no pod spec or no container.
+/// With several processes per worker ([`processes_per_worker`]) it also gets their ports and
+/// an in-memory `/dev/shm` ([`crate::api::DiphomaJobSpec::shm_size_limit`]) unless the template
+/// mounts one.
+///
+/// Errors: [`BuildError`] naming the job when the template has no pod spec or no container,
+/// or `spec.processesPerWorker` is out of range.
 pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Result<Pod, BuildError> {
     let spec = &job.spec;
     let name = job.name_any();
@@ -202,7 +269,31 @@ pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Result<Pod, Bui
         .containers
         .first_mut()
         .ok_or_else(|| BuildError::NoContainer { job: name.clone() })?;
-    worker_container(job, c);
+    let processes = processes_per_worker(job)?;
+    worker_container(job, c, processes);
+    if let Some(size) = job.spec.shm_size_limit()
+        && !c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.mount_path.trim_end_matches('/') == SHM_PATH)
+    {
+        // The local processes share memory (data-loader workers, intra-pod exchanges); the
+        // container runtime's default /dev/shm is 64 MiB.
+        c.volume_mounts.get_or_insert_default().push(VolumeMount {
+            name: SHM_VOLUME.into(),
+            mount_path: SHM_PATH.into(),
+            ..Default::default()
+        });
+        pod_spec.volumes.get_or_insert_default().push(Volume {
+            name: SHM_VOLUME.into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some("Memory".into()),
+                size_limit: Some(size),
+            }),
+            ..Default::default()
+        });
+    }
     pod_spec.volumes.get_or_insert_default().push(Volume {
         name: "diphoma-key".into(),
         secret: Some(SecretVolumeSource {
@@ -261,7 +352,7 @@ fn store_port(ring_port: i32) -> i32 {
 /// limits (and requests, where the template has requests), and, unless the template sets one,
 /// `terminationMessagePolicy: FallbackToLogsOnError` (a failed worker's last log lines, such as
 /// a Python traceback, become its termination message and `status.lastFailure.message`).
-fn worker_container(job: &DiphomaJob, c: &mut Container) {
+fn worker_container(job: &DiphomaJob, c: &mut Container, processes: i32) {
     let spec = &job.spec;
     c.termination_message_policy
         .get_or_insert_with(|| "FallbackToLogsOnError".into());
@@ -312,6 +403,7 @@ fn worker_container(job: &DiphomaJob, c: &mut Container) {
             spec.balance.every_steps.to_string(),
         ),
         value(contract::ENV_SYNC_EVERY, spec.sync.period().to_string()),
+        value(contract::ENV_PROCESSES_PER_WORKER, processes.to_string()),
     ];
     let mut contract_env = contract_env.to_vec();
     if spec.gpus_per_worker == 0 {
@@ -338,6 +430,14 @@ fn worker_container(job: &DiphomaJob, c: &mut Container) {
             "TCP",
         ),
     ]);
+    // Local rank l ≥ 1 at ringPort + 2·l (contract::process_port), TCP and UDP like rank 0's.
+    for l in 1..processes {
+        let p = spec.ring_port + 2 * l;
+        c.ports.get_or_insert_default().extend([
+            port(&format!("ring-{l}"), p, "TCP"),
+            port(&format!("liveness-{l}"), p, "UDP"),
+        ]);
+    }
     let mounts = c.volume_mounts.get_or_insert_default();
     if let Some(cp) = &spec.checkpoint {
         // Rank 0 checkpoints into the named volume: where the template mounts it, else here.
@@ -533,6 +633,12 @@ pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
         port: Some(IntOrString::Int(port)),
         ..Default::default()
     };
+    // The ring ports of every local process: ringPort ..= ringPort + 2·(P − 1).
+    let last = job.spec.ring_port + 2 * (job.spec.processes_per_worker().max(1) - 1);
+    let ring = |protocol: &str| NetworkPolicyPort {
+        end_port: (last > job.spec.ring_port).then_some(last),
+        ..on(protocol, job.spec.ring_port)
+    };
     NetworkPolicy {
         metadata: meta(job, job.name_any()),
         spec: Some(NetworkPolicySpec {
@@ -544,17 +650,14 @@ pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
                         pod_selector: Some(workers),
                         ..Default::default()
                     }]),
-                    ports: Some(vec![
-                        on("TCP", job.spec.ring_port),
-                        on("TCP", store_port(job.spec.ring_port)),
-                    ]),
+                    ports: Some(vec![ring("TCP"), on("TCP", store_port(job.spec.ring_port))]),
                 },
                 // The liveness port answers anyone: the operator's probe of a silent member, and
                 // its peers'. A pong is as long as its ping and only a key holder can check it.
                 NetworkPolicyIngressRule {
                     from: None,
                     ports: Some(vec![
-                        on("UDP", job.spec.ring_port),
+                        ring("UDP"),
                         on("TCP", contract::DEFAULT_METRICS_PORT.into()),
                     ]),
                 },
@@ -873,6 +976,126 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn processes_per_worker_defaults_to_the_gpus_and_is_checked_by_name() {
+        let mut j = basic();
+        assert_eq!(j.spec.processes_per_worker(), 2, "gpusPerWorker 2");
+        j.spec.gpus_per_worker = 0;
+        assert_eq!(j.spec.processes_per_worker(), 1, "a CPU worker: 1");
+        j.spec.processes_per_worker = Some(3);
+        assert_eq!(processes_per_worker(&j).unwrap(), 3);
+        for (p, port) in [(0, 29500), (65, 29500), (2, 65534), (4, 9394)] {
+            j.spec.processes_per_worker = Some(p);
+            j.spec.ring_port = port;
+            let e = processes_per_worker(&j).unwrap_err().to_string();
+            assert!(e.contains("spec.processesPerWorker"), "{e}");
+            assert!(worker_pod(&j, 0, 0).is_err(), "{p} at {port}");
+        }
+        j.spec.ring_port = 9402;
+        j.spec.processes_per_worker = Some(4);
+        assert_eq!(
+            processes_per_worker(&j).unwrap(),
+            4,
+            "above the metrics port"
+        );
+        // The CRD refuses the same at apply, naming the field.
+        let crd = serde_json::to_string(&<DiphomaJob as kube::CustomResourceExt>::crd()).unwrap();
+        assert!(
+            crd.contains("spec.processesPerWorker: local rank l listens at spec.ringPort + 2*l")
+        );
+    }
+
+    #[test]
+    fn workers_of_several_processes_get_the_layout_their_ports_and_shared_memory() {
+        let mut j = basic();
+        j.spec.processes_per_worker = Some(8);
+        j.spec.gpus_per_worker = 8;
+        let p = worker_pod(&j, 0, 0).unwrap();
+        let spec = p.spec.as_ref().unwrap();
+        let c = &spec.containers[0];
+        let env: Vec<_> = c
+            .env
+            .iter()
+            .flatten()
+            .map(|e| (e.name.as_str(), e.value.as_deref()))
+            .collect();
+        assert!(env.contains(&(contract::ENV_PROCESSES_PER_WORKER, Some("8"))));
+        assert!(
+            !env.iter()
+                .any(|(n, _)| *n == "CUDA_VISIBLE_DEVICES" || *n == NVIDIA_VISIBLE_DEVICES)
+        );
+        let ports: Vec<_> = c
+            .ports
+            .iter()
+            .flatten()
+            .map(|p| (p.name.as_deref().unwrap(), p.container_port))
+            .collect();
+        assert!(ports.contains(&("ring-7", 29514)) && ports.contains(&("liveness-7", 29514)));
+        assert!(ports.contains(&("store", 29501)));
+        let shm = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == SHM_VOLUME)
+            .unwrap();
+        let dir = shm.empty_dir.as_ref().unwrap();
+        assert_eq!(dir.medium.as_deref(), Some("Memory"));
+        assert_eq!(
+            dir.size_limit,
+            Some(Quantity("16Gi".into())),
+            "2Gi per process"
+        );
+        assert!(
+            c.volume_mounts
+                .iter()
+                .flatten()
+                .any(|m| m.name == SHM_VOLUME && m.mount_path == SHM_PATH)
+        );
+        j.spec.shared_memory = Some(Quantity("40Gi".into()));
+        let p = worker_pod(&j, 0, 0).unwrap();
+        let vols = p.spec.unwrap().volumes.unwrap();
+        assert_eq!(
+            vols.iter()
+                .find(|v| v.name == SHM_VOLUME)
+                .unwrap()
+                .empty_dir
+                .as_ref()
+                .unwrap()
+                .size_limit,
+            Some(Quantity("40Gi".into()))
+        );
+        // The NetworkPolicy admits every process's ring port.
+        let np = network_policy(&j);
+        let rules = np.spec.unwrap().ingress.unwrap();
+        let ring = &rules[0].ports.as_ref().unwrap()[0];
+        assert_eq!(
+            (ring.port.clone(), ring.end_port),
+            (Some(IntOrString::Int(29500)), Some(29514))
+        );
+        // One process: no volume, no extra port, and the digest of a job that predates the field.
+        let mut one = basic();
+        one.spec.gpus_per_worker = 0;
+        let before = worker_spec_digest(&one);
+        let p = worker_pod(&one, 0, 0).unwrap();
+        let spec = p.spec.unwrap();
+        assert!(!spec.volumes.iter().flatten().any(|v| v.name == SHM_VOLUME));
+        assert!(
+            !spec.containers[0]
+                .ports
+                .iter()
+                .flatten()
+                .any(|p| p.name.as_deref() == Some("ring-1"))
+        );
+        one.spec.processes_per_worker = Some(2);
+        assert_ne!(
+            worker_spec_digest(&one),
+            before,
+            "a new layout is a new worker spec"
+        );
+        one.spec.processes_per_worker = Some(1);
+        assert_eq!(worker_spec_digest(&one), before);
+    }
+
+    #[test]
     fn gpu_workers_need_only_the_resource_and_cpu_workers_see_no_gpu() {
         let gpu = worker_pod(&basic(), 0, 0).unwrap();
         let spec = gpu.spec.as_ref().unwrap();
@@ -1095,7 +1318,13 @@ pub(crate) mod tests {
     fn the_worker_spec_digest_is_pinned_so_an_upgrade_rolls_no_ring() {
         // A change here rolls every running job when the operator is upgraded: make it only
         // with a serialisation that keeps the old digests (a new field absent when unset).
-        assert_eq!(worker_spec_digest(&basic()), "0ddbddf00d140e95");
+        // One process per worker keeps the digest of before `processesPerWorker`; a job of
+        // several GPUs per worker, whose default became one process per GPU, rolls once at
+        // the upgrade (its new workers could not share a ring with the old ones' layout).
+        let mut one = basic();
+        one.spec.processes_per_worker = Some(1);
+        assert_eq!(worker_spec_digest(&one), "0ddbddf00d140e95");
+        assert_eq!(worker_spec_digest(&basic()), "51623d1e20468214");
         let mut placed = basic();
         placed.spec.placement = Some(crate::api::Placement {
             node_selector: [("pool".to_owned(), "a".to_owned())].into(),

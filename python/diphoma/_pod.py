@@ -1,6 +1,12 @@
 """``python -m diphoma.run SCRIPT`` in a DiphomaJob's worker pod: torchrun's agent for one pod.
 
-The pod is one member of the job's ring; its training process (``SCRIPT`` through
+The pod is one member of the job's ring; it runs ``spec.processesPerWorker`` training
+processes (``DIPHOMA_PROCESSES_PER_WORKER``, one per GPU, as ``torchrun --nproc-per-node``;
+below "the process" is each of them): local rank ``l`` of ``P`` at pod rank ``p`` is ring rank
+``p·P + l`` of ``pods·P`` (``pod_env``; the contract's ``local`` module gives its ring port).
+The pod stays the unit of membership and failure: one process that fails takes the pod out
+(its siblings are stopped, the launcher exits with its code, ``group_exit``), one whose ring
+failed restarts with all of them. Its training process (``SCRIPT`` through
 ``diphoma._boot``, unchanged: it reads ``RANK``/``LOCAL_RANK``, joins with
 ``init_process_group(backend="diphoma")`` through ``env://`` and resumes from its own
 snapshot) runs at one ring generation with torchrun's variables for it (``pod_env``): ``RANK``
@@ -50,18 +56,68 @@ def host_of(address):
     return address.rsplit(":", 1)[0].strip("[]")
 
 
-def pod_env(generation, rank, members, restart, store_port, run_id, base):
-    """The environment of the pod's training process at ring generation ``generation``, where
-    this pod is ``rank`` of ``members`` (``(pod, "IP:port")`` by rank): ``base`` with torchrun's
-    variables (``torchrun_env``) for one process on node ``rank`` of ``len(members)``, the
-    rendezvous store at rank 0's IP and ``store_port``, restarted ``restart`` times, and
-    ``DIPHOMA_GENERATION`` (the generation the process must join, see ``diphoma.torch``)."""
+def pod_env(generation, rank, members, restart, store_port, run_id, base, local_rank=0, processes=1):
+    """The environment of local rank ``local_rank`` of the pod's ``processes`` training
+    processes at ring generation ``generation``, where this pod is ``rank`` of ``members``
+    (``(pod, "IP:port")`` by rank): ``base`` with torchrun's variables (``torchrun_env``) for
+    process ``local_rank`` on node ``rank`` of ``len(members)`` (``RANK`` = ``rank·processes +
+    local_rank``, ``WORLD_SIZE`` = ``len(members)·processes``, ``GROUP_RANK`` = ``rank``), the
+    rendezvous store at rank 0's IP and ``store_port``, restarted ``restart`` times,
+    ``DIPHOMA_GENERATION`` (the generation the process must join, see ``diphoma.torch``) and
+    the layout (``local_env``). ``CUDA_VISIBLE_DEVICES`` is left as it is: as under torchrun,
+    the process picks ``cuda:LOCAL_RANK`` itself."""
     world = len(members)
-    env = base_env(1, base)
-    env.update(torchrun_env(rank, world, store_port, restart, run_id, local_rank=0, local_world=1,
-                            group_rank=rank, group_world=world, master_addr=host_of(members[0][1])))
+    env = base_env(processes, base)
+    env.update(torchrun_env(rank * processes + local_rank, world * processes, store_port, restart, run_id,
+                            local_rank=local_rank, local_world=processes, group_rank=rank, group_world=world,
+                            master_addr=host_of(members[0][1])))
+    env.update(local_env(local_rank, processes))
     env["DIPHOMA_GENERATION"] = str(generation)
     return env
+
+
+def local_env(local_rank, processes):
+    """The layout variables of local rank ``local_rank`` of ``processes``: the contract's
+    ``DIPHOMA_LOCAL_RANK`` and ``DIPHOMA_PROCESSES_PER_WORKER`` (the ring rank and port its
+    ``diphoma`` process group takes, see ``contract::local``) and torchrun's ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``."""
+    return {"DIPHOMA_LOCAL_RANK": str(local_rank), "DIPHOMA_PROCESSES_PER_WORKER": str(processes),
+            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(processes)}
+
+
+def processes_per_worker(nproc, env):
+    """How many training processes this pod runs: the operator's ``DIPHOMA_PROCESSES_PER_WORKER``
+    (``spec.processesPerWorker``; unset: 1); ``nproc`` (``--nproc-per-node``) must be 1 (the
+    default: follow the job) or equal to it. Raises ``ConfigError`` naming both otherwise."""
+    from diphoma import ConfigError
+
+    raw = env.get("DIPHOMA_PROCESSES_PER_WORKER", "").strip() or "1"
+    try:
+        processes = int(raw)
+    except ValueError:
+        raise ConfigError(f"DIPHOMA_PROCESSES_PER_WORKER {raw!r} is not a whole number") from None
+    if processes < 1:
+        raise ConfigError(f"DIPHOMA_PROCESSES_PER_WORKER {processes} is not at least 1")
+    if nproc not in (1, processes):
+        raise ConfigError(f"--nproc-per-node {nproc}, but the job's spec.processesPerWorker is {processes} "
+                          "(DIPHOMA_PROCESSES_PER_WORKER): set spec.processesPerWorker, the launcher follows it")
+    return processes
+
+
+def group_exit(codes, errors):
+    """The pod's processes as one (pure): ``codes`` their exit statuses by local rank (``None``
+    while running), ``errors`` their error files' texts. Returns ``(rc, error, local_rank)``:
+    ``(None, "", None)`` while none failed and some still run, ``(0, "", None)`` once all
+    exited 0, else the failure that took the pod out: a process's own failure (its exception,
+    a signal from outside: ``fault`` is ``None``) before a ring fault, which its siblings'
+    collectives get as a consequence; the lowest local rank among equals."""
+    failed = [(fault(errors[l]) is not None, l) for l, c in enumerate(codes) if c not in (None, 0)]
+    if failed:
+        _, l = min(failed)
+        return codes[l], errors[l], l
+    if all(c == 0 for c in codes):
+        return 0, "", None
+    return None, "", None
 
 
 def fault(error):
@@ -145,28 +201,82 @@ def log(text):
     print(f"diphoma.run: {text}", file=sys.stderr, flush=True)
 
 
-def stop(proc, grace):
-    """Gives ``proc`` ``grace`` s to exit by itself, then SIGKILL (its ring's SIGTERM handler
-    would only ask it to leave at a step boundary, which an unchanged script never reaches);
-    then SIGKILL to what is left of its session (data-loader workers, helpers: it was started
-    in a session of its own). Returns its exit status."""
+def stop(procs, grace):
+    """Gives each of ``procs`` (the pod's processes) until ``grace`` s from now to exit by
+    itself, then SIGKILL (its ring's SIGTERM handler would only ask it to leave at a step
+    boundary, which an unchanged script never reaches); then SIGKILL to what is left of its
+    session (data-loader workers, helpers: each was started in a session of its own). Returns
+    their exit statuses."""
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return [proc.returncode for proc in procs]
+
+
+def start(entry, args, envs):
+    """Starts one process per environment of ``envs`` (by local rank), each in a session of
+    its own."""
+    return [subprocess.Popen([entry, *args], env=env, start_new_session=True) for env in envs]
+
+
+def main_elastic(a, processes):
+    """``--elastic`` in a pod: the pod's ``processes`` processes of an elastic script
+    (``diphoma.torch.elastic``, which follows the ring itself and re-forms in its own process)
+    are started once, each with its layout (``local_env``), and supervised: one that fails
+    (an exception, a signal) takes the pod out: its siblings get SIGKILL at once (their ring
+    is broken without it, and the pod is the ring's member) and the launcher exits with its
+    code, so the operator replaces the pod while the other pods' processes go on at the next
+    generation. All exiting 0 ends it with 0; SIGTERM is passed on (``--grace`` s, then
+    SIGKILL). The ring's variables (``DIPHOMA_MEMBERSHIP`` in a pod, ``DIPHOMA_RING_DIR`` with
+    ``DIPHOMA_POD_NAME`` for a local stand-in of a pod) pass through."""
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    envs = [dict(base_env(processes, os.environ), **local_env(l, processes)) for l in range(processes)]
+    procs = start(sys.executable, ("-u", a.script, *a.args), envs)
+    pod = os.environ.get("DIPHOMA_POD_NAME", "this pod")
     try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    return proc.returncode
+        while not stopping:
+            codes = [p.poll() for p in procs]
+            rc, _, l = group_exit(codes, [""] * processes)
+            if rc == 0:
+                return 0
+            if rc is not None:
+                log(f"local rank {l} of {pod} exited with {exit_code(rc)}: stopping its {processes - 1} sibling(s), "
+                    f"the pod leaves the ring")
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                stop(procs, 0)
+                return exit_code(rc)
+            time.sleep(0.05)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        stop(procs, a.grace)
+        return 0
+    finally:
+        for p in procs:  # also on an exception of the launcher's own
+            if p.poll() is None:
+                p.kill()
+        stop(procs, 0)
 
 
 def main(a, tmp):
     """Runs ``a.script`` in this pod (see the module doc) until it is done; returns the exit code."""
     from diphoma import ConfigError, RingWatch
 
-    stopping = []  # SIGTERM (the pod deleted): stop the process, exit 0
+    processes = processes_per_worker(a.nproc, os.environ)
+    if a.elastic:
+        return main_elastic(a, processes)
+    stopping = []  # SIGTERM (the pod deleted): stop the processes, exit 0
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     if a.no_python:
         raise ConfigError("--no-python in a worker pod: the launcher tells the ring's faults from the script's own "
@@ -175,14 +285,11 @@ def main(a, tmp):
                         ("--local-ranks-filter", a.local_ranks_filter), ("--run-id", a.run_id),
                         ("--master-port", a.master_port)):
         if value:
-            log(f"{flag} is ignored in a worker pod: one process, its output the pod's log, the job's UID as run id, "
-                "the rendezvous store on spec.ringPort + 1")
+            log(f"{flag} is ignored in a worker pod: the processes' output is the pod's log, the job's UID the run "
+                "id, the rendezvous store on spec.ringPort + 1")
     if a.max_restarts:
         log(f"--max-restarts {a.max_restarts} is ignored in a worker pod: the job's faultTolerance.restartOnExitCodes "
             "and runPolicy.backoffLimit decide what a failure costs")
-    if a.nproc != 1:
-        raise ConfigError(f"--nproc-per-node {a.nproc}: a worker pod runs one training process (one per GPU is "
-                          "issue 27's spec.processesPerWorker); scale the job's replicas instead")
     try:
         store_port = int(os.environ["DIPHOMA_STORE_PORT"])
         detection = float(os.environ.get("DIPHOMA_DETECTION_SECONDS", "10"))
@@ -191,73 +298,96 @@ def main(a, tmp):
         raise ConfigError(f"the worker pod's environment: {e} (set by the operator)") from None
     watch = RingWatch.from_env()
     entry, args = command(a)
-    proc, running, restart, seen, members = None, None, 0, None, None
+    procs, running, restart, seen, members = None, None, 0, None, None
+    error_files = []
     causes = {}  # in-place restarts by cause, reported to the operator at each one
     stuck = 0  # restarts at the same generation in a row (the ring failed, none newer came)
-    while not stopping:
-        if proc is None:  # wait for a generation that lists this pod
-            g = watch.newest(seen, 0.5)
-            if g is None:
+
+    def errors():
+        return [error_text(f) for f in error_files]
+
+    try:
+        while not stopping:
+            if procs is None:  # wait for a generation that lists this pod
+                g = watch.newest(seen, 0.5)
+                if g is None:
+                    continue
+                seen = g[0]
+                if g[1] is None:
+                    if running is not None:
+                        log(f"generation {g[0]} does not list {watch.pod}: leaving")
+                        return 0
+                    continue
+                before = members if running is not None else None
+                running, rank, members = g
+                error_files = [os.path.join(tmp, f"error-{restart}-{l}.json") for l in range(processes)]
+                envs = [pod_env(running, rank, members, restart, store_port, run_id, os.environ, l, processes)
+                        for l in range(processes)]
+                for env, f in zip(envs, error_files):
+                    env.update(TORCHELASTIC_ERROR_FILE=f, DIPHOMA_LAUNCHER_PID=str(os.getpid()))
+                if restart:
+                    log(f"restart {restart} in place: pod rank {rank} of {len(members)}"
+                        f"{f' ({processes} processes)' if processes > 1 else ''} at generation {running}"
+                        f"{changes(before, members)}")
+                    why = restart_cause(before, members)
+                    causes[why] = causes.get(why, 0) + 1
+                    watch.report_restarts(causes, running)
+                procs = start(entry, args, envs)
                 continue
-            seen = g[0]
-            if g[1] is None:
-                if running is not None:
-                    log(f"generation {g[0]} does not list {watch.pod}: leaving")
-                    return 0
+            g = watch.newest(running, 0.2)
+            codes = [p.poll() for p in procs]
+            rc, error, local = group_exit(codes, errors() if any(codes) else [""] * processes)
+            if rc is not None:
+                # One failed (or all are done): the pod is one member, its processes one ring
+                # share; the others are stopped (they cannot go on without it).
+                for p in procs:
+                    if p.poll() is None and rc != 0:
+                        p.kill()
+                stop(procs, 0)  # what they left of their sessions
+            action = decide(running, rc, error, g and g[:2])
+            if action == "wait":
                 continue
-            before = members if running is not None else None
-            running, rank, members = g
-            error_file = os.path.join(tmp, f"error-{restart}.json")
-            env = pod_env(running, rank, members, restart, store_port, run_id, os.environ)
-            env.update(TORCHELASTIC_ERROR_FILE=error_file, DIPHOMA_LAUNCHER_PID=str(os.getpid()))
-            if restart:
-                log(f"restart {restart} in place: rank {rank} of {len(members)} at generation {running}"
-                    f"{changes(before, members)}")
-                why = restart_cause(before, members)
-                causes[why] = causes.get(why, 0) + 1
-                watch.report_restarts(causes, running)
-            proc = subprocess.Popen([entry, *args], env=env, start_new_session=True)
-            continue
-        g = watch.newest(running, 0.2)
-        rc = proc.poll()
-        if rc is not None:
-            stop(proc, 0)  # what it left of its session
-        action = decide(running, rc, error_text(error_file) if rc else "", g and g[:2])
-        if action == "wait":
-            continue
-        if action == "rejoin":
-            # The ring's loss makes the operator publish a new generation (within
-            # detectionSeconds); a store that went away was rank 0's restarting process.
-            what = fault(error_text(error_file))
-            log(f"rank {rank}'s {what} failed at generation {running} (exit {exit_code(rc)}): waiting for the next")
-            g = wait_newest(watch, running, 2 * detection if what == "ring" else 1.0, stopping)
-            if stopping:
-                break
-            stuck = 0 if g else stuck + 1
-            if stuck > MAX_STUCK:
-                log(f"rank {rank}'s {what} failed {stuck} times in a row at generation {running}, and no newer one "
-                    f"came: giving up with exit {exit_code(rc)}")
+            who = f"rank {rank}" if processes == 1 else f"pod rank {rank} (local rank {local})"
+            if action == "rejoin":
+                # The ring's loss makes the operator publish a new generation (within
+                # detectionSeconds); a store that went away was rank 0's restarting process.
+                what = fault(error)
+                log(f"{who}'s {what} failed at generation {running} (exit {exit_code(rc)}): waiting for the next")
+                g = wait_newest(watch, running, 2 * detection if what == "ring" else 1.0, stopping)
+                if stopping:
+                    break
+                stuck = 0 if g else stuck + 1
+                if stuck > MAX_STUCK:
+                    log(f"{who}'s {what} failed {stuck} times in a row at generation {running}, and no newer one "
+                        f"came: giving up with exit {exit_code(rc)}")
+                    return exit_code(rc)
+                action = decide(running, rc, "", g and g[:2]) if g else "restart"
+                g = g or (running, rank, members)
+            if action == "restart" and g[0] > running:
+                stuck = 0
+            if action == "fail":
+                said = error.splitlines()[:1]  # the exception, as the last log line
+                log(f"{who} ({watch.pod}) failed at generation {running} with exit {exit_code(rc)}"
+                    + "".join(f": {line}" for line in said))
                 return exit_code(rc)
-            action = decide(running, rc, "", g and g[:2]) if g else "restart"
-            g = g or (running, rank, members)
-        if action == "restart" and g[0] > running:
-            stuck = 0
-        if action == "fail":
-            said = error_text(error_file).splitlines()[:1]  # the exception, as the last log line
-            log(f"rank {rank} ({watch.pod}) failed at generation {running} with exit {exit_code(rc)}"
-                + "".join(f": {line}" for line in said))
-            return exit_code(rc)
-        if rc is None and stop(proc, a.grace) == 0:
-            action = "leave"  # it finished while it had its grace: done
-        proc = None
-        if action == "leave":
-            if g and g[1] is None:
-                log(f"generation {g[0]} does not list {watch.pod}: leaving")
-            return 0
-        restart += 1
-        seen = g[0] - 1  # start at it: the next wait returns it
-    if proc is not None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        stop(proc, a.grace)
-    return 0
+            if rc is None and all(c == 0 for c in stop(procs, a.grace)):
+                action = "leave"  # they finished while they had their grace: done
+            procs = None
+            if action == "leave":
+                if g and g[1] is None:
+                    log(f"generation {g[0]} does not list {watch.pod}: leaving")
+                return 0
+            restart += 1
+            seen = g[0] - 1  # start at it: the next wait returns it
+        if procs is not None:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            stop(procs, a.grace)
+        return 0
+    finally:
+        if procs is not None:  # also on an exception of the launcher's own
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            stop(procs, 0)

@@ -65,7 +65,11 @@ def port_from_env(env=None):
 def serve_if_configured(host):
     """Starts ``/metrics`` on ``host`` at ``port_from_env()`` unless already served or not
     configured; returns the (host, port) served, or None. A port already taken is reported as a
-    warning, not raised: training goes on without metrics."""
+    warning, not raised: training goes on without metrics. In a pod of several training
+    processes only local rank 0 serves (``DIPHOMA_LOCAL_RANK``): the pod's one metrics port is
+    its."""
+    if os.environ.get("DIPHOMA_LOCAL_RANK", "0").strip() not in ("", "0"):
+        return None
     port = port_from_env()
     with _lock:
         if port is None or _served:

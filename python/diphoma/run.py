@@ -28,8 +28,13 @@ land in the same directory (``progress.json``, ``report.<name>``). The launcher 
 every remaining rank exited 0, and with the last failure's code when none remains.
 
 In a DiphomaJob's worker pod (the contract's ``DIPHOMA_MEMBERSHIP`` is set) it is torchrun's
-agent for that pod instead: ``diphoma._pod`` runs the script at each ring generation with
-torchrun's variables for it and restarts it in place when the ring changes.
+agent for that pod instead: ``diphoma._pod`` runs the pod's ``spec.processesPerWorker``
+processes (``DIPHOMA_PROCESSES_PER_WORKER``, one per GPU) at each ring generation with
+torchrun's variables for them and restarts them in place when the ring changes; with
+``--elastic`` it starts them once and they follow the ring themselves. With
+``DIPHOMA_RING_DIR`` and ``DIPHOMA_POD_NAME`` already set (and ``DIPHOMA_STORE_PORT``,
+``DIPHOMA_JOB_UID`` without ``--elastic``) it is the same pod agent for a member of a ring
+directory published by someone else (the tests' stand-in for a worker pod).
 """
 
 import argparse
@@ -393,7 +398,10 @@ def main(argv=None):
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if os.environ.get("DIPHOMA_MEMBERSHIP"):  # a DiphomaJob's worker pod: the contract's variables
+        # A DiphomaJob's worker pod (the contract's variables), or a local stand-in for one: a
+        # member of a ring directory that someone else publishes.
+        if os.environ.get("DIPHOMA_MEMBERSHIP") or (os.environ.get("DIPHOMA_RING_DIR")
+                                                    and os.environ.get("DIPHOMA_POD_NAME")):
             from diphoma import _pod
 
             return _pod.main(a, tmp)

@@ -21,7 +21,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use diphoma_contract::{Member, Membership, balance};
-use diphoma_ring::file::{ENV_RING_DIR, FileRing};
+use diphoma_ring::file::{DirWatch, ENV_RING_DIR, FileRing};
 use diphoma_ring::k8s::{KubeRing, OP_TIMEOUT, RingWatch as Watch, WorkerEnv};
 use diphoma_ring::source::{
     Control, FixedRing, Generation, Progress, RingSource, standalone_config,
@@ -425,7 +425,8 @@ fn required(var: &str) -> PyResult<String> {
 /// The ring's generations as this process sees them: joins each one and asks `diphoma-ring`'s
 /// membership source what to do after a commit or a failure (the same decisions as the Rust
 /// worker). The source is chosen by the environment: `DIPHOMA_RING_DIR` (standalone elastic,
-/// with `DIPHOMA_POD_NAME` naming this member), `DIPHOMA_MEMBERSHIP` (a worker pod: the
+/// with `DIPHOMA_POD_NAME` naming this member; `DIPHOMA_LOCAL_RANK` of
+/// `DIPHOMA_PROCESSES_PER_WORKER` this process's place in it, as in a worker pod), `DIPHOMA_MEMBERSHIP` (a worker pod: the
 /// contract's variables), else the fixed standalone ring of `Ring.from_env`.
 #[pyclass(module = "diphoma._native", frozen)]
 pub struct Follower {
@@ -490,6 +491,10 @@ impl Follower {
             let name = required(diphoma_contract::ENV_POD_NAME)?;
             let t = timeout.unwrap_or(diphoma_ring::comm::DEFAULT_TIMEOUT);
             let mut f = FileRing::start(dir.clone().into(), name.clone(), read_key()?, t);
+            f.set_local(
+                diphoma_contract::Local::from_lookup(|n| std::env::var(n).ok())
+                    .map_err(config_err)?,
+            );
             let g = py
                 .detach(|| f.first_generation(Some(t)))
                 .map_err(|e| RingError::new_err(e.to_string()))?
@@ -739,13 +744,38 @@ impl Speed {
 /// "IP:port") by rank).
 type Seen = (u64, Option<usize>, Vec<(String, String)>);
 
+/// Where a [`RingWatch`] reads the generations: the ring ConfigMap (a worker pod) or a ring
+/// directory (a local stand-in for a pod).
+enum Watched {
+    Kube(Box<Watch>),
+    Dir(DirWatch),
+}
+
+impl Watched {
+    fn wait_newer(&mut self, than: Option<u64>, wait: Duration) -> Option<&Membership> {
+        match self {
+            Watched::Kube(w) => w.wait_newer(than, wait),
+            Watched::Dir(w) => w.wait_newer(than, wait),
+        }
+    }
+
+    fn write(&self, key: String, value: String) {
+        match self {
+            Watched::Kube(w) => w.write_heartbeat(key, value),
+            Watched::Dir(w) => w.write_record(&key, &value),
+        }
+    }
+}
+
 /// The ring ConfigMap's generations as a worker pod's launcher sees them (`python -m
-/// diphoma.run` in a pod, which restarts its training process at each new generation): a
+/// diphoma.run` in a pod, which restarts its training processes at each new generation): a
 /// watch of the contract's ring ConfigMap that binds no port and answers no ping (the training
-/// process it starts does both). `pod` is this pod's name (`DIPHOMA_POD_NAME`).
+/// processes it starts do both). `pod` is this pod's name (`DIPHOMA_POD_NAME`). With
+/// `DIPHOMA_RING_DIR` set it watches that ring directory instead (a local stand-in for a pod,
+/// its records files there).
 #[pyclass(module = "diphoma._native", frozen)]
 pub struct RingWatch {
-    watch: Mutex<Watch>,
+    watch: Mutex<Watched>,
     #[pyo3(get)]
     pod: String,
     job_uid: Option<String>,
@@ -754,14 +784,22 @@ pub struct RingWatch {
 #[pymethods]
 impl RingWatch {
     /// Starts watching the ring ConfigMap of the contract's variables (`DIPHOMA_MEMBERSHIP`,
-    /// `DIPHOMA_NAMESPACE`, … as in a worker pod). Raises `ConfigError` naming a missing or
-    /// malformed variable or the Kubernetes client that could not be built.
+    /// `DIPHOMA_NAMESPACE`, … as in a worker pod), or the ring directory `DIPHOMA_RING_DIR` as
+    /// member `DIPHOMA_POD_NAME` (job UID `DIPHOMA_JOB_UID` when set). Raises `ConfigError`
+    /// naming a missing or malformed variable or the Kubernetes client that could not be built.
     #[staticmethod]
     fn from_env() -> PyResult<RingWatch> {
+        if let Ok(dir) = std::env::var(ENV_RING_DIR) {
+            return Ok(RingWatch {
+                watch: Mutex::new(Watched::Dir(DirWatch::start(dir.into()))),
+                pod: required(diphoma_contract::ENV_POD_NAME)?,
+                job_uid: std::env::var(diphoma_contract::ENV_JOB_UID).ok(),
+            });
+        }
         let env = WorkerEnv::from_env().map_err(config_err)?;
         let watch = Watch::start(&env).map_err(config_err)?;
         Ok(RingWatch {
-            watch: Mutex::new(watch),
+            watch: Mutex::new(Watched::Kube(Box::new(watch))),
             pod: env.pod_name,
             job_uid: Some(env.job_uid),
         })
@@ -815,7 +853,7 @@ impl RingWatch {
         let value = serde_json::to_string(&report).expect("serializable");
         py.detach(|| {
             let watch = self.watch.lock().unwrap_or_else(|p| p.into_inner());
-            watch.write_heartbeat(key, value);
+            watch.write(key, value);
         });
     }
 }
@@ -833,6 +871,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SMOOTHING", balance::SMOOTHING)?;
     m.add("DEFAULT_BALANCE_EVERY", balance::DEFAULT_EVERY)?;
     m.add("ENV_SPEED_WEIGHTED", diphoma_contract::ENV_SPEED_WEIGHTED)?;
+    m.add("ENV_LOCAL_RANK", diphoma_contract::ENV_LOCAL_RANK)?;
+    m.add(
+        "ENV_PROCESSES_PER_WORKER",
+        diphoma_contract::ENV_PROCESSES_PER_WORKER,
+    )?;
     m.add("ENV_BALANCE_EVERY", diphoma_contract::ENV_BALANCE_EVERY)?;
     m.add("RESTART_MEMBER_LOST", diphoma_contract::RESTART_MEMBER_LOST)?;
     m.add(

@@ -39,6 +39,32 @@ def test_device_tensor_is_refused_by_name(world_one):
         dist.broadcast(torch.ones(4, device="meta"), src=0)
 
 
+def test_a_cuda_tensor_without_cuda_or_outside_the_staged_collectives_is_refused_by_name(world_one):
+    """CUDA tensors go through host memory for all-reduce, broadcast and all-gather
+    (``HOST_STAGED``) where CUDA is available; elsewhere the error names the collective, the
+    device and where CUDA tensors are taken. No GPU here: the check is fed a tensor that says
+    it is on ``cuda:0`` (its data is never read: the check refuses first)."""
+    from diphoma.torch import HOST_STAGED, _check
+
+    class OnCuda(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda:0")
+
+        @property
+        def is_cpu(self):
+            return False
+
+    t = torch.ones(4).as_subclass(OnCuda)
+    assert {"all_reduce", "broadcast", "all_gather"} <= HOST_STAGED
+    if not torch.cuda.is_available():
+        with pytest.raises(diphoma.ConfigError, match=r"all_reduce: tensor on device cuda:0 is not supported .*CUDA "
+                                                      r"tensors where CUDA is available for .*all_reduce"):
+            _check(t, "all_reduce")
+    with pytest.raises(diphoma.ConfigError, match="all_to_all_single: tensor on device cuda:0"):
+        _check(t, "all_to_all_single")
+
+
 def test_reduction_without_a_definition_is_refused_by_name(world_one):
     """What neither the ring nor a local reduction defines raises ConfigError at once, naming
     the collective and the op or dtype (they used to fail in torch with "No backend type

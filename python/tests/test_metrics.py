@@ -46,3 +46,11 @@ def test_the_metrics_port_comes_from_the_environment():
     assert metrics.port_from_env({"DIPHOMA_METRICS_PORT": "0"}) is None
     with pytest.raises(ValueError, match="DIPHOMA_METRICS_PORT: 'http' is not a port"):
         metrics.port_from_env({"DIPHOMA_METRICS_PORT": "http"})
+
+
+def test_in_a_pod_of_several_processes_only_local_rank_0_serves(monkeypatch):
+    """The pod has one metrics port (9400): its other local ranks serve nothing, and warn of
+    no port taken."""
+    monkeypatch.setenv("DIPHOMA_MEMBERSHIP", "x")
+    monkeypatch.setenv("DIPHOMA_LOCAL_RANK", "1")
+    assert metrics.serve_if_configured("127.0.0.1") is None

@@ -3,7 +3,10 @@ restarts a torchrun script in place, waits, leaves or fails, and the torchrun va
 gives the process at each ring generation. Its run on the local cluster, through a kill -9 of
 a worker, is e2e/tests/python.rs."""
 
-from diphoma._pod import changes, decide, fault, host_of, pod_env, restart_cause
+import pytest
+
+from diphoma import ConfigError
+from diphoma._pod import changes, decide, fault, group_exit, host_of, pod_env, processes_per_worker, restart_cause
 
 MEMBERS = [("w-0", "127.0.0.2:29500"), ("w-2", "127.0.0.4:29500"), ("w-3", "127.0.0.5:29500")]
 
@@ -74,3 +77,39 @@ def test_a_process_of_a_new_generation_refuses_the_previous_generations_store():
         assert fault(f"torch.distributed.DistStoreError: {e}") == "store", e
     else:
         raise AssertionError("a joiner of generation 3 took generation 2's store")
+
+
+def test_each_process_of_a_pod_of_several_gets_its_local_and_global_rank():
+    """Pod rank 1 of 3, local rank 1 of 2: ring rank 1·2 + 1 of 6, as torchrun's node 1."""
+    env = pod_env(7, 1, MEMBERS, 0, 29501, "uid-1", {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1"}, 1, 2)
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DIPHOMA_LOCAL_RANK",
+                                "DIPHOMA_PROCESSES_PER_WORKER")} == {
+        "RANK": "3", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.2", "MASTER_PORT": "29501", "DIPHOMA_LOCAL_RANK": "1",
+        "DIPHOMA_PROCESSES_PER_WORKER": "2"}
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1", "not overridden: the process picks cuda:LOCAL_RANK"
+    assert env["OMP_NUM_THREADS"] == "1", "several processes: torchrun's default"
+
+
+def test_one_failed_process_takes_the_pod_out_its_own_failure_first():
+    ring = "RingChanged: all_reduce: peer rank 3 lost"
+    assert group_exit([None, None], ["", ""]) == (None, "", None)
+    assert group_exit([0, None], ["", ""]) == (None, "", None), "one done, the other still runs"
+    assert group_exit([0, 0], ["", ""]) == (0, "", None)
+    assert group_exit([1, -9], [ring, ""]) == (-9, "", 1), "the killed one, not its sibling's ring fault"
+    assert group_exit([1, 1], [ring, ring]) == (1, ring, 0)
+    rc, error, local = group_exit([None, 1], ["", "ValueError: bad shard"])
+    assert (rc, local) == (1, 1) and decide(3, rc, error, None) == "fail"
+
+
+def test_the_launcher_follows_the_jobs_processes_per_worker():
+    assert processes_per_worker(1, {}) == 1
+    assert processes_per_worker(1, {"DIPHOMA_PROCESSES_PER_WORKER": "8"}) == 8
+    assert processes_per_worker(8, {"DIPHOMA_PROCESSES_PER_WORKER": "8"}) == 8
+    for nproc, env, named in ((4, {"DIPHOMA_PROCESSES_PER_WORKER": "8"}, "spec.processesPerWorker"),
+                              (2, {}, "--nproc-per-node 2"),
+                              (1, {"DIPHOMA_PROCESSES_PER_WORKER": "0"}, "DIPHOMA_PROCESSES_PER_WORKER"),
+                              (1, {"DIPHOMA_PROCESSES_PER_WORKER": "x"}, "DIPHOMA_PROCESSES_PER_WORKER")):
+        with pytest.raises(ConfigError, match=named):
+            processes_per_worker(nproc, env)

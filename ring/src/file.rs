@@ -18,7 +18,7 @@ use std::time::Duration;
 use diphoma_contract::{self as contract, MEMBERSHIP_KEY, Membership};
 
 use crate::Config;
-use crate::follow::{Backend, Feed, Follower};
+use crate::follow::{Backend, Feed, Follower, Memberships};
 
 /// Standalone env: the ring directory (`membership.json` in, heartbeat records out).
 pub const ENV_RING_DIR: &str = "DIPHOMA_RING_DIR";
@@ -115,6 +115,37 @@ impl Backend for RingDir {
 
     fn write_report(&mut self, key: String, json: String) {
         self.write(&key, &json);
+    }
+}
+
+/// A ring directory as a pod's launcher sees it (the local stand-in of
+/// [`crate::k8s::RingWatch`]): its memberships, read by a [`RingDir`] that binds nothing and
+/// aborts nothing, and its records written as files on request.
+#[derive(Debug)]
+pub struct DirWatch {
+    memberships: Memberships,
+    dir: RingDir,
+}
+
+impl DirWatch {
+    /// Starts polling `<dir>/membership.json`.
+    pub fn start(dir: PathBuf) -> DirWatch {
+        let (feed, memberships) = Memberships::channel(None);
+        DirWatch {
+            memberships,
+            dir: RingDir::start(dir, feed),
+        }
+    }
+
+    /// [`Memberships::wait_newer`]: waits up to `wait` for a generation newer than `than` (any,
+    /// when `None`), and returns the newest seen.
+    pub fn wait_newer(&mut self, than: Option<u64>, wait: Duration) -> Option<&Membership> {
+        self.memberships.wait_newer(than, wait)
+    }
+
+    /// Writes `value` into `<dir>/<key>` (atomically); a failure is logged.
+    pub fn write_record(&self, key: &str, value: &str) {
+        self.dir.write(key, value);
     }
 }
 

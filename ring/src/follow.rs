@@ -188,6 +188,9 @@ pub struct Follower<B> {
     backend: B,
     /// This member's name in the memberships (a pod's name).
     name: String,
+    /// This process's place in its pod: each pod member of a membership is
+    /// `local.processes` ring ranks ([`Membership::per_process`]).
+    local: contract::Local,
     /// The job UID its records carry (`None`: none).
     job_uid: Option<String>,
     key: Vec<u8>,
@@ -221,6 +224,7 @@ impl<B: Backend> Follower<B> {
         Ok(Follower {
             backend: start(feed)?,
             name,
+            local: contract::Local::default(),
             job_uid,
             key,
             op_timeout,
@@ -243,6 +247,14 @@ impl<B: Backend> Follower<B> {
     /// collective).
     pub fn set_op_timeout(&mut self, t: Duration) {
         self.op_timeout = t;
+    }
+
+    /// Makes this follower local rank `local.rank` of the `local.processes` training processes
+    /// of its pod (default: the pod's only one): every generation it joins is the pods'
+    /// membership expanded per process ([`Membership::per_process`]), this process at ring rank
+    /// [`contract::Local::ring_rank`] and port [`contract::process_port`].
+    pub fn set_local(&mut self, local: contract::Local) {
+        self.local = local;
     }
 
     /// True once the newest generation no longer lists this member.
@@ -276,8 +288,8 @@ impl<B: Backend> Follower<B> {
             let Some(m) = self.memberships.wait_newer(seen, chunk).cloned() else {
                 continue;
             };
-            if let Some(r) = m.rank_of(&self.name) {
-                return self.join(m, r).map(Some);
+            if m.rank_of(&self.name).is_some() {
+                return self.join(m).map(Some);
             }
             // Not (yet) a member: wait for the next generation.
             seen = Some(m.generation);
@@ -285,8 +297,14 @@ impl<B: Backend> Follower<B> {
         Ok(None)
     }
 
-    /// Binds this member's address and builds generation `m` for rank `rank`.
-    fn join(&mut self, m: Membership, rank: usize) -> Result<Generation, B::Error> {
+    /// Binds this process's address and builds generation `m` (of pods, which lists this
+    /// member) for its ring rank in the per-process view.
+    fn join(&mut self, m: Membership) -> Result<Generation, B::Error> {
+        let rank = self
+            .local
+            .ring_rank(&m, &self.name)
+            .expect("join is only called for a generation that lists this member");
+        let m = m.per_process(self.local.processes);
         let mut config = Config::new(
             rank,
             m.members.len(),
@@ -302,8 +320,8 @@ impl<B: Backend> Follower<B> {
     }
 
     /// [`Follower::join`], a failure logged.
-    fn join_logged(&mut self, m: Membership, rank: usize) -> Option<Generation> {
-        self.join(m, rank)
+    fn join_logged(&mut self, m: Membership) -> Option<Generation> {
+        self.join(m)
             .map_err(|e| tracing::error!("joining generation: {e}"))
             .ok()
     }
@@ -337,9 +355,7 @@ impl<B: Backend> RingSource for Follower<B> {
                 self.removed = true;
                 Control::Leave
             }
-            Decision::Join(r) => self
-                .join_logged(m, r)
-                .map_or(Control::Leave, Control::Switch),
+            Decision::Join(_) => self.join_logged(m).map_or(Control::Leave, Control::Switch),
         }
     }
 
@@ -353,11 +369,11 @@ impl<B: Backend> RingSource for Follower<B> {
         // Prefer a newer generation; else re-form the newest known one (possibly the same).
         // Not a member of it: give up (this member was removed).
         let m = self.memberships.wait_newer(cur, REJOIN_WAIT).cloned()?;
-        let Some(r) = m.rank_of(&self.name) else {
+        if m.rank_of(&self.name).is_none() {
             self.removed = true;
             return None;
-        };
-        self.join_logged(m, r)
+        }
+        self.join_logged(m)
     }
 
     fn report_failure(&mut self, err: &CommError) {
@@ -468,7 +484,9 @@ mod tests {
                     contract::ENV_POD_IP => "127.0.0.1".into(),
                     contract::ENV_RING_PORT => port.to_string(),
                     contract::ENV_DETECTION_SECONDS => "20".into(),
-                    contract::ENV_RING_PROTECTION => return None,
+                    contract::ENV_RING_PROTECTION
+                    | contract::ENV_LOCAL_RANK
+                    | contract::ENV_PROCESSES_PER_WORKER => return None,
                     _ => "x".into(),
                 })
             };
@@ -686,6 +704,69 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("diphoma-follow-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         rules(&Dir(dir.clone()));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A ring port whose local rank 1 port (+ 2) is free too.
+    fn free_pod_port() -> u16 {
+        loop {
+            let p = free_port();
+            if p < u16::MAX - 2 && TcpListener::bind(("127.0.0.1", p + 2)).is_ok() {
+                return p;
+            }
+        }
+    }
+
+    /// Two pods of two processes each: the membership lists the pods, every process joins the
+    /// per-process ring at rank pod·2 + local rank and its own port; a reduce over the four
+    /// sums every rank's value; a failure blames the pod.
+    #[test]
+    fn pods_of_two_processes_form_a_ring_of_four() {
+        let dir = std::env::temp_dir().join(format!("diphoma-follow-local-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let rig = Dir(dir.clone());
+        let ports = [free_pod_port(), free_pod_port()];
+        rig.publish(&membership(1, &[("a", ports[0]), ("b", ports[1])]));
+        let got: Vec<_> = std::thread::scope(|s| {
+            let threads: Vec<_> = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+                .into_iter()
+                .map(|(pod, l)| {
+                    let rig = &rig;
+                    s.spawn(move || {
+                        let mut src = rig.follower(pod, 0);
+                        src.set_local(contract::Local {
+                            rank: l,
+                            processes: 2,
+                        });
+                        let g = src.first_generation(Some(Duration::from_secs(10)));
+                        let g = g.unwrap().unwrap();
+                        let (rank, world) = (g.config.rank, g.config.world);
+                        let port = g.listener.local_addr().unwrap().port();
+                        let mut comm = Communicator::connect(g.config, g.listener).unwrap();
+                        let mut v = [rank as f32; 3];
+                        comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                        let err = CommError::PeerLost {
+                            rank: 3,
+                            op: "allreduce",
+                        };
+                        let blamed = failure_report(&err, src.current.as_ref(), None, pod, None)
+                            .and_then(|r| r.suspect);
+                        (rank, world, port, v[0], blamed)
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        let b = Some("b".to_string());
+        assert_eq!(
+            got,
+            [
+                (0, 4, ports[0], 6.0, b.clone()),
+                (1, 4, ports[0] + 2, 6.0, b.clone()),
+                (2, 4, ports[1], 6.0, b.clone()),
+                (3, 4, ports[1] + 2, 6.0, b),
+            ]
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -57,8 +57,11 @@ pub struct WorkerEnv {
     pub pod_name: String,
     /// `DIPHOMA_POD_IP`.
     pub pod_ip: IpAddr,
-    /// `DIPHOMA_RING_PORT` (1–65535).
+    /// `DIPHOMA_RING_PORT` (1–65535): the pod's; its local rank `l` listens at
+    /// [`contract::process_port`] of it (see [`WorkerEnv::process_port`]).
     pub ring_port: u16,
+    /// `DIPHOMA_LOCAL_RANK` of `DIPHOMA_PROCESSES_PER_WORKER` (unset: local rank 0 of 1).
+    pub local: contract::Local,
     /// `DIPHOMA_KEY_FILE`.
     pub key_file: PathBuf,
     /// `DIPHOMA_MEMBERSHIP`: name of the ring ConfigMap.
@@ -117,7 +120,14 @@ impl WorkerEnv {
                 get(ENV_RING_PROTECTION),
                 &[Protection::Integrity, Protection::Encryption],
             )?,
+            local: contract::Local::from_lookup(&get).map_err(|e| invalid(e.var, e.problem))?,
         })
+    }
+
+    /// The port this process listens on (TCP ring, UDP liveness): the pod's ring port for local
+    /// rank 0, [`contract::process_port`] for the others.
+    pub fn process_port(&self) -> u16 {
+        contract::process_port(self.ring_port, self.local.rank)
     }
 
     /// [`WorkerEnv::from_lookup`] on the process environment.
@@ -314,7 +324,7 @@ impl RingConfigMap {
     /// As [`KubeRing::start`].
     fn start(env: WorkerEnv, key: &[u8], feed: Feed) -> Result<RingConfigMap, KubeError> {
         // Alive from the start, so that peers never take this process for a hung one.
-        let addr = SocketAddr::new(env.pod_ip, env.ring_port);
+        let addr = SocketAddr::new(env.pod_ip, env.process_port());
         let responder = UdpSocket::bind(addr)
             .and_then(|s| Responder::spawn(s, key.to_vec()))
             .map_err(|source| KubeError::Liveness { addr, source })?;
@@ -376,7 +386,7 @@ impl Backend for RingConfigMap {
         _rank: usize,
         config: &mut Config,
     ) -> Result<TcpListener, KubeError> {
-        let addr = SocketAddr::new(self.env.pod_ip, self.env.ring_port);
+        let addr = SocketAddr::new(self.env.pod_ip, self.env.process_port());
         let listener =
             TcpListener::bind(addr).map_err(|source| KubeError::Bind { addr, source })?;
         config.liveness = Some(crate::liveness::liveness_window(self.env.detection));
@@ -429,11 +439,13 @@ impl Follower<RingConfigMap> {
     /// [`KubeError::Liveness`] when the ring address cannot be bound for UDP;
     /// [`KubeError::Runtime`] or [`KubeError::Client`] when no runtime or client can be built.
     pub fn start(env: WorkerEnv, key: Vec<u8>) -> Result<KubeRing, KubeError> {
-        let (name, uid) = (env.pod_name.clone(), env.job_uid.clone());
+        let (name, uid, local) = (env.pod_name.clone(), env.job_uid.clone(), env.local);
         let cm_key = key.clone();
-        Follower::with_backend(name, Some(uid), key, OP_TIMEOUT, move |feed| {
+        let mut f = Follower::with_backend(name, Some(uid), key, OP_TIMEOUT, move |feed| {
             RingConfigMap::start(env, &cm_key, feed)
-        })
+        })?;
+        f.set_local(local);
+        Ok(f)
     }
 
     /// The private tokio runtime the watch and the heartbeat writes run on (the worker serves
@@ -487,6 +499,11 @@ mod tests {
         enc.insert(ENV_RING_PROTECTION, "encryption".into());
         let w = WorkerEnv::from_lookup(|n| enc.get(n).cloned()).unwrap();
         assert_eq!(w.protection, Protection::Encryption);
+        let mut two = env.clone();
+        two.insert(contract::ENV_PROCESSES_PER_WORKER, "2".into());
+        two.insert(contract::ENV_LOCAL_RANK, "1".into());
+        let w = WorkerEnv::from_lookup(|n| two.get(n).cloned()).unwrap();
+        assert_eq!(w.process_port(), 29502, "local rank 1 at the ring port + 2");
         for var in env.keys() {
             let mut e = env.clone();
             e.remove(var);
@@ -503,6 +520,7 @@ mod tests {
             (ENV_DETECTION_SECONDS, "2.5s"),
             (ENV_RING_PROTECTION, "none"),
             (ENV_RING_PROTECTION, "aes"),
+            (contract::ENV_LOCAL_RANK, "x"),
         ] {
             let mut e = env.clone();
             e.insert(var, bad.to_string());

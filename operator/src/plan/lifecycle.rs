@@ -233,6 +233,7 @@ fn suspend(job: &DiphomaJob, obs: &Observed, hold: &Hold, plan: &mut Plan) {
         // Every member leaves by the operator's hand: none of them is a failure later.
         status.ring = Some(ring_status(
             &job.name_any(),
+            job.spec.processes_per_worker(),
             r,
             r.members.iter().map(|m| m.pod.clone()).collect(),
             &obs.pods,

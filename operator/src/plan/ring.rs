@@ -142,7 +142,13 @@ pub fn next_generation(
                 changes(ring, &m)
             ),
         ));
-        status.ring = Some(ring_status(&job.name_any(), &m, vec![], &obs.pods));
+        status.ring = Some(ring_status(
+            &job.name_any(),
+            job.spec.processes_per_worker(),
+            &m,
+            vec![],
+            &obs.pods,
+        ));
         plan.publish = Some(m);
     } else if let Some(r) = ring {
         found.departed.extend(
@@ -159,6 +165,7 @@ pub fn next_generation(
         );
         status.ring = Some(ring_status(
             &job.name_any(),
+            job.spec.processes_per_worker(),
             r,
             found.departed.into_iter().collect(),
             &obs.pods,
@@ -172,8 +179,16 @@ pub fn next_generation(
     }
 }
 
-/// The status view of ring generation `m` of job `job`; `pods` give the members' nodes.
-pub fn ring_status(job: &str, m: &Membership, departed: Vec<String>, pods: &[Pod]) -> RingStatus {
+/// The status view of ring generation `m` of job `job`, whose workers run `processes` training
+/// processes each (the layout: `size` pods × `processesPerWorker` = `worldSize` ranks); `pods`
+/// give the members' nodes.
+pub fn ring_status(
+    job: &str,
+    processes: i32,
+    m: &Membership,
+    departed: Vec<String>,
+    pods: &[Pod],
+) -> RingStatus {
     let node = |pod: &str| {
         let p = pods.iter().find(|p| p.name_any() == pod)?;
         super::node_of(p).map(str::to_owned)
@@ -182,6 +197,8 @@ pub fn ring_status(job: &str, m: &Membership, departed: Vec<String>, pods: &[Pod
     RingStatus {
         generation: m.generation as i64,
         size: m.members.len() as i32,
+        processes_per_worker: processes,
+        world_size: m.members.len() as i32 * processes,
         config_map: diphoma_contract::membership_configmap_name(job),
         departed,
         members: m
@@ -356,7 +373,7 @@ mod tests {
                 },
             ]
         );
-        let status = ring_status("j", &ring, vec![], &obs.pods);
+        let status = ring_status("j", 1, &ring, vec![], &obs.pods);
         let listed: Vec<_> = status
             .members
             .iter()
@@ -380,6 +397,12 @@ mod tests {
                 port: 29500,
             })
             .collect();
-        assert!(ring_status("j", &big, vec![], &[]).members.is_empty());
+        assert!(ring_status("j", 1, &big, vec![], &[]).members.is_empty());
+        let layout = ring_status("j", 8, &big, vec![], &[]);
+        assert_eq!(
+            (layout.size, layout.processes_per_worker, layout.world_size),
+            (big.members.len() as i32, 8, big.members.len() as i32 * 8),
+            "pods × processes"
+        );
     }
 }

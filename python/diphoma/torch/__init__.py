@@ -8,7 +8,10 @@ libraries on top call (``diphoma.torch._ops`` says how each dtype and op maps on
 point to point and ``monitored_barrier`` go through torch's store, ``diphoma.torch._p2p``;
 ``new_group``/``DeviceMesh`` sub-groups get rings of their own members, ``_subring``). Each
 call is checked at once (CPU tensors, a dtype and op some path defines: otherwise
-``diphoma.ConfigError`` naming the operation and what is wrong). An
+``diphoma.ConfigError`` naming the operation and what is wrong). CUDA tensors are taken by
+all-reduce, broadcast and all-gather (``HOST_STAGED``) through host memory: copied to pinned
+host buffers once the caller's current stream has run, reduced around the ring, copied back
+before the work completes. An
 asynchronous call (``async_op=True``, and every call of DDP's reducer) then runs on the group's
 background thread, in call order, returning a ``Work`` whose future completes when the ring is
 done. A synchronous call (torch passes ``opts.asyncOp = False``: ``dist.all_reduce(t)``) runs
@@ -69,16 +72,38 @@ def _shutdown_all():
         pg.shutdown()
 
 
+# The collectives that take CUDA tensors, staged through host memory (``_InPlace``): every
+# tensor they hand the ring is a host copy, and their results are copied back.
+HOST_STAGED = frozenset({"all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather",
+                         "all_gather_into_tensor", "all_gather_into_tensor_coalesced"})
+
+
 def _check(t, what):
-    """Raises ConfigError naming collective ``what`` unless ``t`` is a CPU tensor."""
+    """Raises ConfigError naming collective ``what`` unless ``t`` is a dense CPU tensor, or a
+    CUDA tensor of a collective in ``HOST_STAGED`` on a machine where CUDA is available. For a
+    CUDA tensor it then waits for the caller's current CUDA stream (``_caller_stream_done``),
+    so that the ring reads what the work queued before the call wrote."""
     if not isinstance(t, torch.Tensor):
         raise ConfigError(f"diphoma: {what}: expected a tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise ConfigError(f"diphoma: {what}: {t.layout} tensors are not supported (dense tensors only)")
-    if not t.is_cpu:
-        raise ConfigError(
-            f"diphoma: {what}: tensor on device {t.device} is not supported (CPU tensors only; no GPU path yet)"
-        )
+    if t.is_cpu:
+        return
+    if t.device.type == "cuda" and what in HOST_STAGED and torch.cuda.is_available():
+        _caller_stream_done(t)
+        return
+    staged = ", ".join(sorted(HOST_STAGED))
+    raise ConfigError(
+        f"diphoma: {what}: tensor on device {t.device} is not supported (CPU tensors only, and CUDA tensors "
+        f"where CUDA is available for {staged}, staged through host memory)"
+    )
+
+
+def _caller_stream_done(t):
+    """Blocks until the caller's current CUDA stream on ``t``'s device has run what was queued
+    on it (the kernels that wrote ``t``): the collective may read ``t`` from another thread,
+    whose copies run on another stream."""
+    torch.cuda.current_stream(t.device).synchronize()
 
 
 def _same_layout(what, tensors, like, count=None):
@@ -100,12 +125,21 @@ def _reduce_opts(opts):
 
 
 class _InPlace:
-    """A contiguous view of ``t`` for the ring: ``t`` itself when it is contiguous (no copy),
-    else a contiguous copy written back by ``done()``."""
+    """A contiguous host view of ``t`` for the ring: ``t`` itself when it is a contiguous CPU
+    tensor (no copy), else a contiguous copy written back by ``done()``: of a non-contiguous
+    CPU tensor, or of a CUDA tensor a copy in pinned host memory, made here on the caller's
+    thread (device to host, after ``_check`` waited for the caller's stream) and copied back
+    to the device by ``done()`` before the collective's work completes (host to device, waited
+    for). One copy each way, not overlapped with the ring's transfer (gloo's CUDA path does
+    the same)."""
 
     def __init__(self, t):
         self.t = t
-        self.buf = t if t.is_contiguous() else t.contiguous()
+        if t.is_cpu:
+            self.buf = t if t.is_contiguous() else t.contiguous()
+        else:
+            self.buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.buf.copy_(t)
 
     def done(self):
         if self.buf is not self.t:

@@ -2,7 +2,7 @@
 through diphoma.torch.ElasticSampler, SGD with momentum, a commit every step, progress through
 diphoma.report. Usage (under ``python -m diphoma.run --elastic``): elastic_train.py OUT STEPS.
 
-Each process writes OUT/<member>.json after every commit (its pid, step, generation, world,
+Each process writes OUT/<member>.json (<pod>.<local rank>.json in a pod of several) after every commit (its pid, step, generation, world,
 the generation it first joined) so that the test can kill one mid-run and check that the others
 kept their process; rank 0 of the last generation saves the parameters to OUT/params.pt."""
 
@@ -39,6 +39,8 @@ def optimizer(model):
 
 def main(out, steps):
     name = os.environ["DIPHOMA_POD_NAME"]
+    if os.environ.get("DIPHOMA_PROCESSES_PER_WORKER", "1") != "1":  # a pod of several processes
+        name += f".{os.environ['DIPHOMA_LOCAL_RANK']}"
     record = {"pid": os.getpid(), "first_generation": None}
     model, data = model_and_data()
     sampler = diphoma.torch.ElasticSampler(len(data), GLOBAL_BATCH, seed=7, reduction="sum")
