@@ -18,20 +18,23 @@ help: ## list the targets
 deps: ## install Debian packages the scripts need (idempotent)
 	@bash scripts/install-deps.sh
 
-tools: deps ## build the pinned control plane, etcd and helm from Go modules; fetch Prometheus (cached outside the repo)
+tools: deps ## build the pinned control plane, etcd and helm from Go modules; fetch Prometheus; install helm-docs and cargo-deny (all cached outside the repo)
 	@bash e2e/cluster/build-bins.sh >/dev/null
+	@bash scripts/tools.sh helm-docs >/dev/null
+	@bash scripts/tools.sh cargo-deny >/dev/null
 	@bash e2e/cluster/build-kueue.sh >/dev/null
 	@bash e2e/cluster/fetch-prometheus.sh >/dev/null
 
 build: deps ## build every binary of the workspace
 	$(CARGO) build --workspace --bins --locked
 
-generate: tools ## regenerate the derived files: the CRD (crds/, the chart's copy, docs/crd-reference.md), manifests/install.yaml, docs/prometheus-rules.yaml
+generate: tools ## regenerate the derived files: the CRD (crds/, the chart's copy, docs/crd-reference.md), manifests/install.yaml, docs/prometheus-rules.yaml, the chart's README.md
 	$(CARGO) run -q -p diphoma-operator -- crd > crds/diphomajob.yaml
 	$(CARGO) run -q -p diphoma-operator -- crd --markdown > docs/crd-reference.md
-	cp crds/diphomajob.yaml charts/diphoma-operator/crds/diphomajob.yaml
+	cp crds/diphomajob.yaml charts/diphoma-operator/files/crds/diphomajob.yaml
 	bash scripts/render-install.sh "$$(bash e2e/cluster/build-bins.sh 2>/dev/null)/helm" > manifests/install.yaml
 	bash scripts/render-rules.sh "$$(bash e2e/cluster/build-bins.sh 2>/dev/null)/helm" > docs/prometheus-rules.yaml
+	"$$(bash scripts/tools.sh helm-docs)" --log-level error --chart-search-root charts/diphoma-operator
 
 fmt-check:
 	$(CARGO) fmt --all -- --check
