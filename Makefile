@@ -10,7 +10,7 @@ RUNTIME ?= process
 # 1: cluster-up maps the image diphoma-pytorch (the PyTorch examples) to the cached torch venv.
 PYTORCH ?= 0
 
-.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair bench-scale cluster-up cluster-down demo wheel test-python images image-pytorch bench-torch bench-balance
+.PHONY: help deps tools build generate test licenses release unit e2e fmt-check clippy bench bench-repair bench-scale cluster-up cluster-down demo wheel test-python images image-pytorch bench-torch bench-balance
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -42,7 +42,10 @@ fmt-check:
 clippy: ## lint every crate and target; warnings are errors
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
-test: tools build fmt-check clippy ## run every test: unit, loopback TCP, end-to-end on a real control plane, and the Python package's
+licenses: ## check the third-party licenses of the crates against deny.toml (cargo deny check licenses; the Python side is in test-python)
+	bash scripts/check-licenses.sh
+
+test: tools build fmt-check clippy licenses ## run every test: unit, loopback TCP, end-to-end on a real control plane, the license checks, and the Python package's
 	DIPHOMA_K8S_BIN=$$(bash e2e/cluster/build-bins.sh 2>/dev/null) $(CARGO) test --workspace --locked
 	$(MAKE) --no-print-directory test-python
 
@@ -67,6 +70,9 @@ bench-repair: tools build ## ring repair on the local control plane: time-to-rep
 images: deps ## build the release binaries and the images (operator, worker, probe) into the local image store, tagged with the chart's appVersion
 	$(CARGO) build --release --locked -p diphoma-operator -p diphoma-worker -p diphoma-e2e --bin diphoma-operator --bin diphoma-worker --bin diphoma-probe
 	bash images/build.sh release
+
+release: deps tools ## build a release into target/release-dir/VERSION (VERSION: the chart's appVersion) and check it: chart package, install.yaml, CRD, images as OCI archives, wheel, plugin tarball, krew manifest, notices, SHA256SUMS; PROFILE=debug for debug binaries, PYTORCH_IMAGE=1 adds the PyTorch image (several GB)
+	dir=$$(bash scripts/release.sh --profile $(or $(PROFILE),release) $(if $(filter 1,$(PYTORCH_IMAGE)),--pytorch)) && bash scripts/check-release.sh "$$dir"
 
 image-pytorch: deps wheel ## build the PyTorch worker image (Python, torch from PyPI, the diphoma wheel) into the local image store: several GB, not part of make test
 	bash images/build-pytorch.sh
