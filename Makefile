@@ -10,7 +10,7 @@ RUNTIME ?= process
 # 1: cluster-up maps the image diphoma-pytorch (the PyTorch examples) to the cached torch venv.
 PYTORCH ?= 0
 
-.PHONY: help deps tools build generate test licenses release unit e2e fmt-check clippy bench bench-repair bench-scale cluster-up cluster-down demo wheel test-python images image-pytorch bench-torch bench-balance
+.PHONY: help deps tools build generate test licenses integrations release unit e2e fmt-check clippy bench bench-repair bench-scale cluster-up cluster-down demo wheel test-python images image-pytorch bench-torch bench-balance
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -42,10 +42,13 @@ fmt-check:
 clippy: ## lint every crate and target; warnings are errors
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
-licenses: ## check the third-party licenses of the crates against deny.toml (cargo deny check licenses; the Python side is in test-python)
+licenses: deps ## check the third-party licenses of the crates against deny.toml (cargo deny check licenses; the Python side is in test-python)
 	bash scripts/check-licenses.sh
 
-test: tools build fmt-check clippy licenses ## run every test: unit, loopback TCP, end-to-end on a real control plane, the license checks, and the Python package's
+integrations: deps ## test docs/integrations: the Argo CD health check under lua5.1 on sample jobs, kube-state-metrics' paths against the CRD's schema
+	bash scripts/check-integrations.sh
+
+test: tools build fmt-check clippy licenses integrations ## run every test: unit, loopback TCP, end-to-end on a real control plane, the license checks, and the Python package's
 	DIPHOMA_K8S_BIN=$$(bash e2e/cluster/build-bins.sh 2>/dev/null) $(CARGO) test --workspace --locked
 	$(MAKE) --no-print-directory test-python
 
