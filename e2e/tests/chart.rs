@@ -824,16 +824,19 @@ async fn upgrade_from_chart_0_1_0_upgrades_the_crd_and_leaves_a_running_job_alon
             && annotations.contains(&format!("\"meta.helm.sh/release-name\":\"{RELEASE}\"")),
         "the CRD's annotations after the upgrade: {annotations}"
     );
-    // The new operator (a new pod) adopts the job: nothing of it was replaced.
-    let op = operator_pods(&ctx.client).await?;
+    // The operator is the new chart's (its Deployment, ready: --wait); it runs the job on.
+    let deployment = run_ok(kubectl().args([
+        "-n",
+        OPERATOR_NS,
+        "get",
+        "deployment",
+        RELEASE,
+        "-o",
+        "jsonpath={.metadata.labels.helm\\.sh/chart}",
+    ]))?;
     ensure!(
-        op.iter().any(|p| p
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get("helm.sh/chart"))
-            .is_some_and(|c| c.ends_with(&new))),
-        "no operator pod of chart {new}"
+        deployment == format!("diphoma-operator-{new}"),
+        "the operator's Deployment after the upgrade: chart {deployment:?}"
     );
     let st = finished(&ctx, &ns, "digits", 300).await?;
     ensure!(
