@@ -792,6 +792,12 @@ async fn upgrade_from_chart_0_1_0_upgrades_the_crd_and_leaves_a_running_job_alon
         "helm upgrade --take-ownership: {}",
         String::from_utf8_lossy(&adopted.stderr)
     );
+    // The job was there all along, training: the upgrade happened under it.
+    let during = status(&ctx, &ns, "digits").await?;
+    ensure!(
+        during.phase == Some(Phase::Running),
+        "the job is not running right after the upgrade (too few steps to span it?): {during:?}"
+    );
     let version = run_ok(
         ctx.cp
             .helm()
