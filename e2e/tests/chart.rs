@@ -726,7 +726,16 @@ async fn upgrade_from_chart_0_1_0_upgrades_the_crd_and_leaves_a_running_job_alon
 ) -> Result<()> {
     let kubectl = || ctx.cp.kubectl();
     let old = repo_root().join("e2e/fixtures/diphoma-operator-0.1.0.tgz");
-    // A cluster as 0.1.0 left it: the CRD from its crds/, unowned (the release before removed).
+    // A cluster as 0.1.0 left it: the CRD from its crds/, unowned. (The release of the
+    // harness is gone after the test before; when this test runs alone, it goes here.)
+    run_ok(ctx.cp.helm().args([
+        "uninstall",
+        RELEASE,
+        "-n",
+        OPERATOR_NS,
+        "--ignore-not-found",
+        "--wait",
+    ]))?;
     run_ok(kubectl().args([
         "delete",
         "crd",

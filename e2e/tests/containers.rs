@@ -75,6 +75,7 @@ fn main() -> Result<()> {
             a_worker_container_killed_with_sigkill_is_repaired_and_the_job_succeeds,
             a_container_sees_its_env_volumes_user_and_a_read_only_root,
             an_image_missing_from_the_store_is_reported_not_run,
+            check_release_names_what_is_wrong_in_a_tampered_directory,
             a_release_directory_alone_installs_the_operator_plugin_and_a_job,
         ],
     )
@@ -426,5 +427,109 @@ async fn a_release_directory_alone_installs_the_operator_plugin_and_a_job(
         "the worker ran {worker_image:?}"
     );
     drop(loaded);
+    Ok(())
+}
+
+/// Replaces `path` by a new file (never writing through a hard link into the release it was
+/// linked from) with what `edit` makes of its text.
+fn rewrite(path: &std::path::Path, edit: impl Fn(String) -> String) -> Result<()> {
+    let text = std::fs::read_to_string(path)?;
+    std::fs::remove_file(path)?;
+    std::fs::write(path, edit(text))?;
+    Ok(())
+}
+
+/// SHA256SUMS made again over the directory, so that only the check under test can fail.
+fn resum(dir: &std::path::Path) -> Result<()> {
+    let listed = run_ok(Command::new("bash").current_dir(dir).args([
+        "-c",
+        "find . -type f ! -name SHA256SUMS -printf '%P\\n' | LC_ALL=C sort | xargs sha256sum",
+    ]))?;
+    std::fs::remove_file(dir.join("SHA256SUMS"))?;
+    std::fs::write(dir.join("SHA256SUMS"), listed)?;
+    Ok(())
+}
+
+async fn check_release_names_what_is_wrong_in_a_tampered_directory(
+    _ctx: Arc<Ctx>,
+    _ns: String,
+) -> Result<()> {
+    let dir = RELEASE_DIR.get().context("no release directory")?;
+    let version = tag()?;
+    type Tamper = fn(&std::path::Path) -> Result<()>;
+    let cases: [(&str, Tamper, &str); 5] = [
+        (
+            "krew-sha",
+            |d| {
+                rewrite(&d.join("diphoma.yaml"), |t| {
+                    let sha = t
+                        .split("sha256: ")
+                        .nth(1)
+                        .unwrap_or("")
+                        .lines()
+                        .next()
+                        .unwrap_or("")
+                        .to_owned();
+                    t.replace(&sha, &"0".repeat(64))
+                })?;
+                resum(d)
+            },
+            "diphoma.yaml: platform",
+        ),
+        (
+            "altered",
+            |d| rewrite(&d.join("install.yaml"), |t| t + "# changed\n"),
+            "SHA256SUMS: a sum does not match",
+        ),
+        (
+            "unlisted",
+            |d| Ok(std::fs::write(d.join("extra.txt"), "x")?),
+            "SHA256SUMS does not list exactly the files",
+        ),
+        (
+            "missing",
+            |d| {
+                std::fs::remove_file(d.join("diphomajob-crd.yaml"))?;
+                resum(d)
+            },
+            "diphomajob-crd.yaml is missing",
+        ),
+        (
+            "other-crd",
+            |d| {
+                rewrite(&d.join("diphomajob-crd.yaml"), |t| {
+                    t.replacen("description:", "description: changed", 1)
+                })?;
+                resum(d)
+            },
+            "its CRD is not diphomajob-crd.yaml's",
+        ),
+    ];
+    let root = repo_root().join("target/e2e-release-tampered");
+    let _ = std::fs::remove_dir_all(&root);
+    for (case, tamper, named) in cases {
+        let copy = root.join(case).join(&version);
+        std::fs::create_dir_all(copy.parent().unwrap())?;
+        // Hard links: the archives are not copied; every tampered file is replaced, not written.
+        run_ok(Command::new("cp").arg("-al").arg(dir).arg(&copy))?;
+        tamper(&copy)?;
+        let out = Command::new("bash")
+            .arg(repo_root().join("scripts/check-release.sh"))
+            .arg(&copy)
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            !out.status.success() && err.contains(named),
+            "{case}: check-release.sh should fail naming {named:?}: {}: {err}",
+            out.status
+        );
+    }
+    std::fs::remove_dir_all(&root)?;
+    // The release itself is untouched (the copies were of links).
+    run_ok(
+        Command::new("bash")
+            .arg(repo_root().join("scripts/check-release.sh"))
+            .arg(dir),
+    )?;
     Ok(())
 }
