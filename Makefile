@@ -10,7 +10,7 @@ RUNTIME ?= process
 # 1: cluster-up maps the image diphoma-pytorch (the PyTorch examples) to the cached torch venv.
 PYTORCH ?= 0
 
-.PHONY: help deps tools build generate test unit e2e fmt-check clippy bench bench-repair bench-scale cluster-up cluster-down demo wheel test-python images image-pytorch bench-torch bench-balance gpu-check
+.PHONY: help deps tools build generate test licenses integrations release unit e2e fmt-check clippy bench bench-repair bench-scale cluster-up cluster-down demo wheel test-python images image-pytorch bench-torch bench-balance gpu-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -18,20 +18,23 @@ help: ## list the targets
 deps: ## install Debian packages the scripts need (idempotent)
 	@bash scripts/install-deps.sh
 
-tools: deps ## build the pinned control plane, etcd and helm from Go modules; fetch Prometheus (cached outside the repo)
+tools: deps ## build the pinned control plane, etcd and helm from Go modules; fetch Prometheus; install helm-docs and cargo-deny (all cached outside the repo)
 	@bash e2e/cluster/build-bins.sh >/dev/null
+	@bash scripts/tools.sh helm-docs >/dev/null
+	@bash scripts/tools.sh cargo-deny >/dev/null
 	@bash e2e/cluster/build-kueue.sh >/dev/null
 	@bash e2e/cluster/fetch-prometheus.sh >/dev/null
 
 build: deps ## build every binary of the workspace
 	$(CARGO) build --workspace --bins --locked
 
-generate: tools ## regenerate the derived files: the CRD (crds/, the chart's copy, docs/crd-reference.md), manifests/install.yaml, docs/prometheus-rules.yaml
+generate: tools ## regenerate the derived files: the CRD (crds/, the chart's copy, docs/crd-reference.md), manifests/install.yaml, docs/prometheus-rules.yaml, the chart's README.md
 	$(CARGO) run -q -p diphoma-operator -- crd > crds/diphomajob.yaml
 	$(CARGO) run -q -p diphoma-operator -- crd --markdown > docs/crd-reference.md
-	cp crds/diphomajob.yaml charts/diphoma-operator/crds/diphomajob.yaml
+	cp crds/diphomajob.yaml charts/diphoma-operator/files/crds/diphomajob.yaml
 	bash scripts/render-install.sh "$$(bash e2e/cluster/build-bins.sh 2>/dev/null)/helm" > manifests/install.yaml
 	bash scripts/render-rules.sh "$$(bash e2e/cluster/build-bins.sh 2>/dev/null)/helm" > docs/prometheus-rules.yaml
+	"$$(bash scripts/tools.sh helm-docs)" --log-level error --chart-search-root charts/diphoma-operator
 
 fmt-check:
 	$(CARGO) fmt --all -- --check
@@ -39,7 +42,13 @@ fmt-check:
 clippy: ## lint every crate and target; warnings are errors
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
-test: tools build fmt-check clippy ## run every test: unit, loopback TCP, end-to-end on a real control plane, and the Python package's
+licenses: deps ## check the third-party licenses of the crates against deny.toml (cargo deny check licenses; the Python side is in test-python)
+	bash scripts/check-licenses.sh
+
+integrations: deps ## test docs/integrations: the Argo CD health check under lua5.1 on sample jobs, kube-state-metrics' paths against the CRD's schema
+	bash scripts/check-integrations.sh
+
+test: tools build fmt-check clippy licenses integrations ## run every test: unit, loopback TCP, end-to-end on a real control plane, the license checks, and the Python package's
 	DIPHOMA_K8S_BIN=$$(bash e2e/cluster/build-bins.sh 2>/dev/null) $(CARGO) test --workspace --locked
 	$(MAKE) --no-print-directory test-python
 
@@ -67,6 +76,9 @@ bench-repair: tools build ## ring repair on the local control plane: time-to-rep
 images: deps ## build the release binaries and the images (operator, worker, probe) into the local image store, tagged with the chart's appVersion
 	$(CARGO) build --release --locked -p diphoma-operator -p diphoma-worker -p diphoma-e2e --bin diphoma-operator --bin diphoma-worker --bin diphoma-probe
 	bash images/build.sh release
+
+release: deps tools ## build a release into target/release-dir/VERSION (VERSION: the chart's appVersion) and check it: chart package, install.yaml, CRD, images as OCI archives, wheel, plugin tarball, krew manifest, notices, SHA256SUMS; PROFILE=debug for debug binaries, PYTORCH_IMAGE=1 adds the PyTorch image (several GB)
+	dir=$$(bash scripts/release.sh --profile $(or $(PROFILE),release) $(if $(filter 1,$(PYTORCH_IMAGE)),--pytorch)) && bash scripts/check-release.sh "$$dir"
 
 image-pytorch: deps wheel ## build the PyTorch worker image (Python, torch from PyPI, the diphoma wheel) into the local image store: several GB, not part of make test
 	bash images/build-pytorch.sh

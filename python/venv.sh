@@ -8,7 +8,8 @@
 # manifests/examples/pytorch-resnet50.yaml and make bench-torch) with numpy and pillow, its
 # import-time dependencies, added once with --no-deps: the newest torchvision on PyPI, 0.29,
 # is built for torch 2.14, and its models (plain Python) run on 2.15; --no-deps keeps pip from
-# replacing torch. Accelerate and PyTorch Lightning are added once too (python/tests/test_libraries.py).
+# replacing torch. Accelerate and PyTorch Lightning are added once too (python/tests/test_libraries.py),
+# and pip-licenses (python/check-licenses.sh).
 set -euo pipefail
 TORCH_VERSION=2.15.0
 MATURIN_VERSION=1.16.0
@@ -18,6 +19,8 @@ VISION=("torchvision==0.29.2" "numpy==2.4.6" "pillow==13.0.0")
 # dependencies from PyPI; torch stays at TORCH_VERSION, which they accept), and the wheel's own
 # dependency prometheus-client (python/install.sh installs the wheel with --no-deps).
 LIBS=("accelerate==1.15.0" "pytorch-lightning==2.6.6" "prometheus-client==0.26.0")
+# The third-party license check of the venv's packages (python/check-licenses.sh).
+PIP_LICENSES=pip-licenses==5.5.5
 root=${DIPHOMA_PYTHON_CACHE:-$HOME/.cache/diphoma/python}
 case "${1:-}" in
   build) venv=$root/maturin-$MATURIN_VERSION; pkgs=("maturin==$MATURIN_VERSION") ;;
@@ -41,5 +44,10 @@ if [[ $1 == test && ! -f $venv/.libs-accelerate-1.15.0-lightning-2.6.6-prometheu
   echo "adding ${LIBS[*]} to $venv" >&2
   "$venv/bin/pip" install -q --disable-pip-version-check "${LIBS[@]}" "torch==$TORCH_VERSION" >&2
   touch "$venv/.libs-accelerate-1.15.0-lightning-2.6.6-prometheus-0.26.0"
+fi
+if [[ $1 == test && ! -f $venv/.$PIP_LICENSES ]]; then
+  echo "adding $PIP_LICENSES to $venv" >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check "$PIP_LICENSES" >&2
+  touch "$venv/.$PIP_LICENSES"
 fi
 echo "$venv"

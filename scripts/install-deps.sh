@@ -6,10 +6,13 @@
 set -euo pipefail
 need=()
 # buildah, podman, runc and mmdebstrap: the images and the kubelet's container mode (no daemon).
+# lua5.1: the Argo CD health check's test (scripts/check-integrations.sh).
 for cmd_pkg in curl:curl openssl:openssl python3:python3 git:git cc:gcc buildah:buildah \
-  podman:podman runc:runc mmdebstrap:mmdebstrap; do
+  podman:podman runc:runc mmdebstrap:mmdebstrap lua5.1:lua5.1; do
   command -v "${cmd_pkg%%:*}" >/dev/null 2>&1 || need+=("${cmd_pkg#*:}")
 done
+# PyYAML: the release and integration scripts read YAML with the system python3.
+python3 -c 'import yaml' 2>/dev/null || need+=(python3-yaml)
 if ((${#need[@]})); then
   sudo=""; [[ $(id -u) == 0 ]] || sudo=sudo
   echo "installing Debian packages: ${need[*]}" >&2

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # render-install.sh HELM — prints manifests/install.yaml: the operator's namespace and the chart
-# rendered with its defaults and CRDs, without the `helm test` Pod (so `kubectl apply -f
+# rendered with its defaults (the CRD is one of its templates, crds.enabled), without the `helm test` Pod (so `kubectl apply -f
 # manifests/install.yaml` installs the operator without helm). `make generate` writes it;
 # e2e/tests/chart.rs diff-checks it.
 set -euo pipefail
@@ -18,4 +18,4 @@ metadata:
   labels:
     pod-security.kubernetes.io/enforce: restricted
 YAML
-"$helm" template diphoma-operator "$root/charts/diphoma-operator" --namespace "$ns" --include-crds --skip-tests
+"$helm" template diphoma-operator "$root/charts/diphoma-operator" --namespace "$ns" --kube-version 1.30.0 --skip-tests

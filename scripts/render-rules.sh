@@ -13,6 +13,6 @@ cat <<YAML
 # spec, default values). Do not edit: change the chart and regenerate. Load it with rule_files.
 YAML
 # The spec is the template's last key: print what follows `spec:`, one level less indented.
-"$helm" template diphoma-operator "$root/charts/diphoma-operator" \
+"$helm" template diphoma-operator "$root/charts/diphoma-operator" --kube-version 1.30.0 \
   --show-only templates/prometheusrule.yaml --set prometheusRule.enabled=true "$@" |
   sed -n '/^spec:$/,$p' | sed '1d; s/^  //'

@@ -6,8 +6,10 @@
 //! every manifest, the RBAC checked with `kubectl auth can-i` (the operator's, and users' through
 //! the aggregated `edit` and `view` roles), `helm test`, a training job run by that operator while
 //! a real Prometheus (Debian's package) scrapes it and every dashboard query returns data, and
-//! finally `helm upgrade` to two replicas (with a PodDisruptionBudget) and `helm uninstall`, which
-//! leaves only the CRD behind.
+//! `helm upgrade` to two replicas (with a PodDisruptionBudget) and `helm uninstall`, which
+//! leaves only the CRD behind (`helm.sh/resource-policy: keep`); last, an upgrade from the
+//! previous chart release (0.1.0, its package kept in e2e/fixtures/) with a job running: the CRD
+//! is adopted and upgraded, the job and its workers are left alone.
 
 mod common;
 
@@ -19,9 +21,14 @@ use common::*;
 use diphoma_e2e::kit::{JobManifest, alive, pid_of, signal};
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_e2e::prometheus::{Prometheus, promtool_bin};
+use diphoma_operator::api::Phase;
 use k8s_openapi::api::core::v1::Pod;
 use kube::{Api, ResourceExt};
 
+/// `helm template` at the oldest Kubernetes the chart declares (Chart.yaml's kubeVersion): a
+/// helm built without its Kubernetes version in the ldflags (e2e/cluster/build-bins.sh) assumes
+/// v1.20, which the chart refuses.
+const KUBE_VERSION: &str = "--kube-version=1.30.0";
 const SELECT_RELEASE: &str = "app.kubernetes.io/instance=diphoma-operator";
 /// Every optional part of the chart switched on.
 const ALL_ON: [&str; 5] = [
@@ -49,6 +56,7 @@ fn main() -> Result<()> {
             helm_test_finds_the_operator_answering,
             a_job_run_by_the_chart_operator_feeds_every_dashboard_query,
             helm_upgrade_to_two_replicas_then_uninstall_leaves_only_the_crd,
+            upgrade_from_chart_0_1_0_upgrades_the_crd_and_leaves_a_running_job_alone,
         ],
     )
 }
@@ -61,12 +69,21 @@ async fn chart_lints_validates_values_and_install_yaml_is_fresh(
     run_ok(helm().args(["lint", "--strict"]).arg(chart()))?;
     // Every optional part renders and lints too.
     run_ok(helm().args(["lint", "--strict"]).arg(chart()).args(ALL_ON))?;
-    let rendered = run_ok(helm().args(["template", RELEASE]).arg(chart()).args(ALL_ON))?;
+    let rendered = run_ok(
+        helm()
+            .args(["template", KUBE_VERSION, RELEASE])
+            .arg(chart())
+            .args(ALL_ON),
+    )?;
     ensure!(
         !rendered.contains("type: Recreate"),
         "leader-elected replicas roll over"
     );
-    let single = run_ok(helm().args(["template", RELEASE]).arg(chart()))?;
+    let single = run_ok(
+        helm()
+            .args(["template", KUBE_VERSION, RELEASE])
+            .arg(chart()),
+    )?;
     ensure!(
         single.contains("type: Recreate"),
         "without leader election the old operator must stop before the new one starts"
@@ -101,7 +118,7 @@ async fn chart_lints_validates_values_and_install_yaml_is_fresh(
         ("prometheusRule.ringWaitingFor=soon", "ringWaitingFor"),
     ] {
         let out = helm()
-            .args(["template", RELEASE])
+            .args(["template", KUBE_VERSION, RELEASE])
             .arg(chart())
             .args(["--set", set])
             .output()?;
@@ -112,6 +129,59 @@ async fn chart_lints_validates_values_and_install_yaml_is_fresh(
             out.status
         );
     }
+    // As a dependency of another chart: Helm passes the parent's `global` (helm/helm#10392).
+    run_ok(
+        helm()
+            .args(["lint", "--strict"])
+            .arg(chart())
+            .args(["--set", "global.x=1,global.registry.url=r.example"]),
+    )?;
+    // The CRD is a template (upgraded by `helm upgrade`), kept on uninstall; both switchable.
+    let crd_of = |set: &[&str]| -> Result<String> {
+        let all = run_ok(
+            helm()
+                .args(["template", KUBE_VERSION, RELEASE])
+                .arg(chart())
+                .args(set),
+        )?;
+        Ok(all
+            .split("\n---")
+            .find(|d| d.contains("\nkind: CustomResourceDefinition"))
+            .unwrap_or_default()
+            .to_owned())
+    };
+    let crd = crd_of(&[])?;
+    for want in [
+        "name: diphomajobs.diphoma.io",
+        "helm.sh/resource-policy: keep",
+        "helm.sh/chart: diphoma-operator-",
+    ] {
+        ensure!(crd.contains(want), "the CRD template lacks {want:?}: {crd}");
+    }
+    ensure!(
+        !crd_of(&["--set", "crds.keep=false"])?.contains("resource-policy"),
+        "crds.keep=false still keeps the CRD"
+    );
+    ensure!(
+        crd_of(&["--set", "crds.enabled=false"])?.is_empty(),
+        "crds.enabled=false still renders the CRD"
+    );
+    // The chart's README is what helm-docs makes of Chart.yaml, values.yaml and README.md.gotmpl.
+    let helm_docs = run_ok(
+        Command::new("bash")
+            .arg(repo_root().join("scripts/tools.sh"))
+            .arg("helm-docs"),
+    )?;
+    let fresh = run_ok(
+        Command::new(helm_docs.trim())
+            .args(["--dry-run", "--log-level", "error", "--chart-search-root"])
+            .arg(chart()),
+    )?;
+    let committed = std::fs::read_to_string(chart().join("README.md"))?;
+    ensure!(
+        fresh == committed,
+        "charts/diphoma-operator/README.md is stale: run `make generate`"
+    );
     // manifests/install.yaml is the chart rendered by scripts/render-install.sh.
     let fresh = run_ok(
         Command::new("bash")
@@ -141,7 +211,14 @@ async fn the_packaged_chart_renders_as_the_source(ctx: Arc<Ctx>, _ns: String) ->
     let render = |from: &std::path::Path, set: &[&str]| {
         run_ok(
             helm()
-                .args(["template", RELEASE, "--include-crds", "-n", OPERATOR_NS])
+                .args([
+                    "template",
+                    KUBE_VERSION,
+                    RELEASE,
+                    "--include-crds",
+                    "-n",
+                    OPERATOR_NS,
+                ])
                 .arg(from)
                 .args(set),
         )
@@ -635,5 +712,170 @@ async fn helm_upgrade_to_two_replicas_then_uninstall_leaves_only_the_crd(
             .args(["get", "crd", "diphomajobs.diphoma.io"]),
     )
     .context("helm keeps the CRD by design")?;
+    Ok(())
+}
+
+/// The previous chart release, as users installed it: 0.1.0 shipped the CRD in `crds/`, which
+/// Helm installs once and never upgrades nor owns. Upgrading to this chart, with a job training:
+/// refused until Helm may adopt the CRD (`--take-ownership`, as the chart's README says), then
+/// the CRD carries this chart's labels and the keep policy, and the job keeps its uid, its
+/// workers (same pods, same processes, no restart) and its ring generation, and succeeds.
+async fn upgrade_from_chart_0_1_0_upgrades_the_crd_and_leaves_a_running_job_alone(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let kubectl = || ctx.cp.kubectl();
+    let old = repo_root().join("e2e/fixtures/diphoma-operator-0.1.0.tgz");
+    // A cluster as 0.1.0 left it: the CRD from its crds/, unowned. (The release of the
+    // harness is gone after the test before; when this test runs alone, it goes here.)
+    run_ok(ctx.cp.helm().args([
+        "uninstall",
+        RELEASE,
+        "-n",
+        OPERATOR_NS,
+        "--ignore-not-found",
+        "--wait",
+    ]))?;
+    run_ok(kubectl().args([
+        "delete",
+        "crd",
+        "diphomajobs.diphoma.io",
+        "--ignore-not-found",
+        "--wait",
+    ]))?;
+    run_ok(ctx.cp.helm().args(["install", RELEASE]).arg(&old).args([
+        "-n",
+        OPERATOR_NS,
+        "--wait",
+        "--timeout",
+        "180s",
+    ]))?;
+    let crd_meta = |path: &str| {
+        run_ok(kubectl().args([
+            "get",
+            "crd",
+            "diphomajobs.diphoma.io",
+            "-o",
+            &format!("jsonpath={{.metadata.{path}}}"),
+        ]))
+    };
+    ensure!(
+        crd_meta("labels")?.is_empty(),
+        "chart 0.1.0's CRD carries labels: {}",
+        crd_meta("labels")?
+    );
+
+    let job = JobManifest {
+        extra: serde_json::json!({"metadata": {"namespace": ns}}),
+        ..JobManifest::training("digits", 3, 6000, 500)
+    };
+    let ring = start_job(&ctx, &ns, &job, 3).await?;
+    let jobs = jobs(&ctx, &ns);
+    let uid = jobs.get("digits").await?.metadata.uid;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let mut workers = vec![];
+    for i in 0..3 {
+        let p = pods.get(&format!("digits-worker-{i}")).await?;
+        workers.push((p.name_any(), p.metadata.uid.clone(), pid_of(&p)?));
+    }
+
+    let upgrade = |extra: &[&str]| {
+        ctx.cp
+            .helm()
+            .args(["upgrade", RELEASE])
+            .arg(chart())
+            .args(["-n", OPERATOR_NS, "--wait", "--timeout", "180s"])
+            .args(extra)
+            .output()
+    };
+    let refused = upgrade(&[])?;
+    let err = String::from_utf8_lossy(&refused.stderr);
+    ensure!(
+        !refused.status.success() && err.contains("diphomajobs.diphoma.io"),
+        "upgrading over 0.1.0's unowned CRD without --take-ownership: {}: {err}",
+        refused.status
+    );
+    let adopted = upgrade(&["--take-ownership"])?;
+    ensure!(
+        adopted.status.success(),
+        "helm upgrade --take-ownership: {}",
+        String::from_utf8_lossy(&adopted.stderr)
+    );
+    // The job was there all along, training: the upgrade happened under it.
+    let during = status(&ctx, &ns, "digits").await?;
+    ensure!(
+        during.phase == Some(Phase::Running),
+        "the job is not running right after the upgrade (too few steps to span it?): {during:?}"
+    );
+    let version = run_ok(
+        ctx.cp
+            .helm()
+            .args(["list", "-n", OPERATOR_NS, "-o", "json"]),
+    )?;
+    let chart_yaml = std::fs::read_to_string(chart().join("Chart.yaml"))?;
+    let new = chart_yaml
+        .lines()
+        .find_map(|l| l.strip_prefix("version:"))
+        .context("Chart.yaml has no version")?
+        .trim()
+        .to_owned();
+    ensure!(
+        new != "0.1.0",
+        "the chart's version was not bumped past 0.1.0"
+    );
+    ensure!(
+        version.contains(&format!("diphoma-operator-{new}")),
+        "release after the upgrade: {version}"
+    );
+    // The CRD is now the new chart's: its labels, Helm's ownership, the keep policy.
+    let labels = crd_meta("labels")?;
+    let annotations = crd_meta("annotations")?;
+    ensure!(
+        labels.contains(&format!("diphoma-operator-{new}")),
+        "the CRD was not upgraded: labels {labels}"
+    );
+    ensure!(
+        annotations.contains("\"helm.sh/resource-policy\":\"keep\"")
+            && annotations.contains(&format!("\"meta.helm.sh/release-name\":\"{RELEASE}\"")),
+        "the CRD's annotations after the upgrade: {annotations}"
+    );
+    // The operator is the new chart's (its Deployment, ready: --wait); it runs the job on.
+    let deployment = run_ok(kubectl().args([
+        "-n",
+        OPERATOR_NS,
+        "get",
+        "deployment",
+        RELEASE,
+        "-o",
+        "jsonpath={.metadata.labels.helm\\.sh/chart}",
+    ]))?;
+    ensure!(
+        deployment == format!("diphoma-operator-{new}"),
+        "the operator's Deployment after the upgrade: chart {deployment:?}"
+    );
+    let st = finished(&ctx, &ns, "digits", 300).await?;
+    ensure!(
+        st.phase == Some(Phase::Succeeded),
+        "after the upgrade: {st:?}"
+    );
+    ensure!(
+        jobs.get("digits").await?.metadata.uid == uid,
+        "the job was recreated"
+    );
+    ensure!(
+        st.ring.as_ref().map(|r| r.generation) == Some(ring.generation as _),
+        "the ring was re-formed across the upgrade: {:?} (was generation {})",
+        st.ring,
+        ring.generation
+    );
+    for (name, pod_uid, pid) in workers {
+        let p = pods.get(&name).await?;
+        let restarts = first_container(&p).map(|c| c.restart_count);
+        ensure!(
+            p.metadata.uid == pod_uid && restarts == Some(0),
+            "{name} was replaced or restarted (was pid {pid}): uid {:?}, restarts {restarts:?}",
+            p.metadata.uid
+        );
+    }
     Ok(())
 }

@@ -7,10 +7,20 @@
 //! container sees (env, a ConfigMap volume, its user, a read-only root, SIGTERM on deletion), and
 //! an image that is not in the store (`ErrImageNeverPull` or `ImagePullBackOff`, with a message;
 //! started once it is built).
+//!
+//! The images come from a release directory (`scripts/release.sh --profile debug`, into
+//! target/e2e-release/: the images built as above and saved as OCI archives, the chart packaged,
+//! the wheel, the plugin tarball and its krew manifest, notices, SHA256SUMS), checked by
+//! `scripts/check-release.sh`. The last test installs from that directory alone: the release
+//! installed by the harness uninstalled, the images loaded from their archives under names of
+//! their own, the chart from its package, the plugin from its tarball checked against the krew
+//! manifest's sha256, and a job trained to Succeeded.
 
 mod common;
 
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
 
 use anyhow::{Context, Result, ensure};
 use common::*;
@@ -32,14 +42,27 @@ fn tag() -> Result<String> {
     Ok(v.trim().trim_matches('"').to_owned())
 }
 
+/// The release directory built by `main` (target/e2e-release/VERSION).
+static RELEASE_DIR: OnceLock<PathBuf> = OnceLock::new();
+
 fn main() -> Result<()> {
-    let built = run_ok(
-        std::process::Command::new("bash")
-            .arg(repo_root().join("images/build.sh"))
-            .arg("debug"),
+    // The images (images/build.sh debug, through the release script) and the release around them.
+    let dir = run_ok(
+        Command::new("bash")
+            .arg(repo_root().join("scripts/release.sh"))
+            .args(["--profile", "debug", "--out"])
+            .arg(repo_root().join("target/e2e-release")),
     )
-    .context("building the images (images/build.sh debug)")?;
-    eprintln!("{built}");
+    .context("building a debug release (scripts/release.sh --profile debug)")?;
+    let dir = PathBuf::from(dir.trim());
+    let checked = run_ok(
+        Command::new("bash")
+            .arg(repo_root().join("scripts/check-release.sh"))
+            .arg(&dir),
+    )
+    .context("checking the release directory (scripts/check-release.sh)")?;
+    eprintln!("{checked}");
+    RELEASE_DIR.set(dir).expect("set once");
     let nodes = (0..3)
         .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), 4))
         .collect();
@@ -52,6 +75,8 @@ fn main() -> Result<()> {
             a_worker_container_killed_with_sigkill_is_repaired_and_the_job_succeeds,
             a_container_sees_its_env_volumes_user_and_a_read_only_root,
             an_image_missing_from_the_store_is_reported_not_run,
+            check_release_names_what_is_wrong_in_a_tampered_directory,
+            a_release_directory_alone_installs_the_operator_plugin_and_a_job,
         ],
     )
 }
@@ -259,5 +284,252 @@ async fn an_image_missing_from_the_store_is_reported_not_run(
             "the message does not name the image and the fix: {msg}"
         );
     }
+    Ok(())
+}
+
+/// Names the release test gives the images it loads from the archives; untagged when dropped
+/// (also when the test fails), so the image store keeps only what the builds made.
+struct LoadedImages(Vec<String>);
+
+impl Drop for LoadedImages {
+    fn drop(&mut self) {
+        for name in &self.0 {
+            let _ = Command::new("podman")
+                .args(["--storage-driver", "vfs", "untag", name])
+                .status();
+        }
+    }
+}
+
+async fn a_release_directory_alone_installs_the_operator_plugin_and_a_job(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    let dir = RELEASE_DIR.get().context("no release directory")?;
+    let version = tag()?;
+    // The harness's release (chart and images from the source tree) goes; the CRD stays (keep).
+    run_ok(
+        ctx.cp
+            .helm()
+            .args(["uninstall", RELEASE, "-n", OPERATOR_NS, "--wait"]),
+    )?;
+    eventually(60, "the harness's operator gone", async || {
+        Ok(operator_pods(&ctx.client).await?.is_empty())
+    })
+    .await?;
+
+    // The images, from their archives, under names no build writes.
+    let mut loaded = LoadedImages(vec![]);
+    for image in ["operator", "worker", "probe"] {
+        let archive = dir.join(format!("images/diphoma-{image}-{version}.oci.tar"));
+        let id = run_ok(
+            Command::new("buildah")
+                .args(["--storage-driver", "vfs", "pull", "--quiet"])
+                .arg(format!("oci-archive:{}", archive.display())),
+        )
+        .with_context(|| format!("loading {archive:?}"))?;
+        let name = format!("localhost/diphoma-release/diphoma-{image}:{version}");
+        run_ok(Command::new("podman").args(["--storage-driver", "vfs", "tag", id.trim(), &name]))?;
+        loaded.0.push(name);
+    }
+
+    // The chart from its package, running those images.
+    let package = std::fs::read_dir(dir)?
+        .filter_map(|e| Some(e.ok()?.path()))
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("diphoma-operator-") && n.ends_with(".tgz"))
+        })
+        .context("no chart package in the release")?;
+    run_ok(
+        ctx.cp
+            .helm()
+            .args(["install", RELEASE])
+            .arg(&package)
+            .args([
+                "-n",
+                OPERATOR_NS,
+                "--wait",
+                "--timeout",
+                "180s",
+                "--set=image.repository=localhost/diphoma-release/diphoma-operator",
+                "--set=image.pullPolicy=Never",
+                "--set=helmTest.image.repository=localhost/diphoma-release/diphoma-probe",
+            ]),
+    )?;
+    let out = helm_test(&ctx)?;
+    ensure!(out.contains("Succeeded"), "helm test: {out}");
+    let op = operator_pods(&ctx.client).await?;
+    let image = op
+        .first()
+        .and_then(|p| p.spec.as_ref()?.containers.first()?.image.clone());
+    ensure!(
+        image
+            == Some(format!(
+                "localhost/diphoma-release/diphoma-operator:{version}"
+            )),
+        "the operator runs {image:?}"
+    );
+
+    // The plugin: the tarball the krew manifest names, only if its sha256 is the manifest's.
+    let krew = run_ok(Command::new("python3").arg("-c").arg(
+        "import sys, yaml; p = yaml.safe_load(open(sys.argv[1]))['spec']['platforms']; \
+         l = [x for x in p if x['selector']['matchLabels'] == {'os': 'linux', 'arch': 'amd64'}][0]; \
+         print(l['uri'].rsplit('/', 1)[-1], l['sha256'], l['bin'])",
+    ).arg(dir.join("diphoma.yaml")))?;
+    let [tarball, sha, bin] = krew.split_whitespace().collect::<Vec<_>>()[..] else {
+        anyhow::bail!("diphoma.yaml: linux/amd64 platform: {krew}");
+    };
+    let actual = run_ok(Command::new("sha256sum").arg(dir.join(tarball)))?;
+    ensure!(
+        actual.split_whitespace().next() == Some(sha),
+        "{tarball}: sha256 {actual}, the krew manifest says {sha}"
+    );
+    let plugin_dir = ctx.cp.dir.join("release-plugin");
+    std::fs::create_dir_all(&plugin_dir)?;
+    run_ok(
+        Command::new("tar")
+            .arg("-xzf")
+            .arg(dir.join(tarball))
+            .arg("-C")
+            .arg(&plugin_dir),
+    )?;
+    let path = std::env::join_paths(std::iter::once(plugin_dir.clone()).chain(
+        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
+    ))?;
+    ensure!(plugin_dir.join(bin).exists(), "{tarball} has no {bin}");
+
+    // A job on the released worker image, seen through the released plugin, to Succeeded.
+    let mut job = JobManifest::training("digits", 2, 400, 1);
+    job.image = format!("localhost/diphoma-release/diphoma-worker:{version}");
+    start_job(&ctx, &ns, &job, 2).await?;
+    let ring = run_ok(
+        ctx.cp
+            .kubectl()
+            .args(["diphoma", "ring", "digits", "-n", &ns])
+            .env("PATH", &path),
+    )?;
+    ensure!(
+        ring.contains("digits-worker-0") && ring.contains("digits-worker-1"),
+        "kubectl diphoma ring (the released plugin): {ring}"
+    );
+    let st = finished(&ctx, &ns, "digits", 240).await?;
+    ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let worker_image = pods
+        .get("digits-worker-0")
+        .await?
+        .spec
+        .and_then(|s| s.containers[0].image.clone());
+    ensure!(
+        worker_image.as_deref() == Some(job.image.as_str()),
+        "the worker ran {worker_image:?}"
+    );
+    drop(loaded);
+    Ok(())
+}
+
+/// Replaces `path` by a new file (never writing through a hard link into the release it was
+/// linked from) with what `edit` makes of its text.
+fn rewrite(path: &std::path::Path, edit: impl Fn(String) -> String) -> Result<()> {
+    let text = std::fs::read_to_string(path)?;
+    std::fs::remove_file(path)?;
+    std::fs::write(path, edit(text))?;
+    Ok(())
+}
+
+/// SHA256SUMS made again over the directory, so that only the check under test can fail.
+fn resum(dir: &std::path::Path) -> Result<()> {
+    let listed = run_ok(Command::new("bash").current_dir(dir).args([
+        "-c",
+        "find . -type f ! -name SHA256SUMS -printf '%P\\n' | LC_ALL=C sort | xargs sha256sum",
+    ]))?;
+    std::fs::remove_file(dir.join("SHA256SUMS"))?;
+    std::fs::write(dir.join("SHA256SUMS"), listed)?;
+    Ok(())
+}
+
+async fn check_release_names_what_is_wrong_in_a_tampered_directory(
+    _ctx: Arc<Ctx>,
+    _ns: String,
+) -> Result<()> {
+    let dir = RELEASE_DIR.get().context("no release directory")?;
+    let version = tag()?;
+    type Tamper = fn(&std::path::Path) -> Result<()>;
+    let cases: [(&str, Tamper, &str); 5] = [
+        (
+            "krew-sha",
+            |d| {
+                rewrite(&d.join("diphoma.yaml"), |t| {
+                    let sha = t
+                        .split("sha256: ")
+                        .nth(1)
+                        .unwrap_or("")
+                        .lines()
+                        .next()
+                        .unwrap_or("")
+                        .to_owned();
+                    t.replace(&sha, &"0".repeat(64))
+                })?;
+                resum(d)
+            },
+            "diphoma.yaml: platform",
+        ),
+        (
+            "altered",
+            |d| rewrite(&d.join("install.yaml"), |t| t + "# changed\n"),
+            "SHA256SUMS: a sum does not match",
+        ),
+        (
+            "unlisted",
+            |d| Ok(std::fs::write(d.join("extra.txt"), "x")?),
+            "SHA256SUMS does not list exactly the files",
+        ),
+        (
+            "missing",
+            |d| {
+                std::fs::remove_file(d.join("diphomajob-crd.yaml"))?;
+                resum(d)
+            },
+            "diphomajob-crd.yaml is missing",
+        ),
+        (
+            "other-crd",
+            |d| {
+                rewrite(&d.join("diphomajob-crd.yaml"), |t| {
+                    t.replacen("description:", "description: changed", 1)
+                })?;
+                resum(d)
+            },
+            "its CRD is not diphomajob-crd.yaml's",
+        ),
+    ];
+    let root = repo_root().join("target/e2e-release-tampered");
+    let _ = std::fs::remove_dir_all(&root);
+    for (case, tamper, named) in cases {
+        let copy = root.join(case).join(&version);
+        std::fs::create_dir_all(copy.parent().unwrap())?;
+        // Hard links: the archives are not copied; every tampered file is replaced, not written.
+        run_ok(Command::new("cp").arg("-al").arg(dir).arg(&copy))?;
+        tamper(&copy)?;
+        let out = Command::new("bash")
+            .arg(repo_root().join("scripts/check-release.sh"))
+            .arg(&copy)
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            !out.status.success() && err.contains(named),
+            "{case}: check-release.sh should fail naming {named:?}: {}: {err}",
+            out.status
+        );
+    }
+    std::fs::remove_dir_all(&root)?;
+    // The release itself is untouched (the copies were of links).
+    run_ok(
+        Command::new("bash")
+            .arg(repo_root().join("scripts/check-release.sh"))
+            .arg(dir),
+    )?;
     Ok(())
 }

@@ -76,7 +76,7 @@ mod tests {
     fn committed_crds_are_fresh() {
         for file in [
             "crds/diphomajob.yaml",
-            "charts/diphoma-operator/crds/diphomajob.yaml",
+            "charts/diphoma-operator/files/crds/diphomajob.yaml",
         ] {
             let path = format!("{}/../{file}", env!("CARGO_MANIFEST_DIR"));
             let committed = std::fs::read_to_string(&path).expect(&path);
