@@ -682,11 +682,17 @@ pub struct RingStatus {
     pub generation: i64,
     /// Members (worker pods) in this generation.
     pub size: i32,
-    /// Training processes in each member (`spec.processesPerWorker` in effect).
-    #[serde(default = "one")]
+    /// Training processes in each member (`spec.processesPerWorker` in effect; absent: 1).
+    // Like every status field added after the first release, written only when it says more
+    // than its default: an operator whose CRD is still the previous one (an upgrade in
+    // progress, `install.yaml` applied without its CRD) can then still write the status of the
+    // jobs that do not use it, as the API server refuses a server-side apply with a field its
+    // schema does not declare.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
     pub processes_per_worker: i32,
-    /// Ranks of the training processes' ring: `size × processesPerWorker`.
-    #[serde(default)]
+    /// Ranks of the training processes' ring: `size × processesPerWorker` (absent with one
+    /// process per member: then it is `size`).
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub world_size: i32,
     /// ConfigMap holding the full membership (rank → pod, address).
     pub config_map: String,
@@ -875,6 +881,14 @@ pub fn decode(object: serde_json::Value) -> Result<DiphomaJob, String> {
 /// Schema of an array of embedded Kubernetes objects kept as is.
 pub fn preserved_array(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({"type": "array", "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}})
+}
+
+fn is_one(n: &i32) -> bool {
+    *n == 1
+}
+
+fn is_zero(n: &i32) -> bool {
+    *n == 0
 }
 
 fn one() -> i32 {

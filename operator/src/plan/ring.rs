@@ -198,7 +198,11 @@ pub fn ring_status(
         generation: m.generation as i64,
         size: m.members.len() as i32,
         processes_per_worker: processes,
-        world_size: m.members.len() as i32 * processes,
+        world_size: if processes > 1 {
+            m.members.len() as i32 * processes
+        } else {
+            0
+        },
         config_map: diphoma_contract::membership_configmap_name(job),
         departed,
         members: m
@@ -398,6 +402,10 @@ mod tests {
             })
             .collect();
         assert!(ring_status("j", 1, &big, vec![], &[]).members.is_empty());
+        // One process per member says nothing more than before the layout existed: an
+        // operator whose CRD predates these fields still writes the status of such a job.
+        let single = serde_json::to_value(ring_status("j", 1, &big, vec![], &[])).unwrap();
+        assert!(single.get("processesPerWorker").is_none() && single.get("worldSize").is_none());
         let layout = ring_status("j", 8, &big, vec![], &[]);
         assert_eq!(
             (layout.size, layout.processes_per_worker, layout.world_size),
