@@ -152,7 +152,8 @@ pub struct DiphomaJobSpec {
     #[schemars(range(min = 0, max = 64))]
     pub gpus_per_worker: i32,
     /// Training processes in each worker pod, one per GPU as `torchrun --nproc-per-node` runs
-    /// them (absent: `gpusPerWorker` when it is above 0, else 1; at least 1, at most 64). The
+    /// them (absent: 1, as torchrun's default; at least 1, at most 64: set it to
+    /// `gpusPerWorker` for one process per GPU). The
     /// pod's launcher (`python -m diphoma.run`, told by `DIPHOMA_PROCESSES_PER_WORKER`) starts
     /// them with `LOCAL_RANK` `0..P`, `RANK` = pod rank × P + local rank and `WORLD_SIZE` =
     /// pods × P; each picks `cuda:LOCAL_RANK` itself (`CUDA_VISIBLE_DEVICES` is not set). The pod
@@ -900,15 +901,13 @@ fn one() -> i32 {
 pub const DEFAULT_SHARED_MEMORY_GIB_PER_PROCESS: i32 = 2;
 
 impl DiphomaJobSpec {
-    /// The training processes in each worker pod: `processesPerWorker`, else `gpusPerWorker`
-    /// when above 0, else 1 (the API server keeps a set value within 1..=64).
+    /// The training processes in each worker pod: `processesPerWorker`, else 1 (the API server
+    /// keeps a set value within 1..=64). Not `gpusPerWorker` by default: the operator cannot
+    /// tell whether the image starts one process per GPU (`python -m diphoma.run` does; the
+    /// Rust worker and a plain `python` script run one), and the layout in the status and
+    /// `kubectl diphoma ring` must be the one that runs.
     pub fn processes_per_worker(&self) -> i32 {
-        self.processes_per_worker
-            .unwrap_or(if self.gpus_per_worker > 0 {
-                self.gpus_per_worker
-            } else {
-                1
-            })
+        self.processes_per_worker.unwrap_or(1)
     }
 
     /// The size limit of the workers' in-memory `/dev/shm` ([`Self::shared_memory`], else

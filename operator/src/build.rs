@@ -976,11 +976,24 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn processes_per_worker_defaults_to_the_gpus_and_is_checked_by_name() {
+    fn processes_per_worker_defaults_to_one_and_is_checked_by_name() {
         let mut j = basic();
-        assert_eq!(j.spec.processes_per_worker(), 2, "gpusPerWorker 2");
-        j.spec.gpus_per_worker = 0;
-        assert_eq!(j.spec.processes_per_worker(), 1, "a CPU worker: 1");
+        assert_eq!(
+            j.spec.processes_per_worker(),
+            1,
+            "gpusPerWorker 2, one process unless asked (the image may run one)"
+        );
+        assert!(
+            worker_pod(&j, 0, 0)
+                .unwrap()
+                .spec
+                .unwrap()
+                .volumes
+                .unwrap_or_default()
+                .iter()
+                .all(|v| v.name != SHM_VOLUME),
+            "no /dev/shm for one process"
+        );
         j.spec.processes_per_worker = Some(3);
         assert_eq!(processes_per_worker(&j).unwrap(), 3);
         for (p, port) in [(0, 29500), (65, 29500), (2, 65534), (4, 9394)] {
@@ -1318,13 +1331,16 @@ pub(crate) mod tests {
     fn the_worker_spec_digest_is_pinned_so_an_upgrade_rolls_no_ring() {
         // A change here rolls every running job when the operator is upgraded: make it only
         // with a serialisation that keeps the old digests (a new field absent when unset).
-        // One process per worker keeps the digest of before `processesPerWorker`; a job of
-        // several GPUs per worker, whose default became one process per GPU, rolls once at
-        // the upgrade (its new workers could not share a ring with the old ones' layout).
+        // One process per worker (the default, or stated) keeps the digest of before
+        // `processesPerWorker`: no running job rolls at the upgrade. Several processes per
+        // worker is another layout (its workers could not share a ring with one-process ones).
         let mut one = basic();
         one.spec.processes_per_worker = Some(1);
         assert_eq!(worker_spec_digest(&one), "0ddbddf00d140e95");
-        assert_eq!(worker_spec_digest(&basic()), "51623d1e20468214");
+        assert_eq!(worker_spec_digest(&basic()), "0ddbddf00d140e95");
+        let mut two = basic();
+        two.spec.processes_per_worker = Some(2);
+        assert_ne!(worker_spec_digest(&two), "0ddbddf00d140e95");
         let mut placed = basic();
         placed.spec.placement = Some(crate::api::Placement {
             node_selector: [("pool".to_owned(), "a".to_owned())].into(),
