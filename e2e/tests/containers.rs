@@ -82,16 +82,18 @@ fn main() -> Result<()> {
 }
 
 async fn helm_test_reaches_the_operator_container(ctx: Arc<Ctx>, _ns: String) -> Result<()> {
-    let out = helm_test(&ctx)?;
+    helm_test_reaches_operator_image(&ctx, &format!("localhost/diphoma-operator:{}", tag()?)).await
+}
+
+/// `helm test` succeeds, and the operator pod runs `image`.
+async fn helm_test_reaches_operator_image(ctx: &Ctx, image: &str) -> Result<()> {
+    let out = helm_test(ctx)?;
     ensure!(out.contains("Succeeded"), "helm test: {out}");
     let op = operator_pods(&ctx.client).await?;
-    let image = op
+    let runs = op
         .first()
         .and_then(|p| p.spec.as_ref()?.containers.first()?.image.clone());
-    ensure!(
-        image == Some(format!("localhost/diphoma-operator:{}", tag()?)),
-        "the operator runs {image:?}"
-    );
+    ensure!(runs.as_deref() == Some(image), "the operator runs {runs:?}");
     Ok(())
 }
 
@@ -358,19 +360,8 @@ async fn a_release_directory_alone_installs_the_operator_plugin_and_a_job(
                 "--set=helmTest.image.repository=localhost/diphoma-release/diphoma-probe",
             ]),
     )?;
-    let out = helm_test(&ctx)?;
-    ensure!(out.contains("Succeeded"), "helm test: {out}");
-    let op = operator_pods(&ctx.client).await?;
-    let image = op
-        .first()
-        .and_then(|p| p.spec.as_ref()?.containers.first()?.image.clone());
-    ensure!(
-        image
-            == Some(format!(
-                "localhost/diphoma-release/diphoma-operator:{version}"
-            )),
-        "the operator runs {image:?}"
-    );
+    let image = format!("localhost/diphoma-release/diphoma-operator:{version}");
+    helm_test_reaches_operator_image(&ctx, &image).await?;
 
     // The plugin: the tarball the krew manifest names, only if its sha256 is the manifest's.
     let krew = run_ok(Command::new("python3").arg("-c").arg(

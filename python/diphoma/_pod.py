@@ -221,6 +221,13 @@ def stop(procs, grace):
     return [proc.returncode for proc in procs]
 
 
+def signal_all(procs, sig):
+    """Sends ``sig`` to each of ``procs`` that still runs."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+
+
 def start(entry, args, envs):
     """Starts one process per environment of ``envs`` (by local rank), each in a session of
     its own."""
@@ -251,21 +258,15 @@ def main_elastic(a, processes):
             if rc is not None:
                 log(f"local rank {l} of {pod} exited with {exit_code(rc)}: stopping its {processes - 1} sibling(s), "
                     f"the pod leaves the ring")
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
+                signal_all(procs, signal.SIGKILL)
                 stop(procs, 0)
                 return exit_code(rc)
             time.sleep(0.05)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        signal_all(procs, signal.SIGTERM)
         stop(procs, a.grace)
         return 0
     finally:
-        for p in procs:  # also on an exception of the launcher's own
-            if p.poll() is None:
-                p.kill()
+        signal_all(procs, signal.SIGKILL)  # also on an exception of the launcher's own
         stop(procs, 0)
 
 
@@ -340,9 +341,8 @@ def main(a, tmp):
             if rc is not None:
                 # One failed (or all are done): the pod is one member, its processes one ring
                 # share; the others are stopped (they cannot go on without it).
-                for p in procs:
-                    if p.poll() is None and rc != 0:
-                        p.kill()
+                if rc != 0:
+                    signal_all(procs, signal.SIGKILL)
                 stop(procs, 0)  # what they left of their sessions
             action = decide(running, rc, error, g and g[:2])
             if action == "wait":
@@ -380,14 +380,10 @@ def main(a, tmp):
             restart += 1
             seen = g[0] - 1  # start at it: the next wait returns it
         if procs is not None:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
+            signal_all(procs, signal.SIGTERM)
             stop(procs, a.grace)
         return 0
     finally:
         if procs is not None:  # also on an exception of the launcher's own
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+            signal_all(procs, signal.SIGKILL)
             stop(procs, 0)
