@@ -73,6 +73,9 @@ pub const ENV_DETECTION_SECONDS: &str = "DIPHOMA_DETECTION_SECONDS";
 /// on every frame; the default when unset) or `encryption` (AES-256-GCM). Every worker of a
 /// job gets the same value; peers that differ refuse each other's handshake.
 pub const ENV_RING_PROTECTION: &str = "DIPHOMA_RING_PROTECTION";
+/// Env: what carries a PyTorch job's collectives (`spec.ring.dataPlane`): `ring` (the default
+/// when unset) or `gloo` (a gloo communicator per ring generation; `diphoma.torch._plane`).
+pub const ENV_DATA_PLANE: &str = "DIPHOMA_DATA_PLANE";
 /// Env: directory of the checkpoints (the mount path of `spec.checkpoint.volume`); unset: none.
 pub const ENV_CHECKPOINT_DIR: &str = "DIPHOMA_CHECKPOINT_DIR";
 /// Env: steps between two checkpoints (`spec.checkpoint.everySteps`).

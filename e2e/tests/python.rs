@@ -6,8 +6,9 @@
 //! query of the Training dashboard; an unchanged torchrun script (`python/tests/scripts/torchrun_ddp.py`)
 //! under `python -m diphoma.run` through a kill -9, restarted in place in the surviving pods;
 //! a rank that raises, its traceback's last line in the job's status; `kubectl diphoma
-//! submit` of a script; and pods of two training processes each (`processesPerWorker: 2`)
-//! through a kill -9 of one process.
+//! submit` of a script; pods of two training processes each (`processesPerWorker: 2`)
+//! through a kill -9 of one process; and the example on the gloo data plane
+//! (`spec.ring.dataPlane: gloo`) through a frozen worker.
 
 mod common;
 
@@ -44,7 +45,8 @@ fn main() -> Result<()> {
             a_frozen_torchrun_process_is_reported_by_its_peers_and_replaced,
             a_raising_rank_fails_the_job_with_its_traceback_in_last_failure,
             kubectl_diphoma_submit_runs_a_script_as_a_job,
-            pods_of_two_processes_go_on_through_a_killed_process
+            pods_of_two_processes_go_on_through_a_killed_process,
+            a_frozen_worker_of_the_gloo_data_plane_is_replaced_and_the_others_go_on
         ],
     )
 }
@@ -582,5 +584,76 @@ async fn pods_of_two_processes_go_on_through_a_killed_process(
             "{name}: {r}"
         );
     }
+    Ok(())
+}
+
+/// The digits example with `spec.ring.dataPlane: gloo` (its DDP through a gloo communicator of
+/// each ring generation), worker 1 frozen with SIGSTOP mid-run: the others' gloo collectives
+/// wait on it, their liveness probes find it silent, they abandon the generation's
+/// communicator and report it; the operator replaces worker 1 as `Hung`, and the others train
+/// on in their own processes, through a fresh gloo communicator, to Succeeded. Before, a
+/// frozen peer of a gloo group hung its collectives until gloo's timeout (30 min by default).
+async fn a_frozen_worker_of_the_gloo_data_plane_is_replaced_and_the_others_go_on(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    const STEPS: u64 = 200;
+    let name = "pytorch-digits";
+    let from = "  gpusPerWorker: 1\n";
+    let text = example(STEPS)?;
+    ensure!(
+        text.matches(from).count() == 1,
+        "the example has no single gpusPerWorker"
+    );
+    let text = text.replace(from, "  gpusPerWorker: 1\n  ring:\n    dataPlane: gloo\n");
+    let file = std::env::temp_dir().join(format!("pytorch-digits-gloo-{ns}.yaml"));
+    std::fs::write(&file, text)?;
+    let applied = run_ok(ctx.cp.kubectl().args(["-n", &ns, "apply", "-f"]).arg(&file));
+    std::fs::remove_file(&file)?;
+    applied?;
+    eventually(240, "progress in the status", async || {
+        Ok(job_status(&ctx.client, &ns, name)
+            .await?
+            .status
+            .and_then(|s| s.progress)
+            .is_some_and(|p| p.step > 0))
+    })
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let survivors = [
+        "pytorch-digits-worker-0",
+        "pytorch-digits-worker-2",
+        "pytorch-digits-worker-3",
+    ];
+    let mut before = vec![];
+    for s in survivors {
+        before.push(pid_of(&pods.get(s).await?)?);
+    }
+    signal(
+        pid_of(&pods.get("pytorch-digits-worker-1").await?)?,
+        libc::SIGSTOP,
+    );
+    let st = finished(&ctx, &ns, name, 600).await?;
+    ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
+    ensure!(
+        st.repairs.by_cause.get("Hung") == Some(&1),
+        "repairs {:?}",
+        st.repairs
+    );
+    let mut logs = String::new();
+    for (s, pid) in survivors.iter().zip(before) {
+        let p = pods.get(s).await?;
+        let restarts = first_container(&p).map_or(-1, |c| c.restart_count);
+        ensure!(
+            terminated(&p).map(|t| t.0) == Some(0) && restarts == 0,
+            "{s} (pid {pid}) did not keep its process: {:?}, {restarts} restarts",
+            terminated(&p)
+        );
+        logs.push_str(&pods.logs(s, &LogParams::default()).await?);
+    }
+    ensure!(
+        logs.contains("the gloo communicator of ring generation 1 is abandoned"),
+        "no survivor abandoned generation 1's gloo communicator:\n{logs}"
+    );
     Ok(())
 }

@@ -56,7 +56,7 @@ pub(crate) const GANG_RULE: &str = "(has(self.gang) && has(self.gang.scheduler) 
 const RING_PORT_METRICS_MESSAGE: &str = "spec.ringPort and the rendezvous store's port after it (spec.ringPort + 1) must not be 9400, the workers' metrics port";
 /// The processes' ports (`ringPort + 2·l`, `l < P`, P the effective `processesPerWorker`) end
 /// below 65536 and do not reach the metrics port 9400 from below.
-const PROCESS_PORTS_RULE: &str = "(has(self.ringPort) ? self.ringPort : 29500) + 2 * ((has(self.processesPerWorker) ? self.processesPerWorker : (has(self.gpusPerWorker) && self.gpusPerWorker > 0 ? self.gpusPerWorker : 1)) - 1) <= 65535 && ((has(self.ringPort) ? self.ringPort : 29500) > 9400 || (has(self.ringPort) ? self.ringPort : 29500) + 2 * ((has(self.processesPerWorker) ? self.processesPerWorker : (has(self.gpusPerWorker) && self.gpusPerWorker > 0 ? self.gpusPerWorker : 1)) - 1) < 9399)";
+const PROCESS_PORTS_RULE: &str = "(has(self.ringPort) ? self.ringPort : 29500) + 2 * ((has(self.processesPerWorker) ? self.processesPerWorker : 1) - 1) <= 65535 && ((has(self.ringPort) ? self.ringPort : 29500) > 9400 || (has(self.ringPort) ? self.ringPort : 29500) + 2 * ((has(self.processesPerWorker) ? self.processesPerWorker : 1) - 1) < 9399)";
 const PROCESS_PORTS_MESSAGE: &str = "spec.processesPerWorker: local rank l listens at spec.ringPort + 2*l, so spec.ringPort + 2*(processesPerWorker - 1) must be at most 65535 and the ports must not reach the metrics port 9400 (choose another spec.ringPort)";
 const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers listen on it (delete and re-create the job to change it)";
 
@@ -347,6 +347,40 @@ pub struct RingSpec {
     #[serde(default)]
     #[x_kube(validation = Rule::new("self == oldSelf").message(PROTECTION_MESSAGE))]
     pub protection: RingProtection,
+    /// What moves the collectives' bytes of a PyTorch job's default process group (the
+    /// `diphoma` backend): `ring` (default), Diphoma's own ring; `gloo`, a gloo communicator
+    /// created afresh at each ring generation from an address the ring distributes, under
+    /// the ring's membership and failure detection (a dead or silent peer is blamed within
+    /// `faultTolerance.detectionSeconds`, the old communicator abandoned, the survivors go on in
+    /// the same process). Passed to the workers as `DIPHOMA_DATA_PLANE`; the Rust worker
+    /// always uses the ring. gloo's TCP connections carry no frame protection.
+    #[serde(default, skip_serializing_if = "DataPlane::is_ring")]
+    pub data_plane: DataPlane,
+}
+
+/// The library that carries a PyTorch job's collectives.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum DataPlane {
+    /// Diphoma's ring.
+    #[default]
+    Ring,
+    /// A gloo communicator per ring generation.
+    Gloo,
+}
+
+impl DataPlane {
+    /// The value of `DIPHOMA_DATA_PLANE` (`diphoma.torch._plane` parses the same names).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DataPlane::Ring => "ring",
+            DataPlane::Gloo => "gloo",
+        }
+    }
+
+    fn is_ring(&self) -> bool {
+        *self == DataPlane::Ring
+    }
 }
 
 /// Protection of the ring's data frames.

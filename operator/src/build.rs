@@ -395,6 +395,10 @@ fn worker_container(job: &DiphomaJob, c: &mut Container, processes: i32) {
             spec.ring.protection.as_str().into(),
         ),
         value(
+            contract::ENV_DATA_PLANE,
+            spec.ring.data_plane.as_str().into(),
+        ),
+        value(
             contract::ENV_SPEED_WEIGHTED,
             spec.balance.speed_weighted.to_string(),
         ),
@@ -1250,6 +1254,34 @@ pub(crate) mod tests {
         assert_eq!(protection(&j).as_deref(), Some("integrity"));
         j.spec.ring.protection = crate::api::RingProtection::Encryption;
         assert_eq!(protection(&j).as_deref(), Some("encryption"));
+    }
+
+    #[test]
+    fn the_data_plane_reaches_the_worker_and_only_gloo_changes_the_digest() {
+        let plane = |j: &DiphomaJob| {
+            worker_pod(j, 0, 0).unwrap().spec.unwrap().containers[0]
+                .env
+                .iter()
+                .flatten()
+                .find(|e| e.name == contract::ENV_DATA_PLANE)
+                .and_then(|e| e.value.clone())
+        };
+        let mut j = basic();
+        let before = worker_spec_digest(&j);
+        assert_eq!(plane(&j).as_deref(), Some("ring"));
+        j.spec.ring.data_plane = crate::api::DataPlane::Ring;
+        assert_eq!(
+            worker_spec_digest(&j),
+            before,
+            "ring, stated: the digest of before"
+        );
+        j.spec.ring.data_plane = crate::api::DataPlane::Gloo;
+        assert_eq!(plane(&j).as_deref(), Some("gloo"));
+        assert_ne!(
+            worker_spec_digest(&j),
+            before,
+            "a ring never mixes data planes"
+        );
     }
 
     #[test]

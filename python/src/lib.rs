@@ -23,10 +23,14 @@ use std::time::Duration;
 use diphoma_contract::{Member, Membership, balance};
 use diphoma_ring::file::{DirWatch, ENV_RING_DIR, FileRing};
 use diphoma_ring::k8s::{KubeRing, OP_TIMEOUT, RingWatch as Watch, WorkerEnv};
+use diphoma_ring::liveness::{self, Responder};
 use diphoma_ring::source::{
     Control, FixedRing, Generation, Progress, RingSource, standalone_config,
 };
-use diphoma_ring::{CommError, Communicator, Config, Element, ProtocolError, ReduceOp, bf16, f16};
+use diphoma_ring::{
+    AbortHandle, CommError, Communicator, Config, Element, ProtocolError, ReduceOp, bf16, f16,
+    foreign,
+};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -143,18 +147,62 @@ pub struct Ring {
     /// The config this ring was joined with (key, protection, timeout, job UID): what
     /// [`Ring::subring`] derives a sub-group's ring from.
     config: Config,
+    /// Aborts the communicator; set by the follower when a newer generation is published.
+    abort: AbortHandle,
 }
 
+/// The liveness responders [`Ring::answer_liveness`] started, by ring address: one per address
+/// for the life of the process (the generations a process joins keep their address).
+static RESPONDERS: Mutex<Vec<Responder>> = Mutex::new(Vec::new());
+
 impl Ring {
+    /// Every other member's answer to a liveness probe of `window` (probed at once), in rank
+    /// order.
+    fn probe_others(&self, window: Duration) -> Vec<(usize, bool)> {
+        let cfg = &self.config;
+        let from = cfg.addresses[self.rank].ip();
+        let never = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let probes: Vec<_> = (0..self.world)
+                .filter(|&r| r != self.rank)
+                .map(|r| {
+                    let never = &never;
+                    s.spawn(move || {
+                        let alive =
+                            liveness::probe(from, cfg.addresses[r], &cfg.key, window, never);
+                        (r, alive)
+                    })
+                })
+                .collect();
+            probes
+                .into_iter()
+                .map(|p| p.join().unwrap_or((usize::MAX, false)))
+                .collect()
+        })
+    }
+
     fn new(comm: Communicator, config: Config) -> Ring {
         Ring {
             rank: comm.rank(),
             world: comm.world(),
             generation: comm.generation(),
+            abort: comm.abort_handle(),
             comm: Mutex::new(comm),
             failure: Mutex::default(),
             config,
         }
+    }
+
+    /// Keeps `e` as this ring's failure (the first one stays) and returns the message
+    /// [`RingChanged`] carries.
+    fn keep_failure(&self, e: CommError) -> String {
+        let msg = format!(
+            "diphoma: ring generation {} (rank {} of {}) failed: {e}; the ring must re-form",
+            self.generation, self.rank, self.world
+        );
+        let mut slot = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        slot.get_or_insert(e);
+        msg
     }
 
     /// Runs `f` on the communicator with the GIL released; a failure other than a bad argument
@@ -179,15 +227,7 @@ impl Ring {
                     self.generation, self.rank, self.world
                 ))
             }
-            e => {
-                let msg = format!(
-                    "diphoma: ring generation {} (rank {} of {}) failed: {e}; the ring must re-form",
-                    self.generation, self.rank, self.world
-                );
-                let mut slot = self.failure.lock().unwrap_or_else(|p| p.into_inner());
-                slot.get_or_insert(e);
-                RingChanged::new_err(msg)
-            }
+            e => RingChanged::new_err(self.keep_failure(e)),
         })
     }
 
@@ -376,6 +416,79 @@ impl Ring {
     /// Returns once every rank has entered the barrier.
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
         self.with(py, Communicator::barrier)
+    }
+
+    /// True once a newer generation was published (the follower aborted this ring).
+    #[getter]
+    fn aborted(&self) -> bool {
+        self.abort.is_aborted()
+    }
+
+    /// The bound on joining this ring, in seconds (`DIPHOMA_TIMEOUT`, the join's `timeout`).
+    #[getter]
+    fn timeout(&self) -> f64 {
+        self.config.timeout.as_secs_f64()
+    }
+
+    /// The liveness window of this ring's collectives in seconds (a pod:
+    /// `detectionSeconds / 4`); None where they are bounded by the timeout instead (standalone).
+    #[getter]
+    fn liveness_window(&self) -> Option<f64> {
+        self.config.liveness.map(|w| w.as_secs_f64())
+    }
+
+    /// Answers liveness probes at this member's ring address (UDP) from now on, for the life
+    /// of the process, where nothing does yet (standalone: in a pod the follower's responder
+    /// answers), so that [`Ring::blame`]'s probes of the other members, which do the same, tell
+    /// a slow member from a hung one.
+    ///
+    /// Raises `RingError` when the address cannot be bound.
+    fn answer_liveness(&self) -> PyResult<()> {
+        let addr = self.config.addresses[self.rank];
+        let mut responders = RESPONDERS.lock().unwrap_or_else(|p| p.into_inner());
+        if self.config.liveness.is_some() || responders.iter().any(|r| r.local_addr() == addr) {
+            return Ok(());
+        }
+        responders.push(Responder::bind(addr, self.config.key.clone()).map_err(|e| {
+            RingError::new_err(format!(
+                "diphoma: the liveness responder at {addr} (UDP): {e}"
+            ))
+        })?);
+        Ok(())
+    }
+
+    /// For collective `op` of another library ("allreduce", "broadcast", …: the
+    /// `DIPHOMA_DATA_PLANE` communicator of this generation) that failed (`failed`: it raised)
+    /// or has waited `waited` seconds: a newer generation aborts it; else every other member is
+    /// probed for `window` seconds at once and the verdict is `diphoma-ring`'s
+    /// `foreign::verdict` (a silent member is blamed, lost or hung; every member answering, a
+    /// wait goes on). A verdict is kept as this ring's failure, as a failed ring collective's
+    /// ([`Follower::failed`] reports it and joins the next generation), and its message is
+    /// returned; None: wait on. Needs every member to answer probes ([`Ring::answer_liveness`]).
+    fn blame(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        waited: f64,
+        failed: bool,
+        window: f64,
+    ) -> PyResult<Option<String>> {
+        let op = foreign::op_name(op);
+        let waited = Duration::try_from_secs_f64(waited).unwrap_or_default();
+        let window = Duration::try_from_secs_f64(window)
+            .ok()
+            .filter(|w| !w.is_zero())
+            .ok_or_else(|| config_err(format!("window {window} s is not positive")))?;
+        let verdict = if self.abort.is_aborted() {
+            Some(CommError::Aborted)
+        } else {
+            let answers = py.detach(|| self.probe_others(window));
+            foreign::verdict(op, waited, failed, &answers)
+        };
+        Ok(verdict.map(|e| {
+            self.abort.abort();
+            self.keep_failure(e)
+        }))
     }
 
     fn __repr__(&self) -> String {

@@ -51,14 +51,16 @@ def undisturbed(steps):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def run_and_kill(tmp_path, *flags):
-    """Starts 4 elastic ranks, kills local-2 with SIGKILL once every rank passed step 8, waits
-    for the launcher; returns (exit code, records at the kill, final records, ring dir, out)."""
+def run_and_kill(tmp_path, *flags, env=None):
+    """Starts 4 elastic ranks (``env`` added to this environment), kills local-2 with SIGKILL
+    once every rank passed step 8, waits for the launcher; returns (exit code, records at the
+    kill, final records, ring dir, out, the launcher's output)."""
     out, ring = tmp_path / "out", tmp_path / "ring"
     out.mkdir()
     cmd = [sys.executable, "-m", "diphoma.run", "--nproc", "4", "--elastic", "--ring-dir", str(ring), *flags,
            os.path.join(SCRIPTS, "elastic_train.py"), str(out), str(STEPS)]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -71,9 +73,13 @@ def run_and_kill(tmp_path, *flags):
         os.kill(before["local-2"]["pid"], signal.SIGKILL)
         output, _ = launcher.communicate(timeout=180)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        if launcher.poll() is None:  # SIGTERM: the launcher stops every rank, then exits
+            launcher.terminate()
+            try:
+                launcher.wait(60)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                launcher.wait()
     return launcher.returncode, before, records(out), ring, out, output
 
 

@@ -17,7 +17,7 @@
 //! It must not train or record metrics: the worker wraps it (its `metrics::Metered`) and serves
 //! `/metrics` on [`KubeRing::handle`].
 
-use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -325,8 +325,7 @@ impl RingConfigMap {
     fn start(env: WorkerEnv, key: &[u8], feed: Feed) -> Result<RingConfigMap, KubeError> {
         // Alive from the start, so that peers never take this process for a hung one.
         let addr = SocketAddr::new(env.pod_ip, env.process_port());
-        let responder = UdpSocket::bind(addr)
-            .and_then(|s| Responder::spawn(s, key.to_vec()))
+        let responder = Responder::bind(addr, key.to_vec())
             .map_err(|source| KubeError::Liveness { addr, source })?;
         let rt = runtime()?;
         // SIGTERM first: from here on it means "leave the ring and exit 0".

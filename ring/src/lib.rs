@@ -23,6 +23,7 @@
 //! | [`auth`] | the HMAC-SHA256 challenge-response on one stream, the HKDF-SHA256 frame keys, refusal counters | open sockets, see data |
 //! | [`seal`] | per-frame protection of one direction: BLAKE3 keyed tags or AES-256-GCM, the frame counter | touch sockets, decide what a failure means |
 //! | [`comm`] | the [`Communicator`] and its collectives (`comm/mod.rs`), the non-blocking transport (`comm/transport.rs`), joining a generation (`comm/join.rs`) | choose schedules by itself beyond size thresholds |
+//! | [`foreign`] | which member a collective of another library (gloo: `spec.ring.dataPlane`) blames, from liveness answers (pure) | probe, keep state |
 //! | [`liveness`] | liveness apart from progress: the UDP [`liveness::Responder`] a process runs at its ring address, the keyed ping/pong, [`liveness::probe`] | touch the TCP ring, judge what silence means |
 //! | [`error`] | [`CommError`], the error of every communicator call | do I/O |
 //! | [`source`] | the [`source::RingSource`] a training loop follows, the standalone [`source::FixedRing`] and [`source::standalone_config`] (a launcher's env) | train |
@@ -66,6 +67,7 @@ pub mod comm;
 pub mod error;
 pub mod file;
 pub mod follow;
+pub mod foreign;
 pub mod frame;
 #[cfg(feature = "kube")]
 pub mod k8s;

@@ -97,6 +97,14 @@ impl Responder {
         })
     }
 
+    /// Starts answering pings at `addr` (UDP) with pongs keyed by `key`.
+    ///
+    /// # Errors
+    /// The OS error of binding `addr` (in use: another responder answers there), as [`Responder::spawn`]'s.
+    pub fn bind(addr: SocketAddr, key: Vec<u8>) -> std::io::Result<Responder> {
+        Responder::spawn(UdpSocket::bind(addr)?, key)
+    }
+
     /// The address it answers on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr

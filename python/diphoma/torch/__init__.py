@@ -46,7 +46,7 @@ from torch.futures import Future
 import diphoma
 from diphoma import ConfigError, Follower, RingChanged, metrics
 from diphoma.run import free_ports
-from diphoma.torch import _ops
+from diphoma.torch import _ops, _plane
 from diphoma.torch._p2p import StoreP2P
 from diphoma.torch._watchdog import Watchdog, detection_seconds
 
@@ -221,10 +221,11 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
     thread has nothing left before them.
     """
 
-    def __init__(self, ring, rank, size, store=None, timeout=None):
+    def __init__(self, ring, rank, size, store=None, timeout=None, plane="ring"):
         super().__init__(rank, size)
         self.ring = ring
         self._timeout = timeout or timedelta(minutes=30)  # torch's default
+        self.plane = _plane.create(plane, ring, self._timeout)  # what moves the bytes
         self._p2p = StoreP2P(store if store is not None else dist.HashStore(), self._timeout)
         self._coalesced = None  # the works since start_coalescing, while coalescing
         self._queue = queue.SimpleQueue()
@@ -252,6 +253,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             self._thread.join()
             if self._watchdog is not None:
                 self._watchdog.stop()
+            self.plane.close()
             self.ring = None
             self._p2p.flush(min(self._timeout.total_seconds(), _FLUSH_SECONDS))
         _LIVE.discard(self)
@@ -357,33 +359,32 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         return work
 
     def _ring_reduce(self, native, t, ring_op):
-        """``native`` (the ring's allreduce or reduce_scatter) on the contiguous ``t`` of a
-        native dtype: averages of types the ring does not average are sums divided here."""
-        dtype = _ops.NATIVE[t.dtype]
-        if ring_op == "avg" and t.dtype not in _ops.RING_AVERAGES:
-            native(t.data_ptr(), t.numel(), dtype, "sum")
+        """``native`` (the data plane's allreduce or reduce_scatter) on the contiguous ``t`` of a
+        native dtype: averages of types the plane does not average are sums divided here."""
+        if ring_op == "avg" and not self.plane.averages(t.dtype):
+            native(t, "sum")
             if t.is_floating_point():
                 t.div_(self.size())
             else:
                 t.div_(self.size(), rounding_mode="trunc")
         else:
-            native(t.data_ptr(), t.numel(), dtype, ring_op)
+            native(t, ring_op)
 
     def _gathered(self, t):
         """Every rank's copy of ``t``: a ``(world, *t.shape)`` tensor in rank order (one byte
         all-gather; any dtype)."""
         flat = torch.empty((self.size(), *t.shape), dtype=t.dtype)
         flat[self.rank()].copy_(t)
-        self.ring.allgather(flat.data_ptr(), flat.numel() * flat.element_size())
+        self.plane.allgather(flat)
         return flat
 
     def _allreduce_into(self, t, plan):
         """All-reduces the contiguous ``t`` in place by ``plan`` (``_ops.plan_reduction``)."""
         if plan.kind == "native":
-            self._ring_reduce(self.ring.allreduce, t, plan.ring_op)
+            self._ring_reduce(self.plane.allreduce, t, plan.ring_op)
         elif plan.kind == "widen":
             wide = t.to(torch.int32)
-            self._ring_reduce(self.ring.allreduce, wide, plan.ring_op)
+            self._ring_reduce(self.plane.allreduce, wide, plan.ring_op)
             t.copy_(wide)
         else:
             t.copy_(plan.local(self._gathered(t)))
@@ -393,7 +394,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         this rank's reduced chunk into ``out``."""
         mine = flat.view(self.size(), -1)[self.rank()]
         if plan.kind == "native":
-            self._ring_reduce(self.ring.reduce_scatter, flat, plan.ring_op)
+            self._ring_reduce(self.plane.reduce_scatter, flat, plan.ring_op)
         else:
             self._allreduce_into(flat, plan)  # world times the bytes: rare dtypes and ops
         out.copy_(mine.view(out.shape))
@@ -434,7 +435,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
 
         def job():
             for v in views:
-                self.ring.broadcast(v.buf.data_ptr(), v.buf.numel() * v.buf.element_size(), root)
+                self.plane.broadcast(v.buf, root)
                 v.done()
 
         return self._submit(job, tensors, opts)
@@ -471,7 +472,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             for v, i in zip(views, inputs):
                 flat = v.buf.view(self.size(), -1)
                 flat[self.rank()].copy_(i.reshape(-1))
-                self.ring.allgather(flat.data_ptr(), flat.numel() * flat.element_size())
+                self.plane.allgather(flat)
                 v.done()
 
         return self._submit(job, outputs if result is None else result, opts)
@@ -514,7 +515,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             flat = torch.empty((self.size(), out.numel()), dtype=out.dtype)
             for r, t in enumerate(ins):
                 flat[r].copy_(t.reshape(-1))
-            self.ring.broadcast(flat.data_ptr(), flat.numel() * flat.element_size(), root)
+            self.plane.broadcast(flat, root)
             out.copy_(flat[self.rank()].view(out.shape))
 
         return self._submit(job, output_tensors, opts)
@@ -628,7 +629,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def barrier(self, opts=None):
-        return self._submit(lambda: self.ring.barrier(), [], opts)
+        return self._submit(lambda: self.plane.barrier(), [], opts)
 
     # -- point to point, over torch's store ---------------------------------------------
     def send(self, tensors, dst, tag=0):
@@ -751,6 +752,7 @@ def _create(store, rank, size, timeout):
     the sub-group's addresses and the point-to-point messages."""
     if dist.is_initialized() and not _HANDOFF:
         return ProcessGroupDiphoma(_subring(store, rank, size), rank, size, store, timeout)
+    plane = _plane.chosen()
     if _HANDOFF:
         ring = _HANDOFF.pop()
     else:
@@ -782,7 +784,7 @@ def _create(store, rank, size, timeout):
         )
     metrics.RING_GENERATION.set(ring.generation)
     metrics.serve_if_configured(ring.host)
-    group = ProcessGroupDiphoma(ring, rank, size, store, timeout)
+    group = ProcessGroupDiphoma(ring, rank, size, store, timeout, plane)
     group.main = True
     return group
 

@@ -36,7 +36,7 @@ class Recorder:
         return call
 
 
-group.ring = Recorder(group.ring)
+group.plane.ring = Recorder(group.plane.ring)  # the ring plane (the default) calls it
 
 
 def threads_of(fn):

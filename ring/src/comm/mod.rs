@@ -198,6 +198,11 @@ pub struct AbortHandle {
 }
 
 impl AbortHandle {
+    /// True once [`AbortHandle::abort`] was called (a newer generation was published).
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst)
+    }
+
     /// Shuts down every connection of the communicator.
     pub fn abort(&self) {
         self.aborted.store(true, Ordering::SeqCst);

@@ -1,0 +1,41 @@
+"""``DIPHOMA_DATA_PLANE=gloo`` (``spec.ring.dataPlane: gloo``): the default group's collectives
+through a gloo communicator of each ring generation, under the ring's membership
+(``diphoma.torch._plane``). The same scripts as the ring's tests, so the same answers: every
+operation against a gloo group of the same ranks, and elastic DDP through a kill -9 with the
+survivors in their own processes and the parameters of an undisturbed run. A frozen (SIGSTOPped)
+peer is the e2e python suite's (`a_frozen_worker_of_the_gloo_data_plane_...`): only the operator
+replaces a member that hangs."""
+
+import os
+
+import torch
+
+from conftest import check, launch
+from test_elastic import STEPS, check_survivors, run_and_kill, undisturbed
+
+GLOO = {"DIPHOMA_DATA_PLANE": "gloo"}
+
+
+def env(**extra):
+    return {**os.environ, **GLOO, **extra}
+
+
+def test_every_operation_matches_a_gloo_group_through_the_gloo_plane():
+    p = check(launch(3, "ops_vs_gloo.py", timeout=300, env=env()))
+    assert "ops ok" in p.stdout, p.stdout
+
+
+def test_survivors_of_a_kill_go_on_with_a_fresh_gloo_communicator(tmp_path):
+    code, before, after, _, out, output = run_and_kill(tmp_path, env=GLOO)
+    assert code == 0, output[-6000:]
+    check_survivors(before, after)
+    # The generation's communicator was abandoned, naming what failed, and the next generation
+    # trained through a new one: the parameters of an undisturbed run.
+    assert "the gloo communicator of ring generation 1 is abandoned" in output, output[-4000:]
+    torch.testing.assert_close(torch.load(out / "params.pt"), undisturbed(STEPS), atol=5e-5, rtol=2e-4)
+
+
+def test_an_unknown_data_plane_is_refused_naming_the_variable():
+    p = launch(2, "collectives.py", env=env(DIPHOMA_DATA_PLANE="nccl2"))
+    assert p.returncode != 0
+    assert "DIPHOMA_DATA_PLANE='nccl2' is not a data plane (ring, gloo)" in p.stderr, p.stderr[-3000:]
