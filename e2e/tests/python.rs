@@ -67,6 +67,48 @@ fn example(steps: u64) -> Result<String> {
     ))
 }
 
+/// Applies manifest `text` (written to a temporary file for `kubectl apply -f`) in `ns`.
+fn apply_text(ctx: &Ctx, ns: &str, text: &str) -> Result<()> {
+    let file = std::env::temp_dir().join(format!("manifest-{ns}.yaml"));
+    std::fs::write(&file, text)?;
+    let applied = run_ok(ctx.cp.kubectl().args(["-n", ns, "apply", "-f"]).arg(&file));
+    std::fs::remove_file(&file)?;
+    applied.map(drop)
+}
+
+/// The digits example's workers that outlive worker 1 in these tests.
+const DIGITS_SURVIVORS: [&str; 3] = [
+    "pytorch-digits-worker-0",
+    "pytorch-digits-worker-2",
+    "pytorch-digits-worker-3",
+];
+
+/// The process of each of `names`, in order.
+async fn pids(pods: &Api<Pod>, names: &[&str]) -> Result<Vec<u32>> {
+    let mut out = vec![];
+    for n in names {
+        out.push(pid_of(&pods.get(n).await?)?);
+    }
+    Ok(out)
+}
+
+/// Fails unless each of `names` ran its first process (`pids`, for the message) to exit 0 with
+/// no container restart; returns their logs, concatenated.
+async fn kept_their_process(pods: &Api<Pod>, names: &[&str], pids: &[u32]) -> Result<String> {
+    let mut logs = String::new();
+    for (name, pid) in names.iter().zip(pids) {
+        let p = pods.get(name).await?;
+        let restarts = first_container(&p).map_or(-1, |c| c.restart_count);
+        ensure!(
+            terminated(&p).map(|t| t.0) == Some(0) && restarts == 0,
+            "{name} (pid {pid}) did not keep its process: {:?}, {restarts} restarts",
+            terminated(&p)
+        );
+        logs.push_str(&pods.logs(name, &LogParams::default()).await?);
+    }
+    Ok(logs)
+}
+
 /// The example as shipped, in a namespace that enforces Pod Security "restricted", through a
 /// kill -9 of worker 1: one repair, the survivors keep their process, Succeeded with a test
 /// accuracy of at least 95 %; Prometheus scrapes every worker and every query of the Training
@@ -83,11 +125,7 @@ async fn the_pytorch_digits_example_survives_a_killed_worker(
         &ns,
         "pod-security.kubernetes.io/enforce=restricted",
     ]))?;
-    let file = std::env::temp_dir().join(format!("pytorch-digits-{ns}.yaml"));
-    std::fs::write(&file, example(STEPS)?)?;
-    let applied = run_ok(ctx.cp.kubectl().args(["-n", &ns, "apply", "-f"]).arg(&file));
-    std::fs::remove_file(&file)?;
-    applied?;
+    apply_text(&ctx, &ns, &example(STEPS)?)?;
     let status = async || -> Result<DiphomaJobStatus> {
         Ok(job_status(&ctx.client, &ns, "pytorch-digits")
             .await?
@@ -121,20 +159,11 @@ async fn the_pytorch_digits_example_survives_a_killed_worker(
         ensure!(r[6].parse::<f64>().is_ok(), "step: {top}");
     }
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let pid = |name: &'static str| {
-        let pods = pods.clone();
-        async move { Ok::<_, anyhow::Error>(pid_of(&pods.get(name).await?)?) }
-    };
-    let survivors = [
-        "pytorch-digits-worker-0",
-        "pytorch-digits-worker-2",
-        "pytorch-digits-worker-3",
-    ];
-    let mut before = vec![];
-    for name in survivors {
-        before.push(pid(name).await?);
-    }
-    signal(pid("pytorch-digits-worker-1").await?, libc::SIGKILL);
+    let before = pids(&pods, &DIGITS_SURVIVORS).await?;
+    signal(
+        pids(&pods, &["pytorch-digits-worker-1"]).await?[0],
+        libc::SIGKILL,
+    );
     let mut last = None;
     eventually(600, "the job Succeeded", async || {
         let st = status().await?;
@@ -147,15 +176,7 @@ async fn the_pytorch_digits_example_survives_a_killed_worker(
     let st = last.context("no status")?;
     ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
     ensure!(st.repairs.total == 1, "repairs {:?}", st.repairs);
-    for (name, pid) in survivors.iter().zip(before) {
-        let p = pods.get(name).await?;
-        let restarts = first_container(&p).map_or(-1, |c| c.restart_count);
-        ensure!(
-            terminated(&p).map(|t| t.0) == Some(0) && restarts == 0,
-            "{name} (pid {pid}) did not keep its process: {:?}, {restarts} restarts",
-            terminated(&p)
-        );
-    }
+    kept_their_process(&pods, &DIGITS_SURVIVORS, &before).await?;
     let progress = st.progress.context("no progress")?;
     let accuracy = progress.test_accuracy.context("no test accuracy")?;
     ensure!(
@@ -597,40 +618,24 @@ async fn a_frozen_worker_of_the_gloo_data_plane_is_replaced_and_the_others_go_on
     ctx: Arc<Ctx>,
     ns: String,
 ) -> Result<()> {
-    const STEPS: u64 = 200;
     let name = "pytorch-digits";
     let from = "  gpusPerWorker: 1\n";
-    let text = example(STEPS)?;
+    let text = example(200)?;
     ensure!(
         text.matches(from).count() == 1,
         "the example has no single gpusPerWorker"
     );
     let text = text.replace(from, "  gpusPerWorker: 1\n  ring:\n    dataPlane: gloo\n");
-    let file = std::env::temp_dir().join(format!("pytorch-digits-gloo-{ns}.yaml"));
-    std::fs::write(&file, text)?;
-    let applied = run_ok(ctx.cp.kubectl().args(["-n", &ns, "apply", "-f"]).arg(&file));
-    std::fs::remove_file(&file)?;
-    applied?;
+    apply_text(&ctx, &ns, &text)?;
     eventually(240, "progress in the status", async || {
-        Ok(job_status(&ctx.client, &ns, name)
-            .await?
-            .status
-            .and_then(|s| s.progress)
-            .is_some_and(|p| p.step > 0))
+        let st = job_status(&ctx.client, &ns, name).await?.status;
+        Ok(st.and_then(|s| s.progress).is_some_and(|p| p.step > 0))
     })
     .await?;
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let survivors = [
-        "pytorch-digits-worker-0",
-        "pytorch-digits-worker-2",
-        "pytorch-digits-worker-3",
-    ];
-    let mut before = vec![];
-    for s in survivors {
-        before.push(pid_of(&pods.get(s).await?)?);
-    }
+    let before = pids(&pods, &DIGITS_SURVIVORS).await?;
     signal(
-        pid_of(&pods.get("pytorch-digits-worker-1").await?)?,
+        pids(&pods, &["pytorch-digits-worker-1"]).await?[0],
         libc::SIGSTOP,
     );
     let st = finished(&ctx, &ns, name, 600).await?;
@@ -640,17 +645,7 @@ async fn a_frozen_worker_of_the_gloo_data_plane_is_replaced_and_the_others_go_on
         "repairs {:?}",
         st.repairs
     );
-    let mut logs = String::new();
-    for (s, pid) in survivors.iter().zip(before) {
-        let p = pods.get(s).await?;
-        let restarts = first_container(&p).map_or(-1, |c| c.restart_count);
-        ensure!(
-            terminated(&p).map(|t| t.0) == Some(0) && restarts == 0,
-            "{s} (pid {pid}) did not keep its process: {:?}, {restarts} restarts",
-            terminated(&p)
-        );
-        logs.push_str(&pods.logs(s, &LogParams::default()).await?);
-    }
+    let logs = kept_their_process(&pods, &DIGITS_SURVIVORS, &before).await?;
     ensure!(
         logs.contains("the gloo communicator of ring generation 1 is abandoned"),
         "no survivor abandoned generation 1's gloo communicator:\n{logs}"

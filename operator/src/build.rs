@@ -1240,16 +1240,19 @@ pub(crate) mod tests {
         );
     }
 
+    /// The value of env `name` in worker 0's container of `j`.
+    fn worker_env(j: &DiphomaJob, name: &str) -> Option<String> {
+        worker_pod(j, 0, 0).unwrap().spec.unwrap().containers[0]
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == name)
+            .and_then(|e| e.value.clone())
+    }
+
     #[test]
     fn ring_protection_reaches_the_worker_integrity_by_default() {
-        let protection = |j: &DiphomaJob| {
-            worker_pod(j, 0, 0).unwrap().spec.unwrap().containers[0]
-                .env
-                .iter()
-                .flatten()
-                .find(|e| e.name == contract::ENV_RING_PROTECTION)
-                .and_then(|e| e.value.clone())
-        };
+        let protection = |j: &DiphomaJob| worker_env(j, contract::ENV_RING_PROTECTION);
         let mut j = basic();
         assert_eq!(protection(&j).as_deref(), Some("integrity"));
         j.spec.ring.protection = crate::api::RingProtection::Encryption;
@@ -1258,14 +1261,7 @@ pub(crate) mod tests {
 
     #[test]
     fn the_data_plane_reaches_the_worker_and_only_gloo_changes_the_digest() {
-        let plane = |j: &DiphomaJob| {
-            worker_pod(j, 0, 0).unwrap().spec.unwrap().containers[0]
-                .env
-                .iter()
-                .flatten()
-                .find(|e| e.name == contract::ENV_DATA_PLANE)
-                .and_then(|e| e.value.clone())
-        };
+        let plane = |j: &DiphomaJob| worker_env(j, contract::ENV_DATA_PLANE);
         let mut j = basic();
         let before = worker_spec_digest(&j);
         assert_eq!(plane(&j).as_deref(), Some("ring"));
