@@ -7,7 +7,11 @@
 # With OWNER_PID set, a watchdog stops the control plane as soon as that process is gone (a test
 # binary that panics or is killed never leaves etcd or the apiserver behind).
 # Optional: APISERVER_EXTRA_ARGS, KCM_CONTROLLERS, KCM_EXTRA_ARGS, NODE_MONITOR_PERIOD,
-# NODE_MONITOR_GRACE_PERIOD, SCHED_QPS/SCHED_BURST (the scheduler's client limits, default 50/100),
+# NODE_MONITOR_GRACE_PERIOD, SCHED_V (the scheduler's log verbosity, default 4: each pod's moves
+# between its queues with the plugins that rejected it, the gang plugin's quorum and Permit
+# timeouts, which the gang tests print when they fail; a few hundred KB a suite),
+# SCHED_QPS/SCHED_BURST (the scheduler's client limits, default 50/100), SCHED_MAX_UNSCHEDULABLE
+# (the scheduler's --pod-max-in-unschedulable-pods-duration, default 30s; see below),
 # FEATURE_GATES (the API server's and the scheduler's; default: Kubernetes' gang scheduling,
 # KEP-4671, alpha in 1.35: GenericWorkload serves scheduling.k8s.io/v1alpha1 Workloads and the
 # pods' spec.workloadRef, GangScheduling enables the scheduler's plugin; "" for none).
@@ -187,15 +191,23 @@ clientConnection:
 leaderElection:
   leaderElect: false
 CFG
+# --pod-max-in-unschedulable-pods-duration (deprecated, but applied with --config too: it has no
+# KubeSchedulerConfiguration field; default 5m): how long a pod may stay parked among the
+# unschedulable ones before it is tried again with no event asking for it. A gang member that
+# the alpha GangScheduling plugin rejects at Permit (its 5-minute timeout) is parked with that
+# plugin as the reason, and the plugin asks to be woken only by a pod of its own gang being added
+# or its Workload being added, not by room appearing (another gang's pods finishing): such a gang
+# stays Pending up to 5 more minutes with room for it (README, "Gang scheduling").
 supervise kube-scheduler "$BIN/kube-scheduler" \
   --config="$W/kube-scheduler.yaml" \
   "${GATE_ARGS[@]}" \
+  --pod-max-in-unschedulable-pods-duration="${SCHED_MAX_UNSCHEDULABLE:-30s}" \
   --authentication-kubeconfig="$W/admin.kubeconfig" \
   --authorization-kubeconfig="$W/admin.kubeconfig" \
   --bind-address=127.0.0.1 \
   --secure-port="${SCHED_PORT}" \
   --cert-dir="$W/scheduler-certs" \
-  --v="${KLOG_V:-1}"
+  --v="${SCHED_V:-4}"
 
 wait_for kube-controller-manager 60 curl -fsSk "https://127.0.0.1:${KCM_PORT}/healthz"
 wait_for kube-scheduler 60 curl -fsSk "https://127.0.0.1:${SCHED_PORT}/healthz"

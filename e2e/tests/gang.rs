@@ -68,14 +68,31 @@ async fn cluster_pods(ctx: &Ctx) -> Result<String> {
 }
 
 /// The last 80 lines of the kube-scheduler's log (`logs/kube-scheduler.log`, restarts included)
-/// that contain any of `needles`.
+/// that contain any of `needles`, less the per-attempt chatter of verbosity 4.
 fn scheduler_said(ctx: &Ctx, needles: &[&str]) -> Result<String> {
     let log = std::fs::read_to_string(ctx.cp.dir.join("logs/kube-scheduler.log"))?;
+    let chatter = [
+        "OpportunisticBatch",
+        "About to try",
+        "Attempting to schedule",
+    ];
     let said: Vec<&str> = log
         .lines()
         .filter(|l| needles.iter().any(|n| l.contains(n)))
+        .filter(|l| !chatter.iter().any(|c| l.contains(c)))
         .collect();
     Ok(said[said.len().saturating_sub(80)..].join("\n"))
+}
+
+/// `e` with every pod of the cluster (what holds the GPUs) and the scheduler's last lines about
+/// `needles` (at the local control plane's verbosity 4: each pod's moves between the scheduler's
+/// queues with the plugins that rejected it, the gang plugin's quorum, Permit timeouts).
+async fn explained(ctx: &Ctx, e: anyhow::Error, needles: &[&str]) -> anyhow::Error {
+    let pods = cluster_pods(ctx)
+        .await
+        .unwrap_or_else(|e| format!("(pods not listed: {e})"));
+    let said = scheduler_said(ctx, needles).unwrap_or_else(|e| format!("(log not read: {e})"));
+    e.context(format!("{pods}\nscheduler:\n{said}"))
 }
 
 /// A digits training job of `replicas` workers (1 GPU each) for `steps` steps; `gang`: placed
@@ -328,7 +345,13 @@ async fn two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed(
     .await;
     if let Err(e) = result {
         let pods = pod_states(&ctx.client, &ns).await?;
-        return Err(e.context(format!("pods: {pods:#?}")));
+        let e = e.context(format!("pods: {pods:#?}"));
+        return Err(explained(
+            &ctx,
+            e,
+            &["left-worker", "right-worker", "--- kube-scheduler"],
+        )
+        .await);
     }
     ensure!(max_bound <= 4, "more workers bound than GPUs: {max_bound}");
     ensure!(order.len() == 2, "{order:?}");
@@ -392,13 +415,16 @@ async fn a_gang_being_repaired_gets_its_room_before_a_gang_that_waits(
             .kubectl()
             .args(["-n", &ns, "delete", "pod", "first-worker-1", "--wait=false"]),
     )?;
+    // A failure says what holds the GPUs, cluster-wide, and what the scheduler said of the pods.
+    let needles = [
+        "second-worker",
+        "first-worker",
+        "panic",
+        "--- kube-scheduler",
+    ];
     let g2 = match running_ring(&ctx, &ns, "first", 3, g1.generation).await {
         Ok(g) => g,
-        // What holds the GPUs, cluster-wide, and what the scheduler said of these pods.
-        Err(e) => {
-            let said = scheduler_said(&ctx, &["second-worker", "first-worker-1", "panic"])?;
-            return Err(e.context(format!("{}\nscheduler:\n{said}", cluster_pods(&ctx).await?)));
-        }
+        Err(e) => return Err(explained(&ctx, e, &needles).await),
     };
     // kube-scheduler v1.35.4 may have panicked and been restarted (e2e/cluster/start.sh's
     // supervise; README, "Gang scheduling"): before the restart and the operator's deletion
@@ -410,8 +436,14 @@ async fn a_gang_being_repaired_gets_its_room_before_a_gang_that_waits(
         restarts.lines().count()
     );
     let repaired = std::time::Instant::now();
-    finished(&ctx, &ns, "first", 240).await?;
-    let second = finished(&ctx, &ns, "second", 240).await?;
+    let both = async {
+        finished(&ctx, &ns, "first", 240).await?;
+        finished(&ctx, &ns, "second", 240).await
+    };
+    let second = match both.await {
+        Ok(s) => s,
+        Err(e) => return Err(explained(&ctx, e, &needles).await),
+    };
     ensure!(second.phase == Some(Phase::Succeeded), "{second:?}");
     println!(
         "the repaired gang finished, then the waiting one ran: {:.0} s after the repair",
@@ -475,7 +507,13 @@ async fn a_gang_job_deleted_during_its_repair_is_yielded_to_no_more(
     .await;
     cordon("uncordon")?;
     repaired_then_deleted?;
-    let second = finished(&ctx, &ns, "second", 240).await?;
+    let second = match finished(&ctx, &ns, "second", 240).await {
+        Ok(s) => s,
+        Err(e) => {
+            let needles = ["second-worker", "--- kube-scheduler"];
+            return Err(explained(&ctx, e, &needles).await);
+        }
+    };
     ensure!(second.phase == Some(Phase::Succeeded), "{second:?}");
     println!("\nthe first job deleted during its repair, the second gang ran to Succeeded");
     Ok(())

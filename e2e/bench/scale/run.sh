@@ -94,7 +94,7 @@ EOF
 AUDIT="$W/audit.log"
 log "starting the control plane in $W"
 APISERVER_EXTRA_ARGS="--audit-policy-file=$W/bench-audit-policy.yaml --audit-log-path=$AUDIT --audit-log-format=json --audit-log-maxsize=1000000 --audit-log-maxbackup=0 --audit-log-mode=batch --audit-log-batch-max-wait=1s --max-requests-inflight=800 --max-mutating-requests-inflight=400" \
-  SCHED_QPS=500 SCHED_BURST=1000 NODE_MONITOR_GRACE_PERIOD=$((LEASE_S * 3 / 2))s KCM_EXTRA_ARGS="--kube-api-qps=500 --kube-api-burst=1000" \
+  SCHED_V=1 SCHED_QPS=500 SCHED_BURST=1000 NODE_MONITOR_GRACE_PERIOD=$((LEASE_S * 3 / 2))s KCM_EXTRA_ARGS="--kube-api-qps=500 --kube-api-burst=1000" \
   KCM_CONTROLLERS='*,-endpoints-controller,-endpointslice-controller,-endpointslice-mirroring-controller' bash "$REPO/e2e/cluster/start.sh" "$BIN" "$W" >/dev/null
 # shellcheck disable=SC1091
 source "$W/env"
