@@ -18,9 +18,10 @@
 # the profiles interleaved in every round (the namespace is reshaped between them), a single
 # TCP stream's rate measured per link and profile (iperf3). Per profile and round: Diphoma with
 # each protection mode (none, integrity, encryption; one run, samples interleaved), bf16 at n=2
-# (protection none, BF16=0 leaves it out), gloo, Open MPI over TCP in the loopback profile only
-# (see below why). Then profiles.py prints the tables side by side, busbw against the link's rate, and the
-# bars. Open MPI over shared memory is not shaped by a network and is left out of profiles.
+# (protection none, BF16=0 leaves it out), gloo, Open MPI over TCP (each rank held to its own
+# address by netns/mpi_rank.sh). Then profiles.py prints the tables side by side, busbw against
+# the link's rate, whether each profile is link-bound, and the bars. Open MPI over shared memory
+# is not shaped by a network and is left out of profiles.
 set -euo pipefail
 repo="$(git rev-parse --show-toplevel)"
 if [[ -n "${PROFILE:-}${PROFILES:-}" ]]; then PROFILES="${PROFILES:-$PROFILE}"; fi
@@ -96,8 +97,9 @@ if [[ -n "${PROFILES:-}" ]]; then
   echo "commit: $(git -C "$repo" rev-parse --short HEAD)$(git -C "$repo" diff --quiet -- worker || echo '+dirty')"
   echo "torch: $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')  open-mpi: $(mpirun --version 2>/dev/null | head -1)"
   echo "profiles: $PROFILES  rank addresses: $NETNS_ADDRS  SIZES=$SIZES SAMPLES=$SAMPLES ROUNDS=$ROUNDS WORLDS=\"$WORLDS\""
-  echo "load at start: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "load at start: $(cut -d' ' -f1-3 /proc/loadavg); uptime: $(uptime)"
   } | tee "$OUT/machine.txt"
+  [[ -x $CACHE/bin/mpi_allreduce_bench ]] || mpicc -O2 -o "$CACHE/bin/mpi_allreduce_bench" "$anchors/mpi_allreduce_bench.c" -lm
   for r in $(seq 1 "$ROUNDS"); do
     for p in $PROFILES; do
       netns_shape "$p"; d="$OUT/$p"; mkdir -p "$d/probes"
@@ -116,21 +118,22 @@ if [[ -n "${PROFILES:-}" ]]; then
         wait_quiet; echo "### round $r  $p  gloo n=$n"
         bounded "$d/gloo_n${n}_r$r.txt" env OMP_NUM_THREADS=1 "$VENV/bin/python" "$anchors/gloo_allreduce_bench.py" \
           --world "$n" --sizes "$SIZES" --samples "$SAMPLES"
-        # Open MPI only unshaped: given one address per rank (btl_tcp_if_include=lo:rR, the
-        # address's label) it refuses its peers' connections ("inbound MPI TCP connection request
-        # from an IP address that is unexpected"), and with a CIDR (ADDR/32) Open MPI 4.1.4
-        # aborts in mca_btl_tcp_component_init (malloc(): corrupted top size); on 127.0.0.1 it
-        # would bypass the shaping.
-        if [[ $p == loopback ]]; then
-          wait_quiet; echo "### round $r  $p  MPI tcp n=$n"
-          bounded "$d/mpi_tcp_n${n}_r$r.txt" env LD_PRELOAD= bash "$anchors/run_mpi.sh" "$n" tcp "$SIZES" 5 "$SAMPLES" 20
-        fi
+        # Open MPI over TCP: each rank (netns/mpi_rank.sh) restricted to its own address's label
+        # (btl_tcp_if_include=lo:rR) and its outgoing connections bound to that address (the
+        # shim), so that the peers see the address it published; mpirun itself without the shim.
+        # (Given lo:rR without the shim, Open MPI 4.1.4 refused its peers' connections, "inbound
+        # MPI TCP connection request from an IP address that is unexpected"; with ADDR/32 it
+        # aborted in mca_btl_tcp_component_init.)
+        wait_quiet; echo "### round $r  $p  MPI tcp n=$n"
+        bounded "$d/mpi_tcp_n${n}_r$r.txt" env LD_PRELOAD= NETNS_SHIM="$NETNS_CACHE/bin/srcbind.so" \
+          mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$n" --mca pml ob1 --mca btl tcp,self \
+          --mca oob_tcp_if_include lo "$here/netns/mpi_rank.sh" "$CACHE/bin/mpi_allreduce_bench" "$SIZES" 5 "$SAMPLES" 20
       done
     done
   done
-  echo "load at end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/machine.txt"
+  echo "load at end: $(cut -d' ' -f1-3 /proc/loadavg); uptime: $(uptime)" | tee -a "$OUT/machine.txt"
   echo "### profiles side by side ($OUT)"
-  python3 "$here/profiles.py" "$OUT" $PROFILES | tee "$OUT/profiles.md"
+  { cat "$OUT/machine.txt"; echo; python3 "$here/profiles.py" "$OUT" $PROFILES; } | tee "$OUT/profiles.md"
   exit 0
 fi
 
