@@ -11,7 +11,8 @@
 #     netns_cleanup           kills every process still in the namespace (the caller's EXIT
 #                             trap, so that nothing keeps it alive, also on failure)
 #     netns_setup N           lo up, rank r's address 127.0.0.(r+2)/32 on lo, labelled lo:rR
-#                             (gloo's GLOO_SOCKET_IFNAME=lo:rR picks it), one htb class per address
+#                             (gloo's GLOO_SOCKET_IFNAME=lo:rR picks it), and on a bridge mpiR
+#                             without ports (Open MPI's btl_tcp_if_include=mpiR)
 #     netns_shape PROFILE     sets every class to the profile's rate (loopback: no qdisc at all)
 #     netns_probe FILE        one TCP stream over each ring link (iperf3, 2 s), Gbit/s into FILE
 #
@@ -19,7 +20,7 @@
 # 10g, 2.5g, 1g. Shaping is by destination address (a u32 filter on `ip dst 127.0.0.N/32` per
 # class), so each rank must listen on its own address and connect from it: the Rust bench binds
 # the address given by --hosts, gloo is given its device by GLOO_SOCKET_IFNAME=lo:rR (set per rank
-# by netns/sitecustomize.py), Open MPI by btl_tcp_if_include=ADDR/32 per rank; the LD_PRELOAD
+# by netns/sitecustomize.py), Open MPI by btl_tcp_if_include=mpiR (netns/mpi_rank.sh); the LD_PRELOAD
 # shim netns/srcbind.c binds each outgoing loopback connection to its process's own address, so
 # that the bytes a peer sends back on it are shaped as this rank's link too. This kernel has htb
 # and tbf but no netem: rate only, no added delay.
@@ -65,6 +66,10 @@ netns_setup() {  # N: addresses and (empty) htb classes for N ranks
   for ((r = 0; r < n; r++)); do
     a=127.0.0.$((r + 2))
     ip addr add "$a/32" dev lo label "lo:r$r"
+    # The same address on an empty bridge mpiR, for Open MPI: it keys interfaces by kernel
+    # index, so lo's labels collapse into one (peers then see an "unexpected" address). Local
+    # delivery to the address still goes through lo and its shaping.
+    ip link add "mpi$r" type bridge && ip link set "mpi$r" up && ip addr add "$a/32" dev "mpi$r"
     NETNS_ADDRS="$NETNS_ADDRS${NETNS_ADDRS:+ }$a"
   done
   export NETNS_ADDRS NETNS_RANKS=$n

@@ -10,6 +10,7 @@
 # on exit, so nothing stays running.
 #
 # Env: SIZES (1K,64K,1M,16M,64M) SAMPLES (20) ROUNDS (5) WORLDS ("2 4") OUT (results dir)
+#      DW (a diphoma-worker release binary to use instead of building one)
 #      QUIET_WAIT (s to wait for an idle CPU before each run, 30) RUN_TIMEOUT (s per run, 600)
 #
 # Network profiles (issue 30; root): PROFILES="loopback 10g 2.5g 1g" (or PROFILE=1g) runs the
@@ -45,9 +46,12 @@ if ! "$VENV/bin/python" -c 'import torch, numpy' 2>/dev/null; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install --quiet torch numpy
 fi
-(cd "$repo" && cargo build --release -p diphoma-worker)
-target=$(cd "$repo" && cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
-DW="$target/release/diphoma-worker"
+# DW=path/to/diphoma-worker: a release binary built beforehand (no cargo run here).
+if [[ -z ${DW:-} ]]; then
+  (cd "$repo" && cargo build --release -p diphoma-worker)
+  target=$(cd "$repo" && cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+  DW="$target/release/diphoma-worker"
+fi
 cc -O3 -march=native -o "$CACHE/bin/membw" "$anchors/membw.c"
 cc -O2 -pthread -o "$CACHE/bin/ringbw" "$anchors/ringbw.c"
 cc -O2 -o "$CACHE/bin/tcp_pingpong" "$anchors/tcp_pingpong.c"
@@ -84,7 +88,7 @@ wait_quiet() { local t0=$SECONDS ok=0 b=0; while (( SECONDS-t0 < ${QUIET_WAIT:-3
 if [[ -n "${PROFILES:-}" ]]; then
   source "$here/netns.sh"
   for p in $PROFILES; do netns_rate "$p" >/dev/null; done
-  export OUT SIZES SAMPLES ROUNDS WORLDS PROFILES
+  export OUT SIZES SAMPLES ROUNDS WORLDS PROFILES DW
   # Everything below runs again inside the new namespace (netns_enter re-executes this script).
   netns_enter "$0" "$@"
   netns_setup 4
@@ -118,12 +122,12 @@ if [[ -n "${PROFILES:-}" ]]; then
         wait_quiet; echo "### round $r  $p  gloo n=$n"
         bounded "$d/gloo_n${n}_r$r.txt" env OMP_NUM_THREADS=1 "$VENV/bin/python" "$anchors/gloo_allreduce_bench.py" \
           --world "$n" --sizes "$SIZES" --samples "$SAMPLES"
-        # Open MPI over TCP: each rank (netns/mpi_rank.sh) restricted to its own address's label
-        # (btl_tcp_if_include=lo:rR) and its outgoing connections bound to that address (the
+        # Open MPI over TCP: each rank (netns/mpi_rank.sh) restricted to its own address's bridge
+        # (btl_tcp_if_include=mpiR) and its outgoing connections bound to that address (the
         # shim), so that the peers see the address it published; mpirun itself without the shim.
-        # (Given lo:rR without the shim, Open MPI 4.1.4 refused its peers' connections, "inbound
-        # MPI TCP connection request from an IP address that is unexpected"; with ADDR/32 it
-        # aborted in mca_btl_tcp_component_init.)
+        # (Given lo's labels lo:rR, Open MPI 4.1.4 refused its peers' connections, "inbound MPI
+        # TCP connection request from an IP address that is unexpected": it keys interfaces by
+        # kernel index; with ADDR/32 it aborted in mca_btl_tcp_component_init.)
         wait_quiet; echo "### round $r  $p  MPI tcp n=$n"
         bounded "$d/mpi_tcp_n${n}_r$r.txt" env LD_PRELOAD= NETNS_SHIM="$NETNS_CACHE/bin/srcbind.so" \
           mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$n" --mca pml ob1 --mca btl tcp,self \
