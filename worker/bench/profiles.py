@@ -21,13 +21,14 @@ d, profiles = sys.argv[1], sys.argv[2:]
 verdicts = []
 
 
-def rows(f):
-    """nccl-tests rows of a table: {size: busbw Gbit/s}."""
+def rows(f, n):
+    """nccl-tests rows of a table: {size: busbw Gbit/s}, from the time (the printed busbw has
+    3 decimals of GB/s, too few for small sizes)."""
     out = {}
     for line in open(f):
         p = line.split()
         if len(p) == 8 and p[0].isdigit():
-            out[int(p[0])] = float(p[6]) * 8
+            out[int(p[0])] = int(p[0]) * 8 / (float(p[3]) * 1e3) * 2 * (n - 1) / n
     return out
 
 
@@ -53,7 +54,7 @@ def load(p):
             for (m, s), v in mode_rows(f).items():
                 t.setdefault((m, int(n), s), []).append(v)
         else:
-            for s, v in rows(f).items():
+            for s, v in rows(f, int(n)).items():
                 t.setdefault((lib, int(n), s), []).append(v)
     links = []
     lf = os.path.join(d, p, "probes", "link.txt")
