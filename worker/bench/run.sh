@@ -10,13 +10,28 @@
 # on exit, so nothing stays running.
 #
 # Env: SIZES (1K,64K,1M,16M,64M) SAMPLES (20) ROUNDS (5) WORLDS ("2 4") OUT (results dir)
+#      DW (a diphoma-worker release binary to use instead of building one)
 #      QUIET_WAIT (s to wait for an idle CPU before each run, 30) RUN_TIMEOUT (s per run, 600)
+#
+# Network profiles (issue 30; root): PROFILES="loopback 10g 2.5g 1g" (or PROFILE=1g) runs the
+# whole comparison inside one network namespace of its own (worker/bench/netns.sh): each rank on
+# its own address 127.0.0.(r+2), the loopback shaped per address with htb at the profile's rate,
+# the profiles interleaved in every round (the namespace is reshaped between them), a single
+# TCP stream's rate measured per link and profile (iperf3). Per profile and round: Diphoma with
+# each protection mode (none, integrity, encryption; one run, samples interleaved), bf16 at n=2
+# (protection none, BF16=0 leaves it out), gloo, Open MPI over TCP (each rank held to its own
+# address by netns/mpi_rank.sh). Then profiles.py prints the tables side by side, busbw against
+# the link's rate, whether each profile is link-bound, and the bars. Open MPI over shared memory
+# is not shaped by a network and is left out of profiles.
 set -euo pipefail
 repo="$(git rev-parse --show-toplevel)"
+if [[ -n "${PROFILE:-}${PROFILES:-}" ]]; then PROFILES="${PROFILES:-$PROFILE}"; fi
 anchors="$repo/../shared/bench/anchors"
 here="$repo/worker/bench"
 CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/diphoma/bench"
+# The bench's own torch venv, or else the cached one of the Python tests (python/venv.sh test).
 VENV="$CACHE/venv"
+[[ -x $VENV/bin/python ]] || VENV=$(bash "$repo/python/venv.sh" test)
 SIZES="${SIZES:-1K,64K,1M,16M,64M}"; SAMPLES="${SAMPLES:-20}"; ROUNDS="${ROUNDS:-5}"
 WORLDS="${WORLDS:-2 4}"; RUN_TIMEOUT="${RUN_TIMEOUT:-600}"
 OUT="${OUT:-$CACHE/results/$(date -u +%Y%m%dT%H%M%SZ)}"
@@ -31,8 +46,12 @@ if ! "$VENV/bin/python" -c 'import torch, numpy' 2>/dev/null; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install --quiet torch numpy
 fi
-(cd "$repo" && cargo build --release -p diphoma-worker)
-DW="$repo/target/release/diphoma-worker"
+# DW=path/to/diphoma-worker: a release binary built beforehand (no cargo run here).
+if [[ -z ${DW:-} ]]; then
+  (cd "$repo" && cargo build --release -p diphoma-worker)
+  target=$(cd "$repo" && cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+  DW="$target/release/diphoma-worker"
+fi
 cc -O3 -march=native -o "$CACHE/bin/membw" "$anchors/membw.c"
 cc -O2 -pthread -o "$CACHE/bin/ringbw" "$anchors/ringbw.c"
 cc -O2 -o "$CACHE/bin/tcp_pingpong" "$anchors/tcp_pingpong.c"
@@ -64,6 +83,63 @@ busy_pct() { local a b; read -r _ a1 a2 a3 a4 a5 a6 a7 _ < /proc/stat; sleep 1
 wait_quiet() { local t0=$SECONDS ok=0 b=0; while (( SECONDS-t0 < ${QUIET_WAIT:-30} )); do
     b=$(busy_pct); if (( b <= 10 )); then ok=$((ok+1)); (( ok>=2 )) && break; else ok=0; fi; done
   echo "# pre-run CPU busy ${b}% (waited $((SECONDS-t0)) s)"; }
+
+# --- network profiles (issue 30) -------------------------------------------------------------
+if [[ -n "${PROFILES:-}" ]]; then
+  source "$here/netns.sh"
+  for p in $PROFILES; do netns_rate "$p" >/dev/null; done
+  export OUT SIZES SAMPLES ROUNDS WORLDS PROFILES DW
+  # Everything below runs again inside the new namespace (netns_enter re-executes this script).
+  netns_enter "$0" "$@"
+  netns_setup 4
+  trap 'cleanup; netns_cleanup' EXIT
+  read -r -a addrs <<<"$NETNS_ADDRS"
+  hosts=$(tr ' ' , <<<"$NETNS_ADDRS")
+  {
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(free -g | awk '/Mem:/{print $2}') GiB, kernel $(uname -r)"
+  echo "commit: $(git -C "$repo" rev-parse --short HEAD)$(git -C "$repo" diff --quiet -- worker || echo '+dirty')"
+  echo "torch: $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')  open-mpi: $(mpirun --version 2>/dev/null | head -1)"
+  echo "profiles: $PROFILES  rank addresses: $NETNS_ADDRS  SIZES=$SIZES SAMPLES=$SAMPLES ROUNDS=$ROUNDS WORLDS=\"$WORLDS\""
+  echo "load at start: $(cut -d' ' -f1-3 /proc/loadavg); uptime: $(uptime)"
+  } | tee "$OUT/machine.txt"
+  [[ -x $CACHE/bin/mpi_allreduce_bench ]] || mpicc -O2 -o "$CACHE/bin/mpi_allreduce_bench" "$anchors/mpi_allreduce_bench.c" -lm
+  for r in $(seq 1 "$ROUNDS"); do
+    for p in $PROFILES; do
+      netns_shape "$p"; d="$OUT/$p"; mkdir -p "$d/probes"
+      if [[ ! -s "$d/probes/link.txt" ]]; then
+        wait_quiet; echo "### profile $p: a single TCP stream per link"; netns_probe "$d/probes/link.txt"
+      fi
+      for n in $WORLDS; do
+        wait_quiet; echo "### round $r  $p  diphoma f32 n=$n (none,integrity,encryption)"
+        bounded "$d/rustmodes_n${n}_r$r.txt" "$DW" bench --world "$n" --hosts "$hosts" --sizes "$SIZES" \
+          --samples "$SAMPLES" --protection none,integrity,encryption
+        if [[ $n == 2 && ${BF16:-1} == 1 ]]; then
+          wait_quiet; echo "### round $r  $p  diphoma bf16 n=2 (none)"
+          bounded "$d/rust-bf16_n2_r$r.txt" "$DW" bench --world 2 --hosts "$hosts" --sizes "$SIZES" \
+            --samples "$SAMPLES" --protection none --dtype bf16
+        fi
+        wait_quiet; echo "### round $r  $p  gloo n=$n"
+        bounded "$d/gloo_n${n}_r$r.txt" env OMP_NUM_THREADS=1 "$VENV/bin/python" "$anchors/gloo_allreduce_bench.py" \
+          --world "$n" --sizes "$SIZES" --samples "$SAMPLES"
+        # Open MPI over TCP: each rank (netns/mpi_rank.sh) restricted to its own address's bridge
+        # (btl_tcp_if_include=mpiR) and its outgoing connections bound to that address (the
+        # shim), so that the peers see the address it published; mpirun itself without the shim.
+        # (Given lo's labels lo:rR, Open MPI 4.1.4 refused its peers' connections, "inbound MPI
+        # TCP connection request from an IP address that is unexpected": it keys interfaces by
+        # kernel index; with ADDR/32 it aborted in mca_btl_tcp_component_init.)
+        wait_quiet; echo "### round $r  $p  MPI tcp n=$n"
+        bounded "$d/mpi_tcp_n${n}_r$r.txt" env LD_PRELOAD= NETNS_SHIM="$NETNS_CACHE/bin/srcbind.so" \
+          mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$n" --mca pml ob1 --mca btl tcp,self \
+          --mca oob_tcp_if_include lo "$here/netns/mpi_rank.sh" "$CACHE/bin/mpi_allreduce_bench" "$SIZES" 5 "$SAMPLES" 20
+      done
+    done
+  done
+  echo "load at end: $(cut -d' ' -f1-3 /proc/loadavg); uptime: $(uptime)" | tee -a "$OUT/machine.txt"
+  echo "### profiles side by side ($OUT)"
+  { cat "$OUT/machine.txt"; echo; python3 "$here/profiles.py" "$OUT" $PROFILES; } | tee "$OUT/profiles.md"
+  exit 0
+fi
 
 # --- the run ------------------------------------------------------------------------------
 {

@@ -87,6 +87,10 @@ pub(crate) struct BenchArgs {
     /// Kill the ranks after this many seconds.
     #[arg(long, default_value_t = 1200)]
     timeout_s: u64,
+    /// The loopback address of each rank (comma-separated, rank r takes the r-th, cycling):
+    /// a network profile of `worker/bench/netns.sh` shapes each rank's own address.
+    #[arg(long, value_delimiter = ',', default_value = "127.0.0.1")]
+    hosts: Vec<std::net::IpAddr>,
     #[command(flatten)]
     common: Common,
 }
@@ -97,6 +101,9 @@ pub(crate) struct RankArgs {
     rank: usize,
     #[arg(long)]
     world: usize,
+    /// The address this rank listens on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
     #[command(flatten)]
     common: Common,
 }
@@ -159,8 +166,8 @@ fn common_args(c: &Common) -> Vec<String> {
 
 /// Runs `bench`: exit 0 when every rank succeeded, 124 on `--timeout-s`.
 pub(crate) fn bench(a: BenchArgs) -> Result<ExitCode, AnyErr> {
-    if a.world == 0 {
-        return Err("--world must be at least 1".into());
+    if a.world == 0 || a.hosts.is_empty() {
+        return Err("--world and --hosts must not be empty".into());
     }
     let exe = std::env::current_exe()?;
     let mut ranks = Ranks(Vec::new());
@@ -169,6 +176,7 @@ pub(crate) fn bench(a: BenchArgs) -> Result<ExitCode, AnyErr> {
             .arg("bench-rank")
             .arg(format!("--rank={r}"))
             .arg(format!("--world={}", a.world))
+            .arg(format!("--host={}", a.hosts[r % a.hosts.len()]))
             .args(common_args(&a.common))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -176,10 +184,10 @@ pub(crate) fn bench(a: BenchArgs) -> Result<ExitCode, AnyErr> {
             .spawn()?;
         ranks.0.push(child);
     }
-    // Each rank binds 127.0.0.1:0 and reports its port; then every rank learns all addresses.
+    // Each rank binds its host's port 0 and reports the port; then every rank learns all addresses.
     let mut outs = Vec::new();
     let mut addrs = Vec::new();
-    for c in &mut ranks.0 {
+    for (r, c) in ranks.0.iter_mut().enumerate() {
         let mut out = BufReader::new(c.stdout.take().ok_or("no stdout")?);
         let mut line = String::new();
         out.read_line(&mut line)?;
@@ -188,7 +196,7 @@ pub(crate) fn bench(a: BenchArgs) -> Result<ExitCode, AnyErr> {
             .ok_or(format!("bad rank hello {line:?}"))?
             .trim()
             .parse()?;
-        addrs.push(format!("127.0.0.1:{port}"));
+        addrs.push(SocketAddr::new(a.hosts[r % a.hosts.len()], port).to_string());
         outs.push(out);
     }
     let mut key = [0u8; 32];
@@ -258,7 +266,7 @@ pub(crate) fn bench_rank(a: RankArgs) -> Result<ExitCode, AnyErr> {
     // Die with the `bench` parent, whatever kills it.
     // Best effort, as a refused request only leaves an orphan to the bench's own timeout.
     let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
-    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let listener = TcpListener::bind((a.host, 0))?;
     println!("PORT {}", listener.local_addr()?.port());
     std::io::stdout().flush()?;
     let stdin = std::io::stdin();
