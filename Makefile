@@ -58,7 +58,7 @@ wheel: ## build the `diphoma` Python wheel (abi3, CPython >= 3.9) into target/wh
 test-python: ## build the wheel, install it into a cached torch venv (created once: torch from PyPI, ~5.4 GB) and run python/tests with pytest
 	bash python/test.sh
 
-bench: deps ## allreduce benchmark side by side with gloo and Open MPI (prints the merged table)
+bench: deps ## allreduce benchmark side by side with gloo and Open MPI (prints the merged table); PROFILE=1g or PROFILES="1g 2.5g 10g loopback" runs it in a network namespace of its own with each rank's link shaped by tc htb (root; worker/bench/netns.sh, results in worker/bench/PROFILES.md)
 	bash worker/bench/run.sh
 
 bench-torch: deps ## DDP step time gloo vs diphoma with and without frame protection (ResNet-18/50, CPU, world 2 and 4, interleaved rounds), all_reduce from Python vs the Rust bench, and all_reduce's time beyond the ring; PARTS selects (e.g. PARTS=allreduce SIZES=1M ROUNDS=5 WORLDS=2); writes python/bench/RESULTS.md
