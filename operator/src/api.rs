@@ -353,7 +353,9 @@ pub struct RingSpec {
     /// the ring's membership and failure detection (a dead or silent peer is blamed within
     /// `faultTolerance.detectionSeconds`, the old communicator abandoned, the survivors go on in
     /// the same process). Passed to the workers as `DIPHOMA_DATA_PLANE`; the Rust worker
-    /// always uses the ring. gloo's TCP connections carry no frame protection.
+    /// always uses the ring. gloo's TCP connections carry no frame protection, and listen on
+    /// ephemeral ports: the operator's NetworkPolicy (`--network-policy`) then opens every TCP
+    /// port of a worker to the job's own workers.
     #[serde(default, skip_serializing_if = "DataPlane::is_ring")]
     pub data_plane: DataPlane,
 }

@@ -33,7 +33,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{ApiResource, DynamicObject};
 use kube::{Resource, ResourceExt};
 
-use crate::api::{DiphomaJob, GangScheduler};
+use crate::api::{DataPlane, DiphomaJob, GangScheduler};
 
 /// `app.kubernetes.io/managed-by` value on everything the operator creates.
 pub const MANAGED_BY: &str = "diphoma-operator";
@@ -625,7 +625,8 @@ pub fn service(job: &DiphomaJob) -> Service {
 
 /// The job's NetworkPolicy (created when the operator runs with `--network-policy`): the ring
 /// port of its workers (TCP, and UDP for liveness pings) and the rendezvous store's port accept
-/// only this job's workers; the metrics port stays open to scrapers.
+/// only this job's workers (with `spec.ring.dataPlane: gloo`, every TCP port: gloo listens on
+/// ephemeral ones); the metrics port stays open to scrapers.
 /// Other ingress to the workers is denied (the policy selects them).
 pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
     let workers = LabelSelector {
@@ -654,7 +655,16 @@ pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
                         pod_selector: Some(workers),
                         ..Default::default()
                     }]),
-                    ports: Some(vec![ring("TCP"), on("TCP", store_port(job.spec.ring_port))]),
+                    ports: Some(match job.spec.ring.data_plane {
+                        DataPlane::Ring => {
+                            vec![ring("TCP"), on("TCP", store_port(job.spec.ring_port))]
+                        }
+                        // gloo's store and connections listen on ephemeral ports.
+                        DataPlane::Gloo => vec![NetworkPolicyPort {
+                            protocol: Some("TCP".into()),
+                            ..Default::default()
+                        }],
+                    }),
                 },
                 // The liveness port answers anyone: the operator's probe of a silent member, and
                 // its peers'. A pong is as long as its ping and only a key holder can check it.
@@ -1265,13 +1275,13 @@ pub(crate) mod tests {
         let mut j = basic();
         let before = worker_spec_digest(&j);
         assert_eq!(plane(&j).as_deref(), Some("ring"));
-        j.spec.ring.data_plane = crate::api::DataPlane::Ring;
+        j.spec.ring.data_plane = DataPlane::Ring;
         assert_eq!(
             worker_spec_digest(&j),
             before,
             "ring, stated: the digest of before"
         );
-        j.spec.ring.data_plane = crate::api::DataPlane::Gloo;
+        j.spec.ring.data_plane = DataPlane::Gloo;
         assert_eq!(plane(&j).as_deref(), Some("gloo"));
         assert_ne!(
             worker_spec_digest(&j),
@@ -1304,6 +1314,26 @@ pub(crate) mod tests {
         assert_eq!(e[contract::ENV_SPEED_WEIGHTED], "false");
         assert_eq!(e[contract::ENV_BALANCE_EVERY], "5");
         assert_eq!(e[contract::ENV_SYNC_EVERY], "8");
+    }
+
+    #[test]
+    fn a_gloo_jobs_network_policy_opens_every_tcp_port_to_its_own_workers_only() {
+        let mut j = basic();
+        j.spec.ring.data_plane = DataPlane::Gloo;
+        let spec = network_policy(&j).spec.unwrap();
+        let rules = spec.ingress.unwrap();
+        let own = &rules[0];
+        assert!(own.from.as_ref().unwrap()[0].pod_selector.is_some());
+        let ports = own.ports.as_ref().unwrap();
+        assert_eq!(ports.len(), 1);
+        assert_eq!(
+            (ports[0].protocol.as_deref(), &ports[0].port),
+            (Some("TCP"), &None)
+        );
+        assert_eq!(
+            rules[1],
+            network_policy(&basic()).spec.unwrap().ingress.unwrap()[1]
+        );
     }
 
     #[test]
