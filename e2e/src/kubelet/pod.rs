@@ -186,8 +186,16 @@ impl Worker {
                     Error::ImageNotPresent { .. } => "ImagePullBackOff",
                     _ => "CreateContainerConfigError",
                 };
-                // Images are checked first, before anything is allocated: safe to start again.
-                self.retry_start = reason != "CreateContainerConfigError";
+                // Started again at the next resync, as the real kubelet retries: images are
+                // checked before anything is allocated, and what a config error found allocated
+                // is freed here (a ConfigMap or Secret the pod needs may appear later, such as
+                // the namespace's kube-root-ca.crt, which the controller manager publishes a
+                // moment after the namespace is created).
+                if reason == "CreateContainerConfigError" {
+                    self.release_gpus();
+                    self.release_ip();
+                }
+                self.retry_start = true;
                 tracing::warn!(pod = %self.key(), error = %e, "cannot start pod");
                 for r in &mut self.records {
                     r.state = RunState::Waiting {
@@ -739,10 +747,15 @@ impl Worker {
     fn cleanup(&mut self) {
         (0..self.probes.len()).for_each(|i| self.stop_probes(i));
         self.release_gpus();
+        self.release_ip();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+
+    /// Returns the pod's IP to the node.
+    fn release_ip(&mut self) {
         if let Some(ip) = self.pod_ip.take() {
             self.node.ips.lock().unwrap().release(&ip);
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 
     /// Returns the pod's GPUs to the node (once its processes are gone).
