@@ -424,6 +424,17 @@ impl Ring {
         self.abort.is_aborted()
     }
 
+    /// The rank of the first member whose ring connection to this one was closed (it left
+    /// this generation, or its process is gone); None while every connection is open. Reads
+    /// nothing: for a ring at rest (another data plane's collective in flight).
+    #[getter]
+    fn closed_peer(&self) -> Option<usize> {
+        self.comm
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .closed_peer()
+    }
+
     /// The bound on joining this ring, in seconds (`DIPHOMA_TIMEOUT`, the join's `timeout`).
     #[getter]
     fn timeout(&self) -> f64 {
@@ -459,12 +470,15 @@ impl Ring {
 
     /// For collective `op` of another library ("allreduce", "broadcast", …: the
     /// `DIPHOMA_DATA_PLANE` communicator of this generation) that failed (`failed`: it raised)
-    /// or has waited `waited` seconds: a newer generation aborts it; else every other member is
-    /// probed for `window` seconds at once and the verdict is `diphoma-ring`'s
-    /// `foreign::verdict` (a silent member is blamed, lost or hung; every member answering, a
-    /// wait goes on). A verdict is kept as this ring's failure, as a failed ring collective's
-    /// ([`Follower::failed`] reports it and joins the next generation), and its message is
+    /// or has waited `waited` seconds: a newer generation aborts it; a member whose ring
+    /// connection was closed (it left this generation: the failure cascade) is lost; else, when
+    /// `probe`, every other member is probed for `window` seconds at once and the verdict is
+    /// `diphoma-ring`'s `foreign::verdict` (a silent member is blamed, lost or hung; every
+    /// member answering, a wait goes on). A verdict is kept as this ring's failure, as a failed
+    /// ring collective's ([`Follower::failed`] reports it and joins the next generation), this
+    /// ring's connections are shut (so the other members see it leave), and its message is
     /// returned; None: wait on. Needs every member to answer probes ([`Ring::answer_liveness`]).
+    #[pyo3(signature = (op, waited, failed, window, probe = true))]
     fn blame(
         &self,
         py: Python<'_>,
@@ -472,6 +486,7 @@ impl Ring {
         waited: f64,
         failed: bool,
         window: f64,
+        probe: bool,
     ) -> PyResult<Option<String>> {
         let op = foreign::op_name(op);
         let waited = Duration::try_from_secs_f64(waited).unwrap_or_default();
@@ -479,15 +494,31 @@ impl Ring {
             .ok()
             .filter(|w| !w.is_zero())
             .ok_or_else(|| config_err(format!("window {window} s is not positive")))?;
+        let closed = || {
+            self.comm
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .closed_peer()
+        };
         let verdict = if self.abort.is_aborted() {
             Some(CommError::Aborted)
-        } else {
+        } else if let Some(rank) = closed() {
+            Some(CommError::PeerLost { rank, op })
+        } else if probe || failed {
             let answers = py.detach(|| self.probe_others(window));
             foreign::verdict(op, waited, failed, &answers)
+        } else {
+            None
+        };
+        let silent = match &verdict {
+            Some(CommError::Timeout { peer: Some(r), .. }) => {
+                format!(" (rank {r} did not answer its liveness probe within {window:?})")
+            }
+            _ => String::new(),
         };
         Ok(verdict.map(|e| {
             self.abort.abort();
-            self.keep_failure(e)
+            self.keep_failure(e) + &silent
         }))
     }
 

@@ -7,6 +7,8 @@ peer is the e2e python suite's (`a_frozen_worker_of_the_gloo_data_plane_...`): o
 replaces a member that hangs."""
 
 import os
+import signal
+import time
 
 import torch
 
@@ -32,6 +34,27 @@ def test_survivors_of_a_kill_go_on_with_a_fresh_gloo_communicator(tmp_path):
     # The generation's communicator was abandoned, naming what failed, and the next generation
     # trained through a new one: the parameters of an undisturbed run.
     assert "the gloo communicator of ring generation 1 is abandoned" in output, output[-4000:]
+    torch.testing.assert_close(torch.load(out / "params.pt"), undisturbed(STEPS), atol=5e-5, rtol=2e-4)
+
+
+def test_a_rank_paused_past_the_window_and_resumed_hangs_nobody(tmp_path):
+    """local-2 stopped for 3 s (6 liveness windows of 0.5 s) and resumed: the others blame it
+    and abandon generation 1's communicator; the resumed rank finds their ring connections
+    closed and abandons its own; all four re-form in their processes and finish with the
+    parameters of an undisturbed run. (Before, the resumed rank waited in its gloo collective
+    for ranks that had left it, and they for it: a hang.)"""
+
+    def pause(pid):
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(3)
+        os.kill(pid, signal.SIGCONT)
+
+    code, before, after, _, out, output = run_and_kill(
+        tmp_path, env={**GLOO, "DIPHOMA_DETECTION_SECONDS": "2"}, disturb=pause)
+    assert code == 0, output[-6000:]
+    assert "rank 2 did not answer its liveness probe" in output, output[-4000:]
+    for name in ("local-0", "local-1", "local-2", "local-3"):
+        assert after[name]["pid"] == before[name]["pid"] and after[name]["step"] == STEPS, after[name]
     torch.testing.assert_close(torch.load(out / "params.pt"), undisturbed(STEPS), atol=5e-5, rtol=2e-4)
 
 

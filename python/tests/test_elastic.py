@@ -51,10 +51,10 @@ def undisturbed(steps):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def run_and_kill(tmp_path, *flags, env=None):
-    """Starts 4 elastic ranks (``env`` added to this environment), kills local-2 with SIGKILL
-    once every rank passed step 8, waits for the launcher; returns (exit code, records at the
-    kill, final records, ring dir, out, the launcher's output)."""
+def run_and_kill(tmp_path, *flags, env=None, disturb=lambda pid: os.kill(pid, signal.SIGKILL)):
+    """Starts 4 elastic ranks (``env`` added to this environment), once every rank passed step
+    8 calls ``disturb`` with local-2's pid (default: kill -9), waits for the launcher; returns
+    (exit code, records at the kill, final records, ring dir, out, the launcher's output)."""
     out, ring = tmp_path / "out", tmp_path / "ring"
     out.mkdir()
     cmd = [sys.executable, "-m", "diphoma.run", "--nproc", "4", "--elastic", "--ring-dir", str(ring), *flags,
@@ -70,7 +70,7 @@ def run_and_kill(tmp_path, *flags, env=None):
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.stdout.read() if launcher.poll() is not None else "no progress"
             time.sleep(0.05)
         assert before["local-2"]["step"] < STEPS, "the run ended before the kill"
-        os.kill(before["local-2"]["pid"], signal.SIGKILL)
+        disturb(before["local-2"]["pid"])
         output, _ = launcher.communicate(timeout=180)
     finally:
         if launcher.poll() is None:  # SIGTERM: the launcher stops every rank, then exits

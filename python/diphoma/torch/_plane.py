@@ -44,6 +44,8 @@ ENV = "DIPHOMA_DATA_PLANE"
 PLANES = ("ring", "gloo")
 # How often a collective of a library plane looks at its ring (a newer generation) while it waits.
 TICK = timedelta(milliseconds=50)
+# How long a collective may still take to complete once a member closed its ring connection.
+LEFT_GRACE = timedelta(seconds=1)
 _log = logging.getLogger("diphoma")
 _LIBRARY_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -141,6 +143,8 @@ class GlooPlane:
         prefix = dist.PrefixStore(f"diphoma/{self.backend}/{self.ring.generation}/", self._store)
         self.pg = ProcessGroupGloo(prefix, self.ring.rank, self.ring.world, opts)
         self.pg.set_timeout(self.timeout)  # each collective: a backstop, the ring's probes come first
+        _log.info("diphoma: ring generation %d (rank %d of %d): collectives through a gloo communicator",
+                  self.ring.generation, self.ring.rank, self.ring.world)
 
     def _run(self, what, tensors, start):
         """Runs ``start(copies)`` (a gloo collective on copies of ``tensors``), waits for it as the
@@ -171,12 +175,21 @@ class GlooPlane:
                         break
                     except Exception as e:  # noqa: BLE001
                         self._fail(what, t0, e)
+                # Each tick: a newer generation, a member that left (its ring connection closed:
+                # blamed unless the collective completes within LEFT_GRACE, as the last one does
+                # when a member finished it and exited first); each window: the others' liveness.
+                if self.ring.closed_peer is not None:
+                    try:
+                        work.wait(LEFT_GRACE)
+                        break
+                    except Exception:  # noqa: BLE001 - not done, or gloo's error: blamed below
+                        pass
                 waited = time.monotonic() - t0
-                if self.ring.aborted or waited - checked >= self.window:
-                    checked = waited
-                    blamed = self.ring.blame(what, waited, False, self.window)
-                    if blamed:
-                        self._abandon(f"{blamed} ({what} of the gloo data plane)")
+                probe = waited - checked >= self.window
+                checked = waited if probe else checked
+                blamed = self.ring.blame(what, waited, False, self.window, probe)
+                if blamed:
+                    self._abandon(f"{blamed} ({what} of the gloo data plane)")
         for t, c in zip(tensors, copies):
             t.copy_(c)
 

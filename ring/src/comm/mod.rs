@@ -602,6 +602,22 @@ impl Communicator {
         Ok(())
     }
 
+    /// The first peer whose connection to this member was closed or reset (its process gone,
+    /// or it left this generation and shut its sockets: the failure cascade), seen without
+    /// reading anything (`peek` on the non-blocking links). Meant for a ring at rest: another
+    /// data plane's collective watches it while it waits ([`crate::foreign`]).
+    pub fn closed_peer(&self) -> Option<usize> {
+        let mut byte = [0u8; 1];
+        self.links
+            .iter()
+            .enumerate()
+            .find_map(|(rank, s)| match s.as_ref()?.peek(&mut byte) {
+                Ok(0) => Some(rank),
+                Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => Some(rank),
+                _ => None,
+            })
+    }
+
     fn poison(&mut self) {
         self.poisoned = true;
         for s in self.links.iter().flatten() {
