@@ -6,9 +6,8 @@
 //! query of the Training dashboard; an unchanged torchrun script (`python/tests/scripts/torchrun_ddp.py`)
 //! under `python -m diphoma.run` through a kill -9, restarted in place in the surviving pods;
 //! a rank that raises, its traceback's last line in the job's status; `kubectl diphoma
-//! submit` of a script; pods of two training processes each (`processesPerWorker: 2`)
-//! through a kill -9 of one process; and the example on the gloo data plane
-//! (`spec.ring.dataPlane: gloo`) through a frozen worker.
+//! submit` of a script; and pods of two training processes each (`processesPerWorker: 2`)
+//! through a kill -9 of one process.
 
 mod common;
 
@@ -45,8 +44,7 @@ fn main() -> Result<()> {
             a_frozen_torchrun_process_is_reported_by_its_peers_and_replaced,
             a_raising_rank_fails_the_job_with_its_traceback_in_last_failure,
             kubectl_diphoma_submit_runs_a_script_as_a_job,
-            pods_of_two_processes_go_on_through_a_killed_process,
-            a_frozen_worker_of_the_gloo_data_plane_is_replaced_and_the_others_go_on
+            pods_of_two_processes_go_on_through_a_killed_process
         ],
     )
 }
@@ -605,50 +603,5 @@ async fn pods_of_two_processes_go_on_through_a_killed_process(
             "{name}: {r}"
         );
     }
-    Ok(())
-}
-
-/// The digits example with `spec.ring.dataPlane: gloo` (its DDP through a gloo communicator of
-/// each ring generation), worker 1 frozen with SIGSTOP mid-run: the others' gloo collectives
-/// wait on it, their liveness probes find it silent, they abandon the generation's
-/// communicator and report it; the operator replaces worker 1 as `Hung`, and the others train
-/// on in their own processes, through a fresh gloo communicator, to Succeeded. Before, a
-/// frozen peer of a gloo group hung its collectives until gloo's timeout (30 min by default).
-async fn a_frozen_worker_of_the_gloo_data_plane_is_replaced_and_the_others_go_on(
-    ctx: Arc<Ctx>,
-    ns: String,
-) -> Result<()> {
-    let name = "pytorch-digits";
-    let from = "  gpusPerWorker: 1\n";
-    let text = example(200)?;
-    ensure!(
-        text.matches(from).count() == 1,
-        "the example has no single gpusPerWorker"
-    );
-    let text = text.replace(from, "  gpusPerWorker: 1\n  ring:\n    dataPlane: gloo\n");
-    apply_text(&ctx, &ns, &text)?;
-    eventually(240, "progress in the status", async || {
-        let st = job_status(&ctx.client, &ns, name).await?.status;
-        Ok(st.and_then(|s| s.progress).is_some_and(|p| p.step > 0))
-    })
-    .await?;
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let before = pids(&pods, &DIGITS_SURVIVORS).await?;
-    signal(
-        pids(&pods, &["pytorch-digits-worker-1"]).await?[0],
-        libc::SIGSTOP,
-    );
-    let st = finished(&ctx, &ns, name, 600).await?;
-    ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
-    ensure!(
-        st.repairs.by_cause.get("Hung") == Some(&1),
-        "repairs {:?}",
-        st.repairs
-    );
-    let logs = kept_their_process(&pods, &DIGITS_SURVIVORS, &before).await?;
-    ensure!(
-        logs.contains("the gloo communicator of ring generation 1 is abandoned"),
-        "no survivor abandoned generation 1's gloo communicator:\n{logs}"
-    );
     Ok(())
 }
