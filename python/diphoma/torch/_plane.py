@@ -99,12 +99,11 @@ def _serve_store(ring):
     ring address, whose ``host:port`` the others receive over the ring's broadcast; its calls
     bounded by the ring's join timeout."""
     world, timeout = ring.world, timedelta(seconds=ring.timeout)
+    addr = torch.zeros(64, dtype=torch.uint8)
     if ring.rank == 0:
         store = dist.TCPStore(ring.host, 0, world, True, timeout=timeout, wait_for_workers=False)
         address = f"{ring.host}:{store.port}".encode()
-    addr = torch.zeros(64, dtype=torch.uint8)
-    if ring.rank == 0:
-        addr[: len(address)] = torch.frombuffer(bytearray(address), dtype=torch.uint8)
+        addr[: len(address)] = torch.tensor(list(address), dtype=torch.uint8)
     ring.broadcast(addr.data_ptr(), addr.numel(), 0)
     if ring.rank == 0:
         return store
