@@ -69,8 +69,8 @@ pub const ENV_MEMBERSHIP: &str = "DIPHOMA_MEMBERSHIP";
 /// a collective waits on a silent peer before probing its liveness, and how long the probe
 /// waits for an answer.
 pub const ENV_DETECTION_SECONDS: &str = "DIPHOMA_DETECTION_SECONDS";
-/// Env: how ring data frames are protected (`spec.ring.protection`): `integrity` (a keyed tag
-/// on every frame; the default when unset) or `encryption` (AES-256-GCM). Every worker of a
+/// Env: how ring data frames are protected (`spec.ring.protection`): `none` (the default when
+/// unset), `integrity` (a keyed tag on every frame) or `encryption` (AES-256-GCM). Every worker of a
 /// job gets the same value; peers that differ refuse each other's handshake.
 pub const ENV_RING_PROTECTION: &str = "DIPHOMA_RING_PROTECTION";
 /// Env: what carries a PyTorch job's collectives (`spec.ring.dataPlane`): `ring` (the default

@@ -340,10 +340,15 @@ impl SyncSpec {
 #[serde(rename_all = "camelCase")]
 pub struct RingSpec {
     /// How ring data frames (gradients, parameters) are protected after each connection's
-    /// HMAC handshake: `integrity` (default) tags every frame with a keyed MAC (BLAKE3, keys
-    /// derived per connection with HKDF-SHA256) and a frame counter, so tampered, replayed or
-    /// reordered data is refused; `encryption` also encrypts it (AES-256-GCM). Passed to the
-    /// workers as `DIPHOMA_RING_PROTECTION`. Immutable.
+    /// HMAC handshake (which always shuts out a process without the job's key): `none`
+    /// (default) adds nothing, as gloo and NCCL; `integrity` tags every frame with a keyed MAC
+    /// (BLAKE3, keys derived per connection with HKDF-SHA256) and a frame counter, so data
+    /// tampered with on the network path, replayed or reordered is refused; `encryption` also
+    /// encrypts it (AES-256-GCM). Turn one on where the network between nodes is shared and
+    /// not protected by the CNI (docs/design/protection.md); each costs throughput where the
+    /// CPU, not the link, is the limit. Passed to the workers as `DIPHOMA_RING_PROTECTION`.
+    /// Immutable; a job stored before `none` became the default keeps the mode its running
+    /// workers have.
     #[serde(default)]
     #[x_kube(validation = Rule::new("self == oldSelf").message(PROTECTION_MESSAGE))]
     pub protection: RingProtection,
@@ -389,8 +394,10 @@ impl DataPlane {
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[serde(rename_all = "camelCase")]
 pub enum RingProtection {
-    /// A keyed MAC and a frame counter on every frame.
+    /// No per-frame tag, as gloo and NCCL (the handshake still authenticates each connection).
     #[default]
+    None,
+    /// A keyed MAC and a frame counter on every frame.
     Integrity,
     /// AES-256-GCM on every frame: integrity and confidentiality.
     Encryption,
@@ -400,6 +407,7 @@ impl RingProtection {
     /// The value of `DIPHOMA_RING_PROTECTION` (the ring parses the same names).
     pub fn as_str(self) -> &'static str {
         match self {
+            RingProtection::None => "none",
             RingProtection::Integrity => "integrity",
             RingProtection::Encryption => "encryption",
         }

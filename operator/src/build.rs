@@ -1261,9 +1261,11 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn ring_protection_reaches_the_worker_integrity_by_default() {
+    fn ring_protection_reaches_the_worker_none_by_default() {
         let protection = |j: &DiphomaJob| worker_env(j, contract::ENV_RING_PROTECTION);
         let mut j = basic();
+        assert_eq!(protection(&j).as_deref(), Some("none"));
+        j.spec.ring.protection = crate::api::RingProtection::Integrity;
         assert_eq!(protection(&j).as_deref(), Some("integrity"));
         j.spec.ring.protection = crate::api::RingProtection::Encryption;
         assert_eq!(protection(&j).as_deref(), Some("encryption"));
@@ -1392,11 +1394,20 @@ pub(crate) mod tests {
         // One process per worker (the default, or stated) keeps the digest of before
         // `processesPerWorker`: no running job rolls at the upgrade. Several processes per
         // worker is another layout (its workers could not share a ring with one-process ones).
-        let mut one = basic();
+        // Every job stored so far has `spec.ring.protection` written out, `integrity` unless
+        // stated (the schema's default at its creation); `none`, the default since, is another
+        // mode (a job read as `none` keeps its workers' mode: `plan::workers::kept_protection`).
+        let stored = || {
+            let mut j = basic();
+            j.spec.ring.protection = crate::api::RingProtection::Integrity;
+            j
+        };
+        let mut one = stored();
         one.spec.processes_per_worker = Some(1);
         assert_eq!(worker_spec_digest(&one), "0ddbddf00d140e95");
-        assert_eq!(worker_spec_digest(&basic()), "0ddbddf00d140e95");
-        let mut two = basic();
+        assert_eq!(worker_spec_digest(&stored()), "0ddbddf00d140e95");
+        assert_ne!(worker_spec_digest(&basic()), "0ddbddf00d140e95");
+        let mut two = stored();
         two.spec.processes_per_worker = Some(2);
         assert_ne!(worker_spec_digest(&two), "0ddbddf00d140e95");
         let mut placed = basic();

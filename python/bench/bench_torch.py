@@ -136,7 +136,7 @@ def main():
         rows = ddp(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     else:
         rows = allreduce([int(s) for s in sys.argv[3].split(",")])
-    protection = (os.environ.get("DIPHOMA_RING_PROTECTION") or "integrity") if backend == "diphoma" else "-"
+    protection = (os.environ.get("DIPHOMA_RING_PROTECTION") or "none") if backend == "diphoma" else "-"
     if dist.get_rank() == 0:
         with open(sys.argv[-1], "a") as f:
             for r in rows:

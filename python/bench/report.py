@@ -60,8 +60,9 @@ def previous(path):
 
 kept = previous(out_path)
 out = ["# make bench-torch", "",
-       "`diphoma` is the ring with its default frame protection (integrity: a keyed BLAKE3 tag per "
-       "frame); `diphoma none` is the same ring without it, as gloo runs. Ratios: median over rounds "
+       "`diphoma` is the ring with per-frame integrity (a keyed BLAKE3 tag per frame, the default "
+       "until issue 30); `diphoma none` is the same ring without it, as gloo runs, and the default "
+       "since. Ratios: median over rounds "
        "of each round's ratio (min–max). Each part states the run it comes from.", ""]
 ddp_out = ["## DDP step on CPU (torchvision, synthetic 32×32, batch 2 per rank)", "", RUN, "",
            "| model | world | gloo step (ms) | comm share | diphoma step (ms) | comm share | diphoma none step (ms) | comm share | diphoma / gloo | diphoma none / gloo |",

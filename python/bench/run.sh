@@ -2,7 +2,8 @@
 # python/bench/run.sh — `make bench-torch`: in one run on this machine, in ROUNDS interleaved
 # rounds (the order of the contenders rotates each round, so that load hits them alike):
 # - DDP step time on CPU with backend gloo against diphoma, the latter with the ring's default
-#   frame protection (integrity) and without it (none; gloo has none): torchvision ResNet-18
+#   per-frame integrity (the default until issue 30) and without it (none, the default since;
+#   gloo has none): torchvision ResNet-18
 #   and ResNet-50, synthetic 32×32 images, batch 2 per rank, world 2 and 4; step time,
 #   communication share, ratio to gloo; and where the step goes: DDP with a comm hook that
 #   communicates nothing, and the backend's all_reduce of DDP's buckets alone (their sum: the floor);

@@ -13,8 +13,8 @@ launcher exits with its code (128 + N for signal N), or restarts every rank
 (``--max-restarts``). SIGINT/SIGTERM to the launcher stop every rank. Like torchrun, it sets
 ``OMP_NUM_THREADS=1`` for every rank when there are several and the variable is not set, so N
 ranks' intra-op thread pools do not oversubscribe the cores. The key file is removed on exit.
-``DIPHOMA_RING_PROTECTION`` passes through from the launcher's environment: ``none`` (allowed on
-this loopback-only ring), ``integrity`` (the default) or ``encryption``.
+``DIPHOMA_RING_PROTECTION`` passes through from the launcher's environment: ``none`` (the
+default, as for jobs), ``integrity`` or ``encryption``.
 
 With ``--elastic`` the ranks follow a ring directory instead of a fixed world (the standalone
 stand-in for the operator and its two ConfigMaps, read by ``diphoma-ring``'s ``FileRing``): the

@@ -491,7 +491,7 @@ mod tests {
                 })
             };
             let env = WorkerEnv::from_lookup(lookup).unwrap();
-            assert_eq!(env.protection, Protection::Integrity);
+            assert_eq!(env.protection, Protection::None, "the default when unset");
             let key = vec![7u8; 32];
             let udp = std::net::UdpSocket::bind(("127.0.0.1", port)).unwrap();
             let responder = crate::liveness::Responder::spawn(udp, key.clone()).unwrap();

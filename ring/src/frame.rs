@@ -46,11 +46,12 @@ pub const TAG_LEN: usize = 16;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[repr(u8)]
 pub enum Protection {
-    /// Plain frames: no tag. For measurements only; Kubernetes workers never run it.
-    None = 0,
-    /// Each frame carries an HMAC-SHA256 tag over its header, payload and the implicit
-    /// per-direction frame counter (tampering, replay and reordering are refused).
+    /// Plain frames: no tag (the default: gloo's and NCCL's frames carry none either; the
+    /// handshake still authenticates every connection). See `docs/design/protection.md`.
     #[default]
+    None = 0,
+    /// Each frame carries a keyed BLAKE3 tag over its header, payload and the implicit
+    /// per-direction frame counter (tampering, replay and reordering are refused).
     Integrity = 1,
     /// Each frame's payload is sealed with AES-256-GCM (header and counter authenticated as
     /// associated data, the counter as the nonce): integrity plus confidentiality.

@@ -68,7 +68,7 @@ pub struct WorkerEnv {
     pub membership: String,
     /// `DIPHOMA_DETECTION_SECONDS` (whole seconds, at least 1).
     pub detection: Duration,
-    /// `DIPHOMA_RING_PROTECTION`: `integrity` (default when unset) or `encryption`.
+    /// `DIPHOMA_RING_PROTECTION`: `none` (default when unset), `integrity` or `encryption`.
     pub protection: Protection,
 }
 
@@ -116,10 +116,7 @@ impl WorkerEnv {
                         format!("{detection:?} is not a positive number of seconds"),
                     )
                 })?,
-            protection: protection_var(
-                get(ENV_RING_PROTECTION),
-                &[Protection::Integrity, Protection::Encryption],
-            )?,
+            protection: protection_var(get(ENV_RING_PROTECTION))?,
             local: contract::Local::from_lookup(&get).map_err(|e| invalid(e.var, e.problem))?,
         })
     }
@@ -493,7 +490,7 @@ mod tests {
         assert_eq!(w.ring_port, 29500);
         assert_eq!(w.pod_ip.to_string(), "127.0.0.5");
         assert_eq!(w.detection, Duration::from_secs(10));
-        assert_eq!(w.protection, Protection::Integrity, "integrity when unset");
+        assert_eq!(w.protection, Protection::None, "none when unset");
         let mut enc = env.clone();
         enc.insert(ENV_RING_PROTECTION, "encryption".into());
         let w = WorkerEnv::from_lookup(|n| enc.get(n).cloned()).unwrap();
@@ -517,7 +514,7 @@ mod tests {
             (ENV_POD_IP, "pod"),
             (ENV_DETECTION_SECONDS, "0"),
             (ENV_DETECTION_SECONDS, "2.5s"),
-            (ENV_RING_PROTECTION, "none"),
+            (ENV_RING_PROTECTION, "mac"),
             (ENV_RING_PROTECTION, "aes"),
             (contract::ENV_LOCAL_RANK, "x"),
         ] {

@@ -35,27 +35,17 @@ pub enum EnvError {
 }
 
 /// Parses `DIPHOMA_RING_PROTECTION`'s value: unset or empty gives [`Protection::default`]
-/// (integrity); otherwise one of `allowed`, by the names [`Protection`] parses.
+/// (none); otherwise one of the names [`Protection`] parses.
 ///
 /// # Errors
 /// [`EnvError::Invalid`] naming the variable and the allowed names.
-pub(crate) fn protection_var(
-    value: Option<String>,
-    allowed: &[Protection],
-) -> Result<Protection, EnvError> {
+pub(crate) fn protection_var(value: Option<String>) -> Result<Protection, EnvError> {
     match value.as_deref().map(str::trim) {
         None | Some("") => Ok(Protection::default()),
-        Some(v) => v
-            .parse()
-            .ok()
-            .filter(|p| allowed.contains(p))
-            .ok_or_else(|| {
-                let names: Vec<_> = allowed.iter().map(|p| p.as_str()).collect();
-                EnvError::Invalid {
-                    var: ENV_RING_PROTECTION,
-                    problem: format!("{v:?} is not one of {}", names.join(", ")),
-                }
-            }),
+        Some(v) => v.parse().map_err(|problem| EnvError::Invalid {
+            var: ENV_RING_PROTECTION,
+            problem,
+        }),
     }
 }
 
@@ -114,14 +104,7 @@ pub fn standalone_config(get: impl Fn(&str) -> Option<String>) -> Result<Config,
         .map_err(|e| e.to_string())
         .and_then(|b| diphoma_contract::parse_key(b).map_err(|e| e.to_string()))
         .map_err(|e| invalid(ENV_KEY_FILE, format!("{key_file}: {e}")))?;
-    let protection = protection_var(
-        get(ENV_RING_PROTECTION),
-        &[
-            Protection::None,
-            Protection::Integrity,
-            Protection::Encryption,
-        ],
-    )?;
+    let protection = protection_var(get(ENV_RING_PROTECTION))?;
     Ok(Config {
         protection,
         ..Config::new(rank, world, addresses, 1, job_uid, key)
@@ -375,9 +358,9 @@ mod tests {
         assert_eq!((c.rank, c.world, c.generation), (1, 2, 1));
         assert_eq!(c.addresses[1], "127.0.0.1:4001".parse().unwrap());
         assert_eq!(c.key, vec![7u8; 32]);
-        assert_eq!(c.protection, Protection::Integrity, "the default");
+        assert_eq!(c.protection, Protection::None, "the default");
         for (name, p) in [
-            ("none", Protection::None),
+            ("integrity", Protection::Integrity),
             ("encryption", Protection::Encryption),
         ] {
             let mut v = good.to_vec();

@@ -231,7 +231,7 @@ fn rogue_peer(send: impl FnOnce(&mut TcpStream) + Send + 'static) -> CommError {
         job_uid: &c1.job_uid,
         generation: 1,
         world: 2,
-        protection: Protection::Integrity,
+        protection: c1.protection,
     };
     auth::initiate(&mut s, &p, 1, 0).unwrap();
     send(&mut s);

@@ -1,7 +1,7 @@
 //! Data frames are protected after the handshake (issue 12, case 9): a man-in-the-middle proxy on
 //! real loopback TCP between rank 1 and rank 0 flips a payload byte, replays a frame or swaps
-//! two, and rank 0 refuses the frame with `IntegrityFailed` naming rank 1, by default
-//! (integrity) and under encryption. Every mode computes the same collectives, and members of
+//! two, and rank 0 refuses the frame with `IntegrityFailed` naming rank 1, under integrity
+//! and under encryption. Every mode computes the same collectives, and members of
 //! different modes refuse each other's handshake.
 //!
 //! Time bounds here are hang guards only (the communicator's timeout).
@@ -223,6 +223,7 @@ fn every_mode_computes_the_same_collectives() {
 #[test]
 fn peers_of_different_modes_refuse_each_other() {
     let mut cfgs = common::configs(2, 1, TIMEOUT);
+    cfgs[0].0.protection = Protection::Integrity;
     cfgs[1].0.protection = Protection::Encryption;
     let r = common::connect_all(cfgs);
     for (rank, r) in r.into_iter().enumerate() {

@@ -71,7 +71,7 @@ struct Common {
     segment_bytes: Option<usize>,
     /// Data-frame protection: `none`, `integrity` or `encryption`. Several (comma-separated)
     /// form one ring per mode and print busbw side by side with the ratio to the first mode.
-    #[arg(long, value_delimiter = ',', default_value = "integrity")]
+    #[arg(long, value_delimiter = ',', default_value = "none")]
     protection: Vec<Protection>,
     /// Soak mode (tests): allreduce this many bytes forever, print `RUNNING` after the first,
     /// and exit 3 with `ERROR <kind>` on the first failure.

@@ -379,6 +379,10 @@ pub fn plan(job: &DiphomaJob, obs: &Observed, memory: &memory::Memory) -> (Plan,
     // the admitted count, not its Workload's: it would read as a job whose size changed).
     let admitted = queue::admitted_view(job, &obs.queue);
     let admitted = admitted.as_ref().unwrap_or(job);
+    // The ring keeps the frame protection its live workers run (a job stored before the
+    // default changed), so that replacements join it.
+    let kept = workers::kept_protection(admitted, &obs.pods);
+    let admitted = kept.as_ref().unwrap_or(admitted);
     let hold = admission::hold(job, obs);
     // 1-5. The job's failures, lifecycle, workers, ring and status.
     decide(admitted, obs, hold.as_ref(), &mut plan);

@@ -1764,6 +1764,52 @@ fn a_spec_edit_that_reaches_the_workers_replaces_the_whole_ring_at_once() {
 }
 
 #[test]
+fn a_ring_stored_before_the_protection_default_changed_keeps_its_mode() {
+    use crate::api::RingProtection;
+    let mode = |p: &Pod| {
+        let env = p.spec.as_ref().unwrap().containers[0].env.clone().unwrap();
+        let e = env
+            .into_iter()
+            .find(|e| e.name == "DIPHOMA_RING_PROTECTION");
+        e.and_then(|e| e.value).unwrap()
+    };
+    // Created when `integrity` was the default: its workers run it. The API server now reads
+    // the job with the new default, `none`.
+    let mut old = elastic(2);
+    old.spec.ring.protection = RingProtection::Integrity;
+    let mut read = old.clone();
+    read.spec.ring.protection = RingProtection::None;
+    let pods: Vec<Pod> = (0..3).map(|i| pod(&old, i, "Running")).collect();
+    let r = ring(&old, 3, &[0, 1, 2]);
+    let p = plan(&read, &obs(pods.clone(), Some(r.clone())));
+    assert!(p.delete.is_empty(), "nothing replaced: {:?}", p.delete);
+    let created: Vec<(String, String)> = p.create.iter().map(|c| (c.name_any(), mode(c))).collect();
+    assert_eq!(
+        created,
+        [("train-worker-3".to_owned(), "integrity".to_owned())]
+    );
+    assert!(!workers::stale(
+        &p.create[0],
+        &build::worker_spec_digest(&old)
+    ));
+    // Without a live worker of the old mode the spec's applies: a new ring, all in `none`.
+    let gone: Vec<Pod> = pods
+        .iter()
+        .map(|p| exited(p.clone(), 137, "OOMKilled"))
+        .collect();
+    let p = plan(&read, &obs(gone, Some(r.clone())));
+    assert!(!p.create.is_empty() && p.create.iter().all(|c| mode(c) == "none"));
+    // An edit that reaches the workers replaces them all at once, in the spec's mode.
+    let mut edited = read.clone();
+    edited.spec.template.spec.as_mut().unwrap().containers[0].image = Some("w:2".into());
+    let p = plan(&edited, &obs(pods.clone(), Some(r)));
+    assert_eq!(p.delete.len(), 3);
+    assert!(p.create.len() == 4 && p.create.iter().all(|c| mode(c) == "none"));
+    // A job whose workers run the spec's mode is planned from the spec as it is.
+    assert!(workers::kept_protection(&read, &[pod(&read, 0, "Running")]).is_none());
+}
+
+#[test]
 fn a_blamed_member_that_answers_its_probe_is_not_hung_unless_cut_off() {
     let j = elastic(2);
     let pods: Vec<Pod> = (0..4).map(|i| pod(&j, i, "Running")).collect();

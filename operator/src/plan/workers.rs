@@ -9,7 +9,7 @@ use kube::ResourceExt;
 
 use super::failures::Found;
 use super::{Deletion, EventNote, Observed, Plan, condition, pod_phase};
-use crate::api::DiphomaJob;
+use crate::api::{DiphomaJob, RingProtection};
 use crate::build;
 
 /// The workers after this plan's creations and deletions.
@@ -55,6 +55,36 @@ pub fn stale(p: &Pod, digest: &str) -> bool {
     p.labels()
         .get(build::LABEL_WORKER_SPEC)
         .is_some_and(|d| d != digest)
+}
+
+/// The job as its live workers were built, when they run another `spec.ring.protection` than
+/// the spec now reads; None when they run the spec's (or there are none). The field is
+/// immutable, so this happens only to a job stored before `none` became the default and never
+/// written since: the API server fills in the new default when it reads the job. Its ring keeps
+/// its mode: replacements of another mode would be refused by the survivors' handshake, and the
+/// new mode's digest would replace every worker. A worker counts when it is live, its first
+/// container sets `DIPHOMA_RING_PROTECTION`, and its digest label is the job's under that mode
+/// (it was built from this spec). Once no such worker is left the spec's mode applies.
+pub fn kept_protection(job: &DiphomaJob, pods: &[Pod]) -> Option<DiphomaJob> {
+    let mode = |p: &Pod| {
+        let env = p.spec.as_ref()?.containers.first()?.env.as_ref()?;
+        let v = env
+            .iter()
+            .find(|e| e.name == diphoma_contract::ENV_RING_PROTECTION)?;
+        serde_json::from_value::<RingProtection>(v.value.clone()?.into()).ok()
+    };
+    pods.iter()
+        .filter(|p| {
+            p.metadata.deletion_timestamp.is_none()
+                && !matches!(pod_phase(p), "Succeeded" | "Failed")
+        })
+        .filter_map(|p| Some((p, mode(p)?)))
+        .filter(|&(_, m)| m != job.spec.ring.protection)
+        .find_map(|(p, m)| {
+            let mut kept = job.clone();
+            kept.spec.ring.protection = m;
+            (!stale(p, &build::worker_spec_digest(&kept))).then_some(kept)
+        })
 }
 
 /// What the job says when a spec edit replaces its `replaced` running workers at once.

@@ -61,7 +61,7 @@ pub struct Config {
     /// The per-job HMAC key (at least [`diphoma_contract::MIN_KEY_LEN`] bytes).
     pub key: Vec<u8>,
     /// How data frames are protected after the handshake; every member must use the same
-    /// mode (a mismatch fails the handshake). Default: [`Protection::Integrity`].
+    /// mode (a mismatch fails the handshake). Default: [`Protection::None`].
     pub protection: Protection,
     /// Bound on every call: connect, and each collective unless `liveness` is set.
     pub timeout: Duration,
