@@ -76,6 +76,9 @@ pub const ENV_RING_PROTECTION: &str = "DIPHOMA_RING_PROTECTION";
 /// Env: what carries a PyTorch job's collectives (`spec.ring.dataPlane`): `ring` (the default
 /// when unset) or `gloo` (a gloo communicator per ring generation; `diphoma.torch._plane`).
 pub const ENV_DATA_PLANE: &str = "DIPHOMA_DATA_PLANE";
+/// Env: the wire dtype of a PyTorch job's float32 all-reduces (`spec.ring.compression`): `none`
+/// (the default when unset) or `bf16` (`diphoma.torch._ops.compression`).
+pub const ENV_COMPRESSION: &str = "DIPHOMA_COMPRESSION";
 /// Env: directory of the checkpoints (the mount path of `spec.checkpoint.volume`); unset: none.
 pub const ENV_CHECKPOINT_DIR: &str = "DIPHOMA_CHECKPOINT_DIR";
 /// Env: steps between two checkpoints (`spec.checkpoint.everySteps`).

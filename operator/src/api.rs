@@ -363,6 +363,40 @@ pub struct RingSpec {
     /// port of a worker to the job's own workers.
     #[serde(default, skip_serializing_if = "DataPlane::is_ring")]
     pub data_plane: DataPlane,
+    /// The dtype a PyTorch job's float32 all-reduces (SUM, AVG: DDP's gradients) cross the wire
+    /// in: `none` (default), float32; `bf16`, a bfloat16 copy (half the bytes; each hop adds in
+    /// float32 and rounds to bfloat16 for the next; the result is cast back), what DDP's
+    /// `bf16_compress_hook` does, for every all-reduce of the job's process groups. Passed to
+    /// the workers as `DIPHOMA_COMPRESSION`; the Rust worker ignores it.
+    #[serde(default, skip_serializing_if = "Compression::is_none")]
+    pub compression: Compression,
+}
+
+/// The wire dtype of a PyTorch job's float32 all-reduces.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum Compression {
+    /// float32 on the wire.
+    #[default]
+    None,
+    /// bfloat16 on the wire.
+    Bf16,
+}
+
+impl Compression {
+    /// The value of `DIPHOMA_COMPRESSION` (`diphoma.torch._ops.compression` parses the same).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Compression::None => "none",
+            Compression::Bf16 => "bf16",
+        }
+    }
+
+    /// Whether this is the default (left out of the serialised spec, so that the worker-spec
+    /// digest of every job stored before the field is unchanged).
+    pub fn is_none(&self) -> bool {
+        *self == Compression::None
+    }
 }
 
 /// The library that carries a PyTorch job's collectives.

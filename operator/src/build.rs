@@ -399,6 +399,10 @@ fn worker_container(job: &DiphomaJob, c: &mut Container, processes: i32) {
             spec.ring.data_plane.as_str().into(),
         ),
         value(
+            contract::ENV_COMPRESSION,
+            spec.ring.compression.as_str().into(),
+        ),
+        value(
             contract::ENV_SPEED_WEIGHTED,
             spec.balance.speed_weighted.to_string(),
         ),
@@ -1289,6 +1293,21 @@ pub(crate) mod tests {
             worker_spec_digest(&j),
             before,
             "a ring never mixes data planes"
+        );
+    }
+
+    #[test]
+    fn compression_reaches_the_worker_and_only_bf16_changes_the_digest() {
+        let wire = |j: &DiphomaJob| worker_env(j, contract::ENV_COMPRESSION);
+        let mut j = basic();
+        let before = worker_spec_digest(&j);
+        assert_eq!(wire(&j).as_deref(), Some("none"));
+        j.spec.ring.compression = crate::api::Compression::Bf16;
+        assert_eq!(wire(&j).as_deref(), Some("bf16"));
+        assert_ne!(
+            worker_spec_digest(&j),
+            before,
+            "a ring never mixes wire dtypes"
         );
     }
 

@@ -11,6 +11,8 @@ still catching any real error (a missed or doubled contribution moves parameters
 and a broadcast failure leaves rank-specific initial weights, off by ~0.1).
 """
 
+import os
+
 import pytest
 import torch
 
@@ -35,3 +37,23 @@ def test_ddp_diphoma_equals_gloo(world, tmp_path):
     gloo, ours = torch.load(out["gloo"]), torch.load(out["diphoma"])
     assert gloo.shape == ours.shape
     torch.testing.assert_close(ours, gloo, atol=2e-5, rtol=1e-4)
+
+
+def test_ddp_with_bf16_compression_trains_as_ddps_bf16_compress_hook_over_gloo(tmp_path):
+    """``DIPHOMA_COMPRESSION=bf16`` against the like-for-like anchor, gloo with DDP's
+    ``bf16_compress_hook``, at world 4. Both round every gradient to bfloat16 (8 bits of
+    mantissa, a relative error up to 2⁻⁹ ≈ 2e-3 per element) but at different points (the hook
+    divides before its sum, the ring scales at its last reduction), so over K = 20 steps with
+    an effective step of 0.5·g they differ by up to about K·0.5·2e-3·|g| ≈ 2e-2·|g|, |g| ≲ 0.1
+    here: measured 1e-3 (and 8e-4 from the uncompressed run); atol 5e-3. A broadcast failure
+    (~0.1) or a doubled contribution still fails it."""
+    world, out = 4, {}
+    for name, backend, env in [("hook", "gloo", {"DDP_COMM_HOOK": "bf16"}),
+                               ("ours", "diphoma", {"DIPHOMA_COMPRESSION": "bf16"})]:
+        out[name] = str(tmp_path / f"{name}.pt")
+        run = lambda: launch(world, "ddp_train.py", backend, str(STEPS), out[name], env={**os.environ, **env})  # noqa: E731
+        proc = run()
+        if backend == "gloo" and proc.returncode == 134 and GLOO_EXIT_ABORT in proc.stderr:
+            proc = run()  # as in test_ddp_diphoma_equals_gloo
+        check(proc)
+    torch.testing.assert_close(torch.load(out["ours"]), torch.load(out["hook"]), atol=5e-3, rtol=0)

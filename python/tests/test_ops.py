@@ -1,6 +1,8 @@
 """Every c10d operation the libraries call, against gloo in the same run (scripts/ops_vs_gloo.py),
 the named failures of monitored_barrier, and the pure decisions of ``diphoma.torch._ops``."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -52,6 +54,30 @@ def test_monitored_barrier_names_the_missing_rank():
 def test_reduction_plans(dtype, op, kind, ring_op):
     plan = _ops.plan_reduction("all_reduce", dtype, op)
     assert (plan.kind, plan.ring_op) == (kind, ring_op)
+
+
+def test_compression_plans_only_float32_sums_and_averages():
+    wire = _ops.compression({"DIPHOMA_COMPRESSION": "bf16"})
+    assert wire == torch.bfloat16
+    assert _ops.compression({}) is None and _ops.compression({"DIPHOMA_COMPRESSION": " "}) is None
+    for op, ring_op in [(dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg")]:
+        plan = _ops.plan_reduction("all_reduce", torch.float32, op, wire)
+        assert (plan.kind, plan.ring_dtype, plan.ring_op) == ("compress", "bfloat16", ring_op)
+    assert _ops.plan_reduction("all_reduce", torch.float32, dist.ReduceOp.MAX, wire).kind == "native"
+    assert _ops.plan_reduction("all_reduce", torch.float64, dist.ReduceOp.SUM, wire).kind == "native"
+    with pytest.raises(diphoma.ConfigError, match="DIPHOMA_COMPRESSION='fp8' is not a compression"):
+        _ops.compression({"DIPHOMA_COMPRESSION": "fp8"})
+
+
+def test_float32_all_reduces_cross_the_wire_as_bfloat16_under_compression():
+    """1 + 2⁻¹⁰ from each of 3 ranks: float32 sums it exactly, bfloat16 rounds it to 1 first."""
+    runs = {}
+    for wire in ("none", "bf16"):
+        p = check(launch(3, "compression.py", timeout=100, env={**os.environ, "DIPHOMA_COMPRESSION": wire}))
+        runs[wire] = eval(p.stdout.split("reduced ", 1)[1].splitlines()[0])  # noqa: S307 - our own dict
+    exact = 3 * (1 + 2**-10)
+    assert runs["none"] == {"sum": exact, "avg": 1 + 2**-10, "max": 1 + 2**-10, "sum64": exact}, runs
+    assert runs["bf16"] == {"sum": 3.0, "avg": 1.0, "max": 1 + 2**-10, "sum64": exact}, runs
 
 
 def test_local_reductions_wrap_and_truncate_as_the_ring():

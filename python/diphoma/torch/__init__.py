@@ -226,6 +226,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         self.ring = ring
         self._timeout = timeout or timedelta(minutes=30)  # torch's default
         self.plane = _plane.create(plane, ring, self._timeout)  # what moves the bytes
+        self.wire = _ops.compression()  # float32 all-reduces' wire dtype (None: float32)
         self._p2p = StoreP2P(store if store is not None else dist.HashStore(), self._timeout)
         self._coalesced = None  # the works since start_coalescing, while coalescing
         self._queue = queue.SimpleQueue()
@@ -382,10 +383,10 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         """All-reduces the contiguous ``t`` in place by ``plan`` (``_ops.plan_reduction``)."""
         if plan.kind == "native":
             self._ring_reduce(self.plane.allreduce, t, plan.ring_op)
-        elif plan.kind == "widen":
-            wide = t.to(torch.int32)
-            self._ring_reduce(self.plane.allreduce, wide, plan.ring_op)
-            t.copy_(wide)
+        elif plan.kind in ("widen", "compress"):
+            cast = t.to(_ops.BY_NAME[plan.ring_dtype])
+            self._ring_reduce(self.plane.allreduce, cast, plan.ring_op)
+            t.copy_(cast)
         else:
             t.copy_(plan.local(self._gathered(t)))
 
@@ -403,7 +404,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None, what="all_reduce"):
         for t in tensors:
             _check(t, what)
-        plans = [_ops.plan_reduction(what, t.dtype, _reduce_opts(opts)) for t in tensors]
+        plans = [_ops.plan_reduction(what, t.dtype, _reduce_opts(opts), self.wire) for t in tensors]
         views = [_InPlace(t) for t in tensors]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
 

@@ -10,9 +10,15 @@ MAX and MIN. Everything else torch's collectives accept is mapped onto what the 
 - PRODUCT, BAND, BOR and BXOR, and complex dtypes, are all-gathered (a byte collective: any
   dtype) and reduced locally, in rank order: ``world`` times the bytes of a native reduction;
 - broadcast, all-gather, gather, scatter and all-to-all move bytes, so they take every dtype.
+
+With ``DIPHOMA_COMPRESSION=bf16`` (``spec.ring.compression``) a float32 SUM or AVG all-reduce
+runs on a bfloat16 copy: half the bytes on the wire, each hop's addition in float32 rounded to
+bfloat16 for the next (the ring's bfloat16 reduction), the result cast back to float32 — what
+DDP's ``bf16_compress_hook`` does, for every all-reduce of the group.
 """
 
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -28,6 +34,11 @@ NATIVE = {
     torch.int32: "int32",
     torch.int64: "int64",
 }
+# The ring's name -> dtype.
+BY_NAME = {name: dtype for dtype, name in NATIVE.items()}
+# The variable naming the wire dtype of float32 all-reductions, and its values.
+ENV_COMPRESSION = "DIPHOMA_COMPRESSION"
+COMPRESSIONS = {"none": None, "bf16": torch.bfloat16}
 # Average natively (an f32 scale in the ring); the other native types sum and divide.
 RING_AVERAGES = (torch.float32, torch.float16, torch.bfloat16)
 # Reduced in int32 and narrowed back.
@@ -58,10 +69,21 @@ def _red_op_type(op):
     return getattr(op, "op", op)
 
 
+def compression(environ=os.environ):
+    """The wire dtype of float32 all-reductions ``DIPHOMA_COMPRESSION`` names: None for
+    ``none`` (also unset or empty), ``torch.bfloat16`` for ``bf16``. Raises ``ConfigError``
+    naming the variable for any other value."""
+    name = environ.get(ENV_COMPRESSION, "").strip() or "none"
+    if name not in COMPRESSIONS:
+        raise ConfigError(f"diphoma: {ENV_COMPRESSION}={name!r} is not a compression ({', '.join(COMPRESSIONS)})")
+    return COMPRESSIONS[name]
+
+
 class Plan:
     """How one reduction runs: ``kind`` is ``"native"`` (the ring reduces ``ring_dtype`` with
-    ``ring_op``), ``"widen"`` (as native on a copy widened to int32, narrowed back) or
-    ``"gather"`` (all-gather, then ``local(stacked)`` over the rank dimension 0)."""
+    ``ring_op``), ``"widen"`` (as native on a copy widened to int32, narrowed back),
+    ``"compress"`` (as native on a float32 tensor's copy of the wire dtype ``ring_dtype``, cast
+    back) or ``"gather"`` (all-gather, then ``local(stacked)`` over the rank dimension 0)."""
 
     __slots__ = ("kind", "ring_dtype", "ring_op", "local")
 
@@ -72,9 +94,10 @@ class Plan:
         return f"Plan({self.kind}, {self.ring_dtype}, {self.ring_op})"
 
 
-def plan_reduction(what, dtype, op):
+def plan_reduction(what, dtype, op, wire=None):
     """The :class:`Plan` of reduction collective ``what`` (its torch name, for errors) over
-    tensors of ``dtype`` with ``op``. Raises ``ConfigError`` naming the collective, the op or
+    tensors of ``dtype`` with ``op``; ``wire`` (``compression()``, for all-reduces) carries a
+    float32 SUM or AVG in that dtype. Raises ``ConfigError`` naming the collective, the op or
     the dtype that no plan covers (PREMUL_SUM; bitwise ops on floating types; dtypes without
     arithmetic such as float8)."""
     kind = _red_op_type(op)
@@ -84,6 +107,8 @@ def plan_reduction(what, dtype, op):
         raise ConfigError(f"diphoma: {what}: reduce op {op_label(op)} needs an integer or bool tensor, got {dtype}")
     if dtype.is_complex and kind in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
         raise ConfigError(f"diphoma: {what}: reduce op {op_label(op)} has no order on complex tensors ({dtype})")
+    if wire is not None and dtype == torch.float32 and kind in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        return Plan("compress", NATIVE[wire], _NATIVE_OPS[kind])
     if dtype in NATIVE and kind in _NATIVE_OPS:
         return Plan("native", NATIVE[dtype], _NATIVE_OPS[kind])
     if dtype in WIDENED and kind in _NATIVE_OPS:

@@ -1,11 +1,14 @@
 """A plain seeded DDP training script (the only Diphoma line is the import): K steps of SGD on a
 small MLP with a fixed global batch, one gradient-accumulation step under ``no_sync``, then rank
-0 saves the parameters. Usage: ddp_train.py BACKEND STEPS OUT.pt"""
+0 saves the parameters. Usage: ddp_train.py BACKEND STEPS OUT.pt; with ``DDP_COMM_HOOK=bf16`` the
+gradients are averaged through DDP's ``bf16_compress_hook``."""
 
+import os
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import diphoma.torch  # noqa: F401  registers the "diphoma" backend
@@ -20,6 +23,8 @@ model = torch.nn.Sequential(
     torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)
 )
 ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets: allreduce overlaps backward
+if os.environ.get("DDP_COMM_HOOK") == "bf16":  # DDP's own gradient compression
+    ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
 data = torch.Generator().manual_seed(99)
 global_batch = 16
