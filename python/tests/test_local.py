@@ -178,6 +178,23 @@ def test_ddp_of_two_pods_of_two_processes_equals_gloo_at_world_4(tmp_path):
     torch.testing.assert_close(torch.load(ours_out), torch.load(gloo_out), atol=2e-5, rtol=1e-4)
 
 
+def test_every_operation_in_two_pods_of_two_processes_matches_a_gloo_group(tmp_path):
+    """ops_vs_gloo.py's every operation and dtype at world 4, against a gloo group of the same
+    ranks: the hierarchical all-reduce (11 elements: 10 over the two levels, 1 over the flat
+    ring) exact for integers, within float tolerance otherwise."""
+    pods = Pods(tmp_path)
+    try:
+        for pod in ("pod-a", "pod-b"):
+            pods.start(pod, "--nproc-per-node", str(PROCESSES), *with_info_log("ops_vs_gloo.py"))
+        pods.publish("pod-a", "pod-b")
+        for pod in ("pod-a", "pod-b"):
+            assert pods.wait(pod, 400) == 0, pods.log(pod)[-6000:]
+    finally:
+        pods.stop()
+    assert "ops ok" in pods.log("pod-a"), pods.log("pod-a")[-4000:]
+    assert hierarchical(1, 1, 1) in pods.log("pod-b"), pods.log("pod-b")[-4000:]
+
+
 def test_a_killed_process_takes_its_pod_out_and_the_other_pod_goes_on(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

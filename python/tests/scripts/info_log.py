@@ -5,7 +5,7 @@ import logging
 import runpy
 import sys
 
-logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
 logging.getLogger("diphoma").setLevel(logging.INFO)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
