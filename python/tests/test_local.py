@@ -195,28 +195,42 @@ def test_every_operation_in_two_pods_of_two_processes_matches_a_gloo_group(tmp_p
     assert hierarchical(1, 1, 1) in pods.log("pod-b"), pods.log("pod-b")[-4000:]
 
 
+FIRST = ("pod-a.0", "pod-a.1", "pod-b.0", "pod-b.1")
+
+
+def elastic_script(out):
+    """The launcher's arguments of a pod that trains ``elastic_train.py`` into ``out``."""
+    return ("--elastic", "--nproc-per-node", str(PROCESSES), *with_info_log("elastic_train.py"), str(out),
+            str(ELASTIC_STEPS))
+
+
+def train_until_step_8(pods, out, pids):
+    """Starts pod-a and pod-b on ``elastic_script``, publishes generation 1 with both and waits
+    until each process committed step 8 (``pids`` gets their pids, for the test's cleanup);
+    returns the records then."""
+    for pod in ("pod-a", "pod-b"):
+        pods.start(pod, *elastic_script(out))
+    pods.publish("pod-a", "pod-b")
+    deadline = time.monotonic() + 120
+    while True:
+        before = records(out)
+        pids[:] = [r["pid"] for r in before.values()]
+        if all(n in before and before[n]["step"] >= 8 for n in FIRST):
+            return before
+        for pod in ("pod-a", "pod-b"):
+            assert pods.launchers[pod].poll() is None, pods.log(pod)[-6000:]
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.05)
+
+
 def test_a_killed_process_takes_its_pod_out_and_the_other_pod_goes_on(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     pods = Pods(tmp_path)
-    script = ("--elastic", "--nproc-per-node", str(PROCESSES), *with_info_log("elastic_train.py"), str(out),
-              str(ELASTIC_STEPS))
-    first = ("pod-a.0", "pod-a.1", "pod-b.0", "pod-b.1")
+    script, first = elastic_script(out), FIRST
     pids = []
     try:
-        for pod in ("pod-a", "pod-b"):
-            pods.start(pod, *script)
-        pods.publish("pod-a", "pod-b")
-        deadline = time.monotonic() + 120
-        while True:
-            before = records(out)
-            pids = [r["pid"] for r in before.values()]
-            if all(n in before and before[n]["step"] >= 8 for n in first):
-                break
-            for pod in ("pod-a", "pod-b"):
-                assert pods.launchers[pod].poll() is None, pods.log(pod)[-6000:]
-            assert time.monotonic() < deadline, "no progress"
-            time.sleep(0.05)
+        before = train_until_step_8(pods, out, pids)
         assert {before[n]["world"] for n in first} == {4}
         assert before["pod-b.1"]["step"] < ELASTIC_STEPS, "the run ended before the kill"
         os.kill(before["pod-b.1"]["pid"], signal.SIGKILL)
@@ -249,3 +263,35 @@ def test_a_killed_process_takes_its_pod_out_and_the_other_pod_goes_on(tmp_path):
     assert {after[n]["first_generation"] for n in ("pod-c.0", "pod-c.1")} == {3}
     ours = torch.load(out / "params.pt")
     torch.testing.assert_close(ours, undisturbed(ELASTIC_STEPS), atol=5e-5, rtol=2e-4)
+
+
+def test_a_process_paused_past_the_window_and_resumed_hangs_nobody(tmp_path):
+    """pod-b.1 stopped for 3 s (6 liveness windows of 0.5 s) among the hierarchical all-reduces,
+    then resumed: the others blame it through the ring's liveness probes and shut generation 1's
+    sub-rings, so no stage waits on it; the resumed process finds them shut; at generation 2
+    (both pods again, the operator's part) all four go on in their processes to the parameters
+    of an undisturbed run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    pods = Pods(tmp_path)
+    pids = []
+    try:
+        before = train_until_step_8(pods, out, pids)
+        paused = before["pod-b.1"]["pid"]
+        os.kill(paused, signal.SIGSTOP)
+        time.sleep(3)
+        os.kill(paused, signal.SIGCONT)
+        pods.publish("pod-a", "pod-b")
+        for pod in ("pod-a", "pod-b"):
+            assert pods.wait(pod, 180) == 0, pods.log(pod)[-6000:]
+        after = records(out)
+    finally:
+        pods.stop(pids)
+    log = pods.log("pod-a")
+    assert "rank 3 did not answer its liveness probe" in log, log[-4000:]
+    assert "the pair of in-pod and cross-pod rings of ring generation 1 is abandoned" in log, log[-4000:]
+    for name in FIRST:
+        assert after[name]["pid"] == before[name]["pid"] and after[name]["step"] == ELASTIC_STEPS, after[name]
+        assert after[name]["generation"] == 2, after[name]
+    assert hierarchical(2, 1, 1) in pods.log("pod-b"), pods.log("pod-b")[-4000:]
+    torch.testing.assert_close(torch.load(out / "params.pt"), undisturbed(ELASTIC_STEPS), atol=5e-5, rtol=2e-4)

@@ -352,7 +352,7 @@ class HierarchicalPlane(_Watched):
     """The ``ring`` plane of a pod of ``processes`` training processes: its all-reduce in two
     levels (the module doc), everything else on the flat ``ring``."""
 
-    abandoned = "in-pod and cross-pod rings"
+    abandoned = "pair of in-pod and cross-pod rings"
 
     def __init__(self, ring, processes):
         super().__init__(ring)
