@@ -626,7 +626,8 @@ pub fn service(job: &DiphomaJob) -> Service {
 /// The job's NetworkPolicy (created when the operator runs with `--network-policy`): the ring
 /// port of its workers (TCP, and UDP for liveness pings) and the rendezvous store's port accept
 /// only this job's workers (with `spec.ring.dataPlane: gloo`, every TCP port: gloo listens on
-/// ephemeral ones); the metrics port stays open to scrapers.
+/// ephemeral ones; so do the cross-pod rings of the hierarchical all-reduce of a job of several
+/// processes per worker); the metrics port stays open to scrapers.
 /// Other ingress to the workers is denied (the policy selects them).
 pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
     let workers = LabelSelector {
