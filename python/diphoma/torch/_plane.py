@@ -28,15 +28,17 @@ With several training processes per pod (the contract's ``DIPHOMA_LOCAL_RANK`` a
 ``DIPHOMA_PROCESSES_PER_WORKER`` = P > 1, set by the pod's launcher, and more than one pod),
 the ``ring`` plane's all-reduce is **hierarchical** (``HierarchicalPlane``; Horovod's and
 NCCL's two-level all-reduce): local rank ``l`` of pod ``p`` is ring rank ``p·P + l``; the P
-processes of a pod reduce-scatter over an in-pod ring (shared-nothing TCP on the pod's address:
-the CPU path; CUDA tensors would take NCCL here, not built), chunk ``l`` is all-reduced across
-the pods over the ring of local rank ``l`` (the P cross-pod rings in parallel, each carrying
-1/P of the bytes), and the pod all-gathers the chunks. Both rings are the ring generation's,
-built at its first all-reduce (``Ring.subring``, their addresses all-gathered over the ring)
-and watched as a library plane's collective is (below): a member lost or silent in any stage
-fails the all-reduce with ``RingChanged`` and the rings are shut, so every stage's peers fail
-too. Broadcast, all-gather, reduce-scatter and barrier stay on the flat ring (it carries the
-membership and the state sync); ``DIPHOMA_HIERARCHICAL=0`` keeps the all-reduce flat too.
+processes of a pod reduce-scatter over an in-pod ring (TCP on the pod's address, for CPU
+tensors; shared memory would spare the kernel's copies, and CUDA tensors would take NCCL here:
+neither is built), chunk ``l`` is all-reduced across the pods over the ring of local rank ``l``
+(the P cross-pod rings in parallel, each carrying 1/P of the bytes), and the pod all-gathers
+the chunks; a rest of fewer than P elements goes over the flat ring. Both rings are the ring
+generation's, built at its first all-reduce (``Ring.subring``, their addresses all-gathered
+over the ring) and watched as the gloo communicator's collectives are (above): a member lost or
+silent in any stage fails the all-reduce with ``RingChanged`` and the rings are shut
+(``Ring.abort``), so every stage's peers fail too. Broadcast, all-gather, reduce-scatter and
+barrier stay on the flat ring (it carries the membership and the state sync);
+``DIPHOMA_HIERARCHICAL=0`` keeps the all-reduce flat too, as does the ``gloo`` plane.
 
 Sub-groups (``new_group``) keep rings of their own.
 """
@@ -64,6 +66,8 @@ PLANES = ("ring", "gloo")
 TICK = timedelta(milliseconds=50)
 # How long a collective may still take to complete once a member closed its ring connection.
 LEFT_GRACE = timedelta(seconds=1)
+# Bytes of an address ("IP:port", IPv6 included) or a tag sent over the ring.
+_ADDRESS_BYTES = 64
 _log = logging.getLogger("diphoma")
 _LIBRARY_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -137,16 +141,26 @@ def _serve_store(ring):
     ring address, whose ``host:port`` the others receive over the ring's broadcast; its calls
     bounded by the ring's join timeout."""
     world, timeout = ring.world, timedelta(seconds=ring.timeout)
-    addr = torch.zeros(64, dtype=torch.uint8)
+    addr = torch.zeros(_ADDRESS_BYTES, dtype=torch.uint8)
     if ring.rank == 0:
         store = dist.TCPStore(ring.host, 0, world, True, timeout=timeout, wait_for_workers=False)
-        address = f"{ring.host}:{store.port}".encode()
-        addr[: len(address)] = torch.tensor(list(address), dtype=torch.uint8)
+        _put_text(addr, f"{ring.host}:{store.port}")
     ring.broadcast(addr.data_ptr(), addr.numel(), 0)
     if ring.rank == 0:
         return store
-    host, port = bytes(addr.tolist()).rstrip(b"\0").decode().rsplit(":", 1)
+    host, port = _text(addr).rsplit(":", 1)
     return dist.TCPStore(host, int(port), world, False, timeout=timeout)
+
+
+def _put_text(row, text):
+    """Writes ``text`` (UTF-8, at most ``row.numel()`` bytes) into the zeroed uint8 ``row``."""
+    raw = text.encode()
+    row[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+
+
+def _text(row):
+    """The text ``_put_text`` wrote into ``row``."""
+    return bytes(row.tolist()).rstrip(b"\0").decode()
 
 
 def _bytes(t):
@@ -315,10 +329,6 @@ def hierarchical_split(count, processes):
     return count - count % processes
 
 
-# Bytes of one address ("IP:port", IPv6 included) in the all-gather that builds the sub-rings.
-_ADDRESS_BYTES = 64
-
-
 class _Thread:
     """One call of ``fn`` on a thread of its own, as ``_Watched._wait`` waits for a work: the
     stages of a hierarchical all-reduce, whose rings release the GIL."""
@@ -372,17 +382,12 @@ class HierarchicalPlane(_Watched):
         ports = free_ports(2, ring.host)
         table = torch.zeros((world, 3, _ADDRESS_BYTES), dtype=torch.uint8)
         for i, text in enumerate((f"{ring.host}:{ports[0]}", f"{ring.host}:{ports[1]}", secrets.token_hex(8))):
-            raw = text.encode()
-            table[ring.rank, i, : len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+            _put_text(table[ring.rank, i], text)
         self.flat.allgather(table)
-
-        def text(r, i):
-            return bytes(table[r, i].tolist()).rstrip(b"\0").decode()
-
-        tag = text(0, 2)
+        tag = _text(table[0, 2])
         (pod_ranks, local), (across_ranks, pod) = pod_groups(ring.rank, world, self.processes)
-        self.pod = ring.subring(local, [text(r, 0) for r in pod_ranks], f"{tag}/pod/{pod}")
-        self.across = ring.subring(pod, [text(r, 1) for r in across_ranks], f"{tag}/local/{local}")
+        self.pod = ring.subring(local, [_text(table[r, 0]) for r in pod_ranks], f"{tag}/pod/{pod}")
+        self.across = ring.subring(pod, [_text(table[r, 1]) for r in across_ranks], f"{tag}/local/{local}")
         _log.info("diphoma: ring generation %d (rank %d of %d): all-reduce hierarchical, pod %d of %d, "
                   "local rank %d of %d", ring.generation, ring.rank, world, pod, world // self.processes, local,
                   self.processes)
