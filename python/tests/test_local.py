@@ -3,12 +3,18 @@ processes, each pod a ``python -m diphoma.run`` launcher (``diphoma._pod``) that
 directory this test publishes, as the operator publishes the ring ConfigMap. The ring lists
 pods; each pod's local rank ``l`` is ring rank ``pod·2 + l`` at the pod's ring port + 2·l.
 
+The default group's all-reduce is hierarchical there (``diphoma.torch._plane``: in-pod ring,
+then local rank l's ring across the pods); each process logs it (``scripts/info_log.py``) and
+the tests check that it ran at each generation of two pods.
+
 - An unchanged DDP script (``ddp_train.py``, torchrun's variables) trains at world 4 to the
   parameters gloo reaches at world 4 (tolerance: test_ddp.py's, for the same n = 4).
+- Every c10d operation and dtype against a gloo group of the same ranks (``ops_vs_gloo.py``).
 - An elastic script through a ``kill -9`` of one process: its pod's launcher stops the
   sibling and exits 137, the other pod's processes keep their pids and go on at the next
   generation, a replacement pod joins the one after, and the final parameters equal an
   undisturbed run's (tolerance: test_elastic.py's).
+- The same script through a process paused past the liveness window and resumed: nobody hangs.
 
 Every process started is stopped by its recorded pid when the test ends, also on failure.
 """
