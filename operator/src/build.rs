@@ -630,7 +630,8 @@ pub fn service(job: &DiphomaJob) -> Service {
 /// The job's NetworkPolicy (created when the operator runs with `--network-policy`): the ring
 /// port of its workers (TCP, and UDP for liveness pings) and the rendezvous store's port accept
 /// only this job's workers (with `spec.ring.dataPlane: gloo`, every TCP port: gloo listens on
-/// ephemeral ones); the metrics port stays open to scrapers.
+/// ephemeral ones; so do the cross-pod rings of the hierarchical all-reduce of a job of several
+/// processes per worker); the metrics port stays open to scrapers.
 /// Other ingress to the workers is denied (the policy selects them).
 pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
     let workers = LabelSelector {
@@ -659,16 +660,21 @@ pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
                         pod_selector: Some(workers),
                         ..Default::default()
                     }]),
-                    ports: Some(match job.spec.ring.data_plane {
-                        DataPlane::Ring => {
+                    ports: Some(
+                        if job.spec.ring.data_plane == DataPlane::Ring
+                            && job.spec.processes_per_worker() <= 1
+                        {
                             vec![ring("TCP"), on("TCP", store_port(job.spec.ring_port))]
-                        }
-                        // gloo's store and connections listen on ephemeral ports.
-                        DataPlane::Gloo => vec![NetworkPolicyPort {
-                            protocol: Some("TCP".into()),
-                            ..Default::default()
-                        }],
-                    }),
+                        } else {
+                            // gloo's store and connections, and the cross-pod rings of the
+                            // hierarchical all-reduce (several processes per worker), listen on
+                            // ephemeral ports.
+                            vec![NetworkPolicyPort {
+                                protocol: Some("TCP".into()),
+                                ..Default::default()
+                            }]
+                        },
+                    ),
                 },
                 // The liveness port answers anyone: the operator's probe of a silent member, and
                 // its peers'. A pong is as long as its ping and only a key holder can check it.
@@ -1094,10 +1100,11 @@ pub(crate) mod tests {
                 .size_limit,
             Some(Quantity("40Gi".into()))
         );
-        // The NetworkPolicy admits every process's ring port.
+        // The NetworkPolicy admits every process's ring port (liveness probes; TCP is open on
+        // every port among the workers, for the hierarchical all-reduce's cross-pod rings).
         let np = network_policy(&j);
         let rules = np.spec.unwrap().ingress.unwrap();
-        let ring = &rules[0].ports.as_ref().unwrap()[0];
+        let ring = &rules[1].ports.as_ref().unwrap()[0];
         assert_eq!(
             (ring.port.clone(), ring.end_port),
             (Some(IntOrString::Int(29500)), Some(29514))
@@ -1338,23 +1345,34 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn a_gloo_jobs_network_policy_opens_every_tcp_port_to_its_own_workers_only() {
-        let mut j = basic();
-        j.spec.ring.data_plane = DataPlane::Gloo;
-        let spec = network_policy(&j).spec.unwrap();
-        let rules = spec.ingress.unwrap();
-        let own = &rules[0];
-        assert!(own.from.as_ref().unwrap()[0].pod_selector.is_some());
-        let ports = own.ports.as_ref().unwrap();
-        assert_eq!(ports.len(), 1);
-        assert_eq!(
-            (ports[0].protocol.as_deref(), &ports[0].port),
-            (Some("TCP"), &None)
-        );
-        assert_eq!(
-            rules[1],
-            network_policy(&basic()).spec.unwrap().ingress.unwrap()[1]
-        );
+    fn a_gloo_or_hierarchical_jobs_network_policy_opens_every_tcp_port_to_its_own_workers_only() {
+        let mut gloo = basic();
+        gloo.spec.ring.data_plane = DataPlane::Gloo;
+        let mut pods_of_two = basic();
+        pods_of_two.spec.processes_per_worker = Some(2);
+        // The liveness rule stays on the ring ports of every local process.
+        let first = basic().spec.ring_port;
+        for (j, last) in [(gloo, None), (pods_of_two, Some(first + 2))] {
+            let spec = network_policy(&j).spec.unwrap();
+            let rules = spec.ingress.unwrap();
+            let own = &rules[0];
+            assert!(own.from.as_ref().unwrap()[0].pod_selector.is_some());
+            let ports = own.ports.as_ref().unwrap();
+            assert_eq!(ports.len(), 1);
+            assert_eq!(
+                (ports[0].protocol.as_deref(), &ports[0].port),
+                (Some("TCP"), &None)
+            );
+            let liveness = &rules[1].ports.as_ref().unwrap()[0];
+            assert_eq!(
+                (
+                    liveness.protocol.as_deref(),
+                    &liveness.port,
+                    liveness.end_port
+                ),
+                (Some("UDP"), &Some(IntOrString::Int(first)), last)
+            );
+        }
     }
 
     #[test]

@@ -418,7 +418,16 @@ impl Ring {
         self.with(py, Communicator::barrier)
     }
 
-    /// True once a newer generation was published (the follower aborted this ring).
+    /// Shuts every connection of this ring from any thread: a collective in flight on another
+    /// thread fails at once (`RingChanged`), later ones too, and the peers see this member
+    /// leave. For a sub-group's ring that another data plane watches (the hierarchical
+    /// all-reduce's in-pod and cross-pod rings), which has no liveness probes of its own.
+    fn abort(&self) {
+        self.abort.abort();
+    }
+
+    /// True once a newer generation was published (the follower aborted this ring), or
+    /// `abort` was called.
     #[getter]
     fn aborted(&self) -> bool {
         self.abort.is_aborted()

@@ -3,12 +3,18 @@ processes, each pod a ``python -m diphoma.run`` launcher (``diphoma._pod``) that
 directory this test publishes, as the operator publishes the ring ConfigMap. The ring lists
 pods; each pod's local rank ``l`` is ring rank ``pod·2 + l`` at the pod's ring port + 2·l.
 
+The default group's all-reduce is hierarchical there (``diphoma.torch._plane``: in-pod ring,
+then local rank l's ring across the pods); each process logs it (``scripts/info_log.py``) and
+the tests check that it ran at each generation of two pods.
+
 - An unchanged DDP script (``ddp_train.py``, torchrun's variables) trains at world 4 to the
   parameters gloo reaches at world 4 (tolerance: test_ddp.py's, for the same n = 4).
+- Every c10d operation and dtype against a gloo group of the same ranks (``ops_vs_gloo.py``).
 - An elastic script through a ``kill -9`` of one process: its pod's launcher stops the
   sibling and exits 137, the other pod's processes keep their pids and go on at the next
   generation, a replacement pod joins the one after, and the final parameters equal an
   undisturbed run's (tolerance: test_elastic.py's).
+- The same script through a process paused past the liveness window and resumed: nobody hangs.
 
 Every process started is stopped by its recorded pid when the test ends, also on failure.
 """
@@ -24,6 +30,7 @@ import torch
 
 from conftest import SCRIPTS, check, launch, records
 from diphoma import membership_json
+from diphoma.torch._plane import hierarchical_split, pod_groups, processes_per_pod
 from test_ddp import GLOO_EXIT_ABORT
 from test_elastic import STEPS as ELASTIC_STEPS, undisturbed
 
@@ -84,8 +91,8 @@ class Pods:
         os.rename(tmp, self.dir / "membership.json")
 
     def log(self, pod):
-        self.logs[pod].seek(0)
-        return self.logs[pod].read()
+        """Pod ``pod``'s launcher's output so far (also once ``stop`` closed it)."""
+        return (self.dir.parent / f"{pod}.log").read_text()
 
     def wait(self, pod, timeout):
         try:
@@ -121,6 +128,39 @@ def alive(pid):
     return True
 
 
+def with_info_log(script):
+    """The launcher's arguments that run ``scripts/SCRIPT`` with the ``diphoma`` logger at INFO."""
+    return os.path.join(SCRIPTS, "info_log.py"), os.path.join(SCRIPTS, script)
+
+
+def hierarchical(generation, pod, local, pods=2):
+    """What local rank ``local`` of pod ``pod`` logs when its group's all-reduce is hierarchical."""
+    rank = pod * PROCESSES + local
+    return (f"ring generation {generation} (rank {rank} of {pods * PROCESSES}): all-reduce hierarchical, "
+            f"pod {pod} of {pods}, local rank {local} of {PROCESSES}")
+
+
+def test_the_all_reduce_is_hierarchical_only_across_pods_of_several_processes():
+    pod = {"DIPHOMA_LOCAL_RANK": "1", "DIPHOMA_PROCESSES_PER_WORKER": "2"}
+    assert processes_per_pod(4, pod) == 2
+    assert processes_per_pod(8, {**pod, "DIPHOMA_PROCESSES_PER_WORKER": "4"}) == 4
+    assert processes_per_pod(2, pod) == 1  # one pod: its ring is the flat ring
+    assert processes_per_pod(4, {**pod, "DIPHOMA_HIERARCHICAL": "0"}) == 1  # opted out
+    assert processes_per_pod(4, {"DIPHOMA_PROCESSES_PER_WORKER": "2"}) == 1  # not started as a pod's process
+    assert processes_per_pod(4, {"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == 1  # the standalone launcher
+    assert processes_per_pod(4, {**pod, "DIPHOMA_PROCESSES_PER_WORKER": "x"}) == 1
+    assert processes_per_pod(6, {**pod, "DIPHOMA_PROCESSES_PER_WORKER": "4"}) == 1  # not whole pods
+
+
+def test_each_rank_reduces_in_its_pod_then_across_pods_with_its_local_rank():
+    # 3 pods of 2: rank 3 is local rank 1 of pod 1.
+    assert pod_groups(3, 6, 2) == (([2, 3], 1), ([1, 3, 5], 1))
+    assert pod_groups(0, 6, 2) == (([0, 1], 0), ([0, 2, 4], 0))
+    assert pod_groups(7, 8, 4) == (([4, 5, 6, 7], 3), ([3, 7], 1))
+    # Equal chunks over the two levels; the rest (fewer than P elements) over the flat ring.
+    assert [hierarchical_split(n, 4) for n in (0, 3, 4, 10, 1000)] == [0, 0, 4, 8, 1000]
+
+
 def test_ddp_of_two_pods_of_two_processes_equals_gloo_at_world_4(tmp_path):
     steps, gloo_out, ours_out = "20", str(tmp_path / "gloo.pt"), str(tmp_path / "ours.pt")
     proc = launch(4, "ddp_train.py", "gloo", steps, gloo_out)
@@ -130,38 +170,73 @@ def test_ddp_of_two_pods_of_two_processes_equals_gloo_at_world_4(tmp_path):
     pods = Pods(tmp_path)
     try:
         for pod in ("pod-a", "pod-b"):
-            pods.start(pod, "--nproc-per-node", str(PROCESSES), os.path.join(SCRIPTS, "ddp_train.py"), "diphoma",
-                       steps, ours_out)
+            pods.start(pod, "--nproc-per-node", str(PROCESSES), *with_info_log("ddp_train.py"), "diphoma", steps,
+                       ours_out)
         pods.publish("pod-a", "pod-b")
         for pod in ("pod-a", "pod-b"):
             assert pods.wait(pod, 180) == 0, pods.log(pod)[-6000:]
     finally:
         pods.stop()
+    # Each process all-reduced over its pod's ring and its local rank's ring across the pods.
+    for pod, index in (("pod-a", 0), ("pod-b", 1)):
+        for local in range(PROCESSES):
+            assert hierarchical(1, index, local) in pods.log(pod), pods.log(pod)[-4000:]
     torch.testing.assert_close(torch.load(ours_out), torch.load(gloo_out), atol=2e-5, rtol=1e-4)
+
+
+def test_every_operation_in_two_pods_of_two_processes_matches_a_gloo_group(tmp_path):
+    """ops_vs_gloo.py's every operation and dtype at world 4, against a gloo group of the same
+    ranks: the hierarchical all-reduce (11 elements: 10 over the two levels, 1 over the flat
+    ring) exact for integers, within float tolerance otherwise."""
+    pods = Pods(tmp_path)
+    try:
+        for pod in ("pod-a", "pod-b"):
+            pods.start(pod, "--nproc-per-node", str(PROCESSES), *with_info_log("ops_vs_gloo.py"))
+        pods.publish("pod-a", "pod-b")
+        for pod in ("pod-a", "pod-b"):
+            assert pods.wait(pod, 400) == 0, pods.log(pod)[-6000:]
+    finally:
+        pods.stop()
+    assert "ops ok" in pods.log("pod-a"), pods.log("pod-a")[-4000:]
+    assert hierarchical(1, 1, 1) in pods.log("pod-b"), pods.log("pod-b")[-4000:]
+
+
+FIRST = ("pod-a.0", "pod-a.1", "pod-b.0", "pod-b.1")
+
+
+def elastic_script(out):
+    """The launcher's arguments of a pod that trains ``elastic_train.py`` into ``out``."""
+    return ("--elastic", "--nproc-per-node", str(PROCESSES), *with_info_log("elastic_train.py"), str(out),
+            str(ELASTIC_STEPS))
+
+
+def train_until_step_8(pods, out, pids):
+    """Starts pod-a and pod-b on ``elastic_script``, publishes generation 1 with both and waits
+    until each process committed step 8 (``pids`` gets their pids, for the test's cleanup);
+    returns the records then."""
+    for pod in ("pod-a", "pod-b"):
+        pods.start(pod, *elastic_script(out))
+    pods.publish("pod-a", "pod-b")
+    deadline = time.monotonic() + 120
+    while True:
+        before = records(out)
+        pids[:] = [r["pid"] for r in before.values()]
+        if all(n in before and before[n]["step"] >= 8 for n in FIRST):
+            return before
+        for pod in ("pod-a", "pod-b"):
+            assert pods.launchers[pod].poll() is None, pods.log(pod)[-6000:]
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.05)
 
 
 def test_a_killed_process_takes_its_pod_out_and_the_other_pod_goes_on(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     pods = Pods(tmp_path)
-    script = ("--elastic", "--nproc-per-node", str(PROCESSES), os.path.join(SCRIPTS, "elastic_train.py"), str(out),
-              str(ELASTIC_STEPS))
-    first = ("pod-a.0", "pod-a.1", "pod-b.0", "pod-b.1")
+    script, first = elastic_script(out), FIRST
     pids = []
     try:
-        for pod in ("pod-a", "pod-b"):
-            pods.start(pod, *script)
-        pods.publish("pod-a", "pod-b")
-        deadline = time.monotonic() + 120
-        while True:
-            before = records(out)
-            pids = [r["pid"] for r in before.values()]
-            if all(n in before and before[n]["step"] >= 8 for n in first):
-                break
-            for pod in ("pod-a", "pod-b"):
-                assert pods.launchers[pod].poll() is None, pods.log(pod)[-6000:]
-            assert time.monotonic() < deadline, "no progress"
-            time.sleep(0.05)
+        before = train_until_step_8(pods, out, pids)
         assert {before[n]["world"] for n in first} == {4}
         assert before["pod-b.1"]["step"] < ELASTIC_STEPS, "the run ended before the kill"
         os.kill(before["pod-b.1"]["pid"], signal.SIGKILL)
@@ -179,6 +254,14 @@ def test_a_killed_process_takes_its_pod_out_and_the_other_pod_goes_on(tmp_path):
         pids = [r["pid"] for r in after.values()]
     finally:
         pods.stop(pids)
+    # Generations 1 (pod-a, pod-b) and 3 (pod-a, pod-c) all-reduced over the two levels; generation 2
+    # (pod-a alone) over its flat ring.
+    for local in range(PROCESSES):
+        assert hierarchical(1, 0, local) in pods.log("pod-a"), pods.log("pod-a")[-4000:]
+        assert hierarchical(3, 0, local) in pods.log("pod-a"), pods.log("pod-a")[-4000:]
+        assert hierarchical(3, 1, local) in pods.log("pod-c"), pods.log("pod-c")[-4000:]
+    assert "all-reduce hierarchical" not in "".join(l for l in pods.log("pod-a").splitlines(True)
+                                                    if "ring generation 2 " in l)
     for name in ("pod-a.0", "pod-a.1"):
         assert after[name]["pid"] == before[name]["pid"], name  # the same process throughout
         assert after[name]["first_generation"] == 1 and after[name]["generation"] > 1, after[name]
@@ -186,3 +269,35 @@ def test_a_killed_process_takes_its_pod_out_and_the_other_pod_goes_on(tmp_path):
     assert {after[n]["first_generation"] for n in ("pod-c.0", "pod-c.1")} == {3}
     ours = torch.load(out / "params.pt")
     torch.testing.assert_close(ours, undisturbed(ELASTIC_STEPS), atol=5e-5, rtol=2e-4)
+
+
+def test_a_process_paused_past_the_window_and_resumed_hangs_nobody(tmp_path):
+    """pod-b.1 stopped for 3 s (6 liveness windows of 0.5 s) among the hierarchical all-reduces,
+    then resumed: the others blame it through the ring's liveness probes and shut generation 1's
+    sub-rings, so no stage waits on it; the resumed process finds them shut; at generation 2
+    (both pods again, the operator's part) all four go on in their processes to the parameters
+    of an undisturbed run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    pods = Pods(tmp_path)
+    pids = []
+    try:
+        before = train_until_step_8(pods, out, pids)
+        paused = before["pod-b.1"]["pid"]
+        os.kill(paused, signal.SIGSTOP)
+        time.sleep(3)
+        os.kill(paused, signal.SIGCONT)
+        pods.publish("pod-a", "pod-b")
+        for pod in ("pod-a", "pod-b"):
+            assert pods.wait(pod, 180) == 0, pods.log(pod)[-6000:]
+        after = records(out)
+    finally:
+        pods.stop(pids)
+    log = pods.log("pod-a")
+    assert "rank 3 did not answer its liveness probe" in log, log[-4000:]
+    assert "the pair of in-pod and cross-pod rings of ring generation 1 is abandoned" in log, log[-4000:]
+    for name in FIRST:
+        assert after[name]["pid"] == before[name]["pid"] and after[name]["step"] == ELASTIC_STEPS, after[name]
+        assert after[name]["generation"] == 2, after[name]
+    assert hierarchical(2, 1, 1) in pods.log("pod-b"), pods.log("pod-b")[-4000:]
+    torch.testing.assert_close(torch.load(out / "params.pt"), undisturbed(ELASTIC_STEPS), atol=5e-5, rtol=2e-4)

@@ -221,11 +221,12 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
     thread has nothing left before them.
     """
 
-    def __init__(self, ring, rank, size, store=None, timeout=None, plane="ring"):
+    def __init__(self, ring, rank, size, store=None, timeout=None, plane="ring", processes=1):
         super().__init__(rank, size)
         self.ring = ring
         self._timeout = timeout or timedelta(minutes=30)  # torch's default
-        self.plane = _plane.create(plane, ring, self._timeout)  # what moves the bytes
+        # What moves the bytes: with processes > 1 per pod, a hierarchical all-reduce.
+        self.plane = _plane.create(plane, ring, self._timeout, processes)
         self.wire = _ops.compression()  # float32 all-reduces' wire dtype (None: float32)
         self._p2p = StoreP2P(store if store is not None else dist.HashStore(), self._timeout)
         self._coalesced = None  # the works since start_coalescing, while coalescing
@@ -785,7 +786,7 @@ def _create(store, rank, size, timeout):
         )
     metrics.RING_GENERATION.set(ring.generation)
     metrics.serve_if_configured(ring.host)
-    group = ProcessGroupDiphoma(ring, rank, size, store, timeout, plane)
+    group = ProcessGroupDiphoma(ring, rank, size, store, timeout, plane, _plane.processes_per_pod(size))
     group.main = True
     return group
 

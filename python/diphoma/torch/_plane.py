@@ -24,28 +24,50 @@ with the ring's detection instead of a collective timeout):
   destroyed (its destructor would wait for the collective). One copy each way per collective:
   the plane is the CPU-testable twin of a GPU library's, not a faster ring.
 
+With several training processes per pod (the contract's ``DIPHOMA_LOCAL_RANK`` and
+``DIPHOMA_PROCESSES_PER_WORKER`` = P > 1, set by the pod's launcher, and more than one pod),
+the ``ring`` plane's all-reduce is **hierarchical** (``HierarchicalPlane``; Horovod's and
+NCCL's two-level all-reduce): local rank ``l`` of pod ``p`` is ring rank ``p·P + l``; the P
+processes of a pod reduce-scatter over an in-pod ring (TCP on the pod's address, for CPU
+tensors; shared memory would spare the kernel's copies, and CUDA tensors would take NCCL here:
+neither is built), chunk ``l`` is all-reduced across the pods over the ring of local rank ``l``
+(the P cross-pod rings in parallel, each carrying 1/P of the bytes), and the pod all-gathers
+the chunks; a rest of fewer than P elements goes over the flat ring. Both rings are the ring
+generation's, built at its first all-reduce (``Ring.subring``, their addresses all-gathered
+over the ring) and watched as the gloo communicator's collectives are (above): a member lost or
+silent in any stage fails the all-reduce with ``RingChanged`` and the rings are shut
+(``Ring.abort``), so every stage's peers fail too. Broadcast, all-gather, reduce-scatter and
+barrier stay on the flat ring (it carries the membership and the state sync);
+``DIPHOMA_HIERARCHICAL=0`` keeps the all-reduce flat too, as does the ``gloo`` plane.
+
 Sub-groups (``new_group``) keep rings of their own.
 """
 
 import ctypes
 import logging
 import os
+import secrets
+import threading
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from diphoma import ConfigError, RingChanged
+from diphoma import CollectiveMismatch, ConfigError, RingChanged
+from diphoma.run import free_ports
 from diphoma.torch import _ops
 from diphoma.torch._watchdog import detection_seconds
 
 ENV = "DIPHOMA_DATA_PLANE"
+HIERARCHICAL_ENV = "DIPHOMA_HIERARCHICAL"
 PLANES = ("ring", "gloo")
 # How often a collective of a library plane looks at its ring (a newer generation) while it waits.
 TICK = timedelta(milliseconds=50)
 # How long a collective may still take to complete once a member closed its ring connection.
 LEFT_GRACE = timedelta(seconds=1)
+# Bytes of an address ("IP:port", IPv6 included) or a tag sent over the ring.
+_ADDRESS_BYTES = 64
 _log = logging.getLogger("diphoma")
 _LIBRARY_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -59,9 +81,29 @@ def chosen(environ=os.environ):
     return name
 
 
-def create(name, ring, timeout):
-    """The data plane ``name`` (``chosen()``) over ``ring``, for the default group."""
-    return RingPlane(ring) if name == "ring" else GlooPlane(ring, timeout)
+def processes_per_pod(world, environ=os.environ):
+    """How many processes of a pod the default group's all-reduce reduces among first (pure):
+    P, the contract's ``DIPHOMA_PROCESSES_PER_WORKER``, when the pod's launcher set this
+    process's ``DIPHOMA_LOCAL_RANK`` (a process of a pod of several, ring rank ``pod·P +
+    local rank``), P > 1, ``world`` holds more than one pod of P, and ``DIPHOMA_HIERARCHICAL``
+    is not ``0``; else 1 (a flat ring: one process per pod, one pod, or the standalone
+    launcher, whose every process is a member of its own)."""
+    if not environ.get("DIPHOMA_LOCAL_RANK", "").strip() or environ.get(HIERARCHICAL_ENV, "").strip() == "0":
+        return 1
+    try:
+        processes = int(environ.get("DIPHOMA_PROCESSES_PER_WORKER", "1"))
+    except ValueError:
+        return 1  # refused by the ring's own reading of the layout (contract::local)
+    return processes if 1 < processes < world and world % processes == 0 else 1
+
+
+def create(name, ring, timeout, processes=1):
+    """The data plane ``name`` (``chosen()``) over ``ring``, for the default group; with
+    ``processes`` > 1 per pod (``processes_per_pod``) the ``ring`` plane's all-reduce is
+    hierarchical."""
+    if name == "gloo":
+        return GlooPlane(ring, timeout)
+    return HierarchicalPlane(ring, processes) if processes > 1 else RingPlane(ring)
 
 
 class RingPlane:
@@ -99,16 +141,26 @@ def _serve_store(ring):
     ring address, whose ``host:port`` the others receive over the ring's broadcast; its calls
     bounded by the ring's join timeout."""
     world, timeout = ring.world, timedelta(seconds=ring.timeout)
-    addr = torch.zeros(64, dtype=torch.uint8)
+    addr = torch.zeros(_ADDRESS_BYTES, dtype=torch.uint8)
     if ring.rank == 0:
         store = dist.TCPStore(ring.host, 0, world, True, timeout=timeout, wait_for_workers=False)
-        address = f"{ring.host}:{store.port}".encode()
-        addr[: len(address)] = torch.tensor(list(address), dtype=torch.uint8)
+        _put_text(addr, f"{ring.host}:{store.port}")
     ring.broadcast(addr.data_ptr(), addr.numel(), 0)
     if ring.rank == 0:
         return store
-    host, port = bytes(addr.tolist()).rstrip(b"\0").decode().rsplit(":", 1)
+    host, port = _text(addr).rsplit(":", 1)
     return dist.TCPStore(host, int(port), world, False, timeout=timeout)
+
+
+def _put_text(row, text):
+    """Writes ``text`` (UTF-8, at most ``row.numel()`` bytes) into the zeroed uint8 ``row``."""
+    raw = text.encode()
+    row[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+
+
+def _text(row):
+    """The text ``_put_text`` wrote into ``row``."""
+    return bytes(row.tolist()).rstrip(b"\0").decode()
 
 
 def _bytes(t):
@@ -116,17 +168,76 @@ def _bytes(t):
     return t.reshape(-1).view(torch.uint8)
 
 
-class GlooPlane:
+class _Watched:
+    """A data plane whose collectives run off the ring, watched by it: the waiting, blaming and
+    abandoning of the module doc, shared by the gloo communicator and the hierarchical rings.
+    A subclass names what it abandons (``abandoned``) and lets go of it (``_drop``)."""
+
+    abandoned = "communicator"
+
+    def __init__(self, ring):
+        self.ring = ring
+        self.window = ring.liveness_window or detection_seconds() / 4
+        ring.answer_liveness()
+
+    def _wait(self, what, t0, work):
+        """Waits for ``work`` (``wait(timedelta)`` raising until it is done, ``is_completed()``)
+        in ticks, as the module doc says; raises ``RingChanged`` naming the member blamed."""
+        checked = 0.0
+        while True:
+            try:
+                work.wait(TICK)
+                return
+            except Exception:  # noqa: BLE001 - the tick passed, or the collective's error
+                if work.is_completed():
+                    try:
+                        work.wait()
+                        return
+                    except Exception as e:  # noqa: BLE001
+                        self._fail(what, t0, e)
+                # Each tick: a newer generation, a member that left (its ring connection closed:
+                # blamed unless the collective completes within LEFT_GRACE, as the last one does
+                # when a member finished it and exited first); each window: the others' liveness.
+                if self.ring.closed_peer is not None:
+                    try:
+                        work.wait(LEFT_GRACE)
+                        return
+                    except Exception:  # noqa: BLE001 - not done, or its error: blamed below
+                        pass
+                waited = time.monotonic() - t0
+                probe = waited - checked >= self.window
+                checked = waited if probe else checked
+                blamed = self.ring.blame(what, waited, False, self.window, probe)
+                if blamed:
+                    self._abandon(f"{blamed} ({what} of the {self.abandoned})")
+
+    def _fail(self, what, t0, error):
+        blamed = self.ring.blame(what, time.monotonic() - t0, True, self.window)
+        self._abandon(f"{blamed} ({what} of the {self.abandoned}: {error})")
+
+    def _abandon(self, why):
+        """Lets go of this generation's communicator (``_drop``), says so (the ``diphoma``
+        logger, WARNING) and raises ``RingChanged(why)``."""
+        self._drop()
+        _log.warning("diphoma: the %s of ring generation %d is abandoned: %s", self.abandoned,
+                     self.ring.generation, why)
+        raise RingChanged(why) from None
+
+    def _drop(self):
+        raise NotImplementedError
+
+
+class GlooPlane(_Watched):
     """A gloo communicator of this generation under ``ring``'s membership (see the module doc)."""
 
     backend = "gloo"
+    abandoned = "gloo communicator"
 
     def __init__(self, ring, timeout):
-        self.ring, self.timeout = ring, timeout
-        self.window = ring.liveness_window or detection_seconds() / 4
+        super().__init__(ring)
+        self.timeout = timeout
         self.pg = None
         self._store = None
-        ring.answer_liveness()
 
     def averages(self, dtype):
         return False  # gloo has no AVG: the group sums and divides
@@ -162,50 +273,17 @@ class GlooPlane:
             work = start(copies)
         except Exception as e:  # noqa: BLE001 - refused before anything was sent: the arguments
             raise ConfigError(f"diphoma: {what} of the gloo data plane: {e}") from None
-        checked = 0.0
-        while True:
-            try:
-                work.wait(TICK)
-                break
-            except Exception:  # noqa: BLE001 - the tick passed, or gloo's error
-                if work.is_completed():
-                    try:
-                        work.wait()
-                        break
-                    except Exception as e:  # noqa: BLE001
-                        self._fail(what, t0, e)
-                # Each tick: a newer generation, a member that left (its ring connection closed:
-                # blamed unless the collective completes within LEFT_GRACE, as the last one does
-                # when a member finished it and exited first); each window: the others' liveness.
-                if self.ring.closed_peer is not None:
-                    try:
-                        work.wait(LEFT_GRACE)
-                        break
-                    except Exception:  # noqa: BLE001 - not done, or gloo's error: blamed below
-                        pass
-                waited = time.monotonic() - t0
-                probe = waited - checked >= self.window
-                checked = waited if probe else checked
-                blamed = self.ring.blame(what, waited, False, self.window, probe)
-                if blamed:
-                    self._abandon(f"{blamed} ({what} of the gloo data plane)")
+        self._wait(what, t0, work)
         for t, c in zip(tensors, copies):
             t.copy_(c)
 
-    def _fail(self, what, t0, error):
-        blamed = self.ring.blame(what, time.monotonic() - t0, True, self.window)
-        self._abandon(f"{blamed} ({what} of the gloo data plane: {error})")
-
-    def _abandon(self, why):
-        """Never uses the communicator again, never destroys it (see the module doc), says so
-        (the ``diphoma`` logger, WARNING) and raises ``RingChanged(why)``."""
+    def _drop(self):
+        """gloo cannot abort: the communicator is never used again and never destroyed (see the
+        module doc)."""
         if self.pg is not None:
             self.pg.abort()
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.pg))
             self.pg = None
-        _log.warning("diphoma: the gloo communicator of ring generation %d is abandoned: %s",
-                     self.ring.generation, why)
-        raise RingChanged(why) from None
 
     def allreduce(self, t, op):
         opts = dist.AllreduceOptions()
@@ -232,3 +310,158 @@ class GlooPlane:
     def close(self):
         self.pg = None
         self._store = None
+
+
+def pod_groups(rank, world, processes):
+    """The two sub-rings of ring rank ``rank`` of ``world`` in pods of ``processes`` (pure):
+    ``((in-pod ring ranks, this rank's place), (cross-pod ring ranks, this rank's place))``.
+    Rank ``p·P + l`` is local rank ``l`` of pod ``p``: its pod's ranks ``p·P .. p·P + P - 1``
+    (place ``l``) and local rank ``l`` of every pod, ``l, P + l, …`` (place ``p``)."""
+    pod, local = divmod(rank, processes)
+    return ((list(range(pod * processes, (pod + 1) * processes)), local),
+            (list(range(local, world, processes)), pod))
+
+
+def hierarchical_split(count, processes):
+    """The part of ``count`` elements the hierarchical all-reduce takes (pure): the largest
+    multiple of ``processes`` (equal chunks, one per local rank); the rest, fewer than
+    ``processes`` elements, goes over the flat ring."""
+    return count - count % processes
+
+
+class _Thread:
+    """One call of ``fn`` on a thread of its own, as ``_Watched._wait`` waits for a work: the
+    stages of a hierarchical all-reduce, whose rings release the GIL."""
+
+    def __init__(self, fn):
+        self.error = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._call, args=(fn,), name="diphoma-hier", daemon=True)
+        self._thread.start()
+
+    def _call(self, fn):
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - raised by wait()
+            self.error = e
+        self._done.set()
+
+    def wait(self, timeout=None):
+        """Returns once the call ended (raising its error), or raises ``TimeoutError`` after
+        ``timeout`` (a ``timedelta``; None: no bound)."""
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+            raise TimeoutError
+        if self.error is not None:
+            raise self.error
+
+    def is_completed(self):
+        return self._done.is_set()
+
+
+class HierarchicalPlane(_Watched):
+    """The ``ring`` plane of a pod of ``processes`` training processes: its all-reduce in two
+    levels (the module doc), everything else on the flat ``ring``."""
+
+    abandoned = "pair of in-pod and cross-pod rings"
+
+    def __init__(self, ring, processes):
+        super().__init__(ring)
+        self.flat = RingPlane(ring)
+        self.processes = processes
+        self.pod = self.across = None  # this generation's sub-rings, built at the first all-reduce
+        self._work = None  # the stages in flight
+
+    def averages(self, dtype):
+        return False  # sums over both rings, divided by the group
+
+    def _connect(self):
+        """Builds the generation's in-pod and cross-pod rings (every member at once): each binds
+        two free ports on its ring host, the addresses and rank 0's tag are all-gathered over
+        the ring, then the rings join, the pod's first."""
+        ring, world = self.ring, self.ring.world
+        ports = free_ports(2, ring.host)
+        table = torch.zeros((world, 3, _ADDRESS_BYTES), dtype=torch.uint8)
+        for i, text in enumerate((f"{ring.host}:{ports[0]}", f"{ring.host}:{ports[1]}", secrets.token_hex(8))):
+            _put_text(table[ring.rank, i], text)
+        self.flat.allgather(table)
+        tag = _text(table[0, 2])
+        (pod_ranks, local), (across_ranks, pod) = pod_groups(ring.rank, world, self.processes)
+        self.pod = ring.subring(local, [_text(table[r, 0]) for r in pod_ranks], f"{tag}/pod/{pod}")
+        self.across = ring.subring(pod, [_text(table[r, 1]) for r in across_ranks], f"{tag}/local/{local}")
+        _log.info("diphoma: ring generation %d (rank %d of %d): all-reduce hierarchical, pod %d of %d, "
+                  "local rank %d of %d", ring.generation, ring.rank, world, pod, world // self.processes, local,
+                  self.processes)
+
+    @staticmethod
+    def _stages(pod, across, t, op):
+        """Reduce-scatter over the in-pod ring ``pod``, all-reduce of this local rank's chunk
+        over the cross-pod ring ``across``, all-gather over ``pod``: on the contiguous ``t`` of
+        a native dtype, whose numel ``pod.world`` divides."""
+        dtype, n = _ops.NATIVE[t.dtype], t.numel()
+        chunk = n // pod.world
+        pod.reduce_scatter(t.data_ptr(), n, dtype, op)
+        across.allreduce(t.data_ptr() + pod.rank * chunk * t.element_size(), chunk, dtype, op)
+        pod.allgather(t.data_ptr(), n * t.element_size())
+
+    def allreduce(self, t, op):
+        """``t`` (contiguous, a native dtype) all-reduced by ``op``: its first
+        ``hierarchical_split`` elements over the two levels (watched), the rest over the ring."""
+        head = hierarchical_split(t.numel(), self.processes)
+        flat = t.reshape(-1)
+        if head:
+            t0 = time.monotonic()
+            # A newer generation or a member that left: never start on this generation's sub-rings
+            # (they would go on without the ring's membership).
+            blamed = self.ring.blame("allreduce", 0.0, False, self.window, False)
+            if blamed:
+                self._abandon(f"{blamed} (allreduce of the {self.abandoned})")
+            if self.pod is None:
+                try:
+                    self._connect()
+                except (RingChanged, ConfigError):
+                    raise
+                except Exception as e:  # noqa: BLE001 - a member lost while joining the sub-rings
+                    self._fail("allreduce", t0, e)
+            part, pod, across = flat[:head], self.pod, self.across
+            self._work = _Thread(lambda: self._stages(pod, across, part, op))
+            self._wait("allreduce", t0, self._work)
+            self._work = None
+        if head < t.numel():
+            self.flat.allreduce(flat[head:], op)
+
+    def _drop(self):
+        """Shuts both sub-rings (a stage in flight fails at once, the peers of every stage see
+        this member leave) and lets go of them."""
+        for r in (self.pod, self.across):
+            if r is not None:
+                r.abort()
+        self.pod = self.across = None
+        if self._work is not None:  # returns at once, its rings shut: nothing written after this
+            try:
+                self._work.wait()
+            except Exception:  # noqa: BLE001 - the stage's error, already accounted for
+                pass
+            self._work = None
+
+    def _fail(self, what, t0, error):
+        """A stage's error: the ranks' calls differ (``CollectiveMismatch``) or a bad argument
+        (``ConfigError``) as they are, the sub-rings shut; else blamed as the module doc says."""
+        if isinstance(error, (CollectiveMismatch, ConfigError)):
+            self._drop()
+            raise error
+        super()._fail(what, t0, error)
+
+    def reduce_scatter(self, flat, op):
+        self.flat.reduce_scatter(flat, op)
+
+    def allgather(self, flat):
+        self.flat.allgather(flat)
+
+    def broadcast(self, t, root):
+        self.flat.broadcast(t, root)
+
+    def barrier(self):
+        self.flat.barrier()
+
+    def close(self):
+        self._drop()
