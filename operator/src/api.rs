@@ -161,7 +161,10 @@ pub struct DiphomaJobSpec {
     /// its pod out and the pod is replaced. Local rank `l` listens at `ringPort + 2·l` (the
     /// store keeps `ringPort + 1`), so the ports `ringPort ..= ringPort + 2·(P − 1)` must stay
     /// clear of the metrics port 9400 and below 65536. With P > 1 each worker gets an
-    /// in-memory `/dev/shm` (see `sharedMemory`). A worker that is not started by that
+    /// in-memory `/dev/shm` (see `sharedMemory`), the default group's all-reduces go
+    /// hierarchically (in the pod, then across pods on one ring per local rank, listening on
+    /// ephemeral ports: the operator's NetworkPolicy then opens every TCP port of a worker to
+    /// the job's own workers). A worker that is not started by that
     /// launcher (the Rust worker image, a script run by plain `python`) stays one process and
     /// one ring rank per pod. An edit while workers run replaces them all at once (see
     /// `template`).
