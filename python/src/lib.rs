@@ -643,7 +643,12 @@ impl Follower {
         {
             let name = required(diphoma_contract::ENV_POD_NAME)?;
             let t = timeout.unwrap_or(diphoma_ring::comm::DEFAULT_TIMEOUT);
-            let mut f = FileRing::start(dir.clone().into(), name.clone(), read_key()?, t);
+            let protection = diphoma_ring::source::protection_var(
+                std::env::var(diphoma_contract::ENV_RING_PROTECTION).ok(),
+            )
+            .map_err(config_err)?;
+            let mut f =
+                FileRing::start(dir.clone().into(), name.clone(), read_key()?, protection, t);
             f.set_local(
                 diphoma_contract::Local::from_lookup(|n| std::env::var(n).ok())
                     .map_err(config_err)?,

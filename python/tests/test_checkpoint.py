@@ -49,3 +49,17 @@ def test_an_elastic_run_resumes_from_the_newest_checkpoint(tmp_path):
         check(launch(2, "elastic_train.py", str(out), str(steps), env=env, elastic=True))
     assert sorted(os.listdir(tmp_path / "ckpt"))[-1] == f"torch-{40:012d}.pt"
     torch.testing.assert_close(torch.load(tmp_path / "out40" / "params.pt"), undisturbed(40), atol=5e-5, rtol=2e-4)
+
+
+def test_an_elastic_run_takes_its_frame_protection_from_the_environment(tmp_path):
+    """``DIPHOMA_RING_PROTECTION`` reaches the ring of an elastic run (the ring directory's
+    generations) as it does a fixed one: a bad value is refused naming the variable, and
+    ``encryption`` trains to the undisturbed parameters."""
+    env = lambda mode: dict(os.environ, DIPHOMA_RING_PROTECTION=mode)  # noqa: E731
+    bad = launch(2, "elastic_train.py", str(tmp_path), "4", env=env("mac"), elastic=True)
+    assert bad.returncode != 0, bad.stdout
+    assert 'DIPHOMA_RING_PROTECTION: "mac" is not one of none, integrity, encryption' in bad.stdout + bad.stderr
+    out = tmp_path / "encrypted"
+    out.mkdir()
+    check(launch(2, "elastic_train.py", str(out), "20", env=env("encryption"), elastic=True))
+    torch.testing.assert_close(torch.load(out / "params.pt"), undisturbed(20), atol=5e-5, rtol=2e-4)

@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from conftest import SCRIPTS, records
+from conftest import SCRIPTS, launch, records
 
 sys.path.insert(0, SCRIPTS)
 import elastic_train  # noqa: E402
@@ -121,3 +121,15 @@ def test_a_joiner_receives_the_state(tmp_path):
     joiner = after["local-4"]
     assert joiner["first_generation"] > 1 and joiner["step"] == STEPS and joiner["world"] == 4, joiner
     torch.testing.assert_close(torch.load(out / "params.pt"), undisturbed(STEPS), atol=5e-5, rtol=2e-4)
+
+
+def test_a_member_whose_collectives_differ_fails_the_run_instead_of_re_forming(tmp_path):
+    """One member's DDP all-reduces are compressed, the others' are not: its frames are half the
+    size its peers expect. That is the script's mistake, not the ring's: the run fails with
+    ``CollectiveMismatch`` as it does without ``--elastic``, instead of re-forming the same
+    generation again and again (it did, until a timeout)."""
+    env = dict(os.environ, COMPRESSED_MEMBER="local-1")
+    p = launch(3, "elastic_train.py", str(tmp_path), str(STEPS), env=env, elastic=True, timeout=150)
+    output = p.stdout + p.stderr
+    assert p.returncode != 0, output[-4000:]
+    assert "CollectiveMismatch" in output and "called different collectives or sizes" in output, output[-4000:]

@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use diphoma_contract::{self as contract, MEMBERSHIP_KEY, Membership};
 
-use crate::Config;
 use crate::follow::{Backend, Feed, Follower, Memberships};
+use crate::{Config, Protection};
 
 /// Standalone env: the ring directory (`membership.json` in, heartbeat records out).
 pub const ENV_RING_DIR: &str = "DIPHOMA_RING_DIR";
@@ -43,6 +43,8 @@ pub type FileRing = Follower<RingDir>;
 pub struct RingDir {
     dir: PathBuf,
     stop: Arc<AtomicBool>,
+    /// The data-frame protection of every generation joined through it.
+    protection: Protection,
 }
 
 impl Drop for RingDir {
@@ -83,7 +85,11 @@ impl RingDir {
                 std::thread::sleep(POLL);
             }
         });
-        RingDir { dir, stop }
+        RingDir {
+            dir,
+            stop,
+            protection: Protection::default(),
+        }
     }
 
     fn write(&self, key: &str, json: &str) {
@@ -102,8 +108,9 @@ impl Backend for RingDir {
         &mut self,
         m: &Membership,
         rank: usize,
-        _config: &mut Config,
+        config: &mut Config,
     ) -> std::io::Result<TcpListener> {
+        config.protection = self.protection;
         let addr = m.addresses()[rank];
         TcpListener::bind(addr)
             .map_err(|e| std::io::Error::new(e.kind(), format!("binding {addr}: {e}")))
@@ -150,11 +157,20 @@ impl DirWatch {
 }
 
 impl Follower<RingDir> {
-    /// Starts following `dir` as member `name`, authenticating with `key`; each collective and
-    /// connect is bounded by `op_timeout`. Its records carry no job UID.
-    pub fn start(dir: PathBuf, name: String, key: Vec<u8>, op_timeout: Duration) -> FileRing {
+    /// Starts following `dir` as member `name`, authenticating with `key` and protecting data
+    /// frames by `protection` (every member must use the same); each collective and connect is
+    /// bounded by `op_timeout`. Its records carry no job UID.
+    pub fn start(
+        dir: PathBuf,
+        name: String,
+        key: Vec<u8>,
+        protection: Protection,
+        op_timeout: Duration,
+    ) -> FileRing {
         let Ok(f) = Follower::with_backend(name, None, key, op_timeout, |feed| {
-            Ok::<_, std::convert::Infallible>(RingDir::start(dir, feed))
+            let mut ring = RingDir::start(dir, feed);
+            ring.protection = protection;
+            Ok::<_, std::convert::Infallible>(ring)
         });
         f
     }

@@ -443,6 +443,7 @@ mod tests {
                 self.0.clone(),
                 name.into(),
                 vec![7; 32],
+                crate::Protection::Integrity,
                 Duration::from_secs(20),
             )
         }

@@ -39,7 +39,7 @@ pub enum EnvError {
 ///
 /// # Errors
 /// [`EnvError::Invalid`] naming the variable and the allowed names.
-pub(crate) fn protection_var(value: Option<String>) -> Result<Protection, EnvError> {
+pub fn protection_var(value: Option<String>) -> Result<Protection, EnvError> {
     match value.as_deref().map(str::trim) {
         None | Some("") => Ok(Protection::default()),
         Some(v) => v.parse().map_err(|problem| EnvError::Invalid {

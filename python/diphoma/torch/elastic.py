@@ -117,10 +117,15 @@ class State:
         (which also publishes rank 0's progress record, see ``diphoma.report``) whether a newer
         generation was published: if so, raises so that ``run`` re-forms the ring. Raises
         ``RingChanged`` without committing when a collective of the group failed since (DDP's
-        gradient buckets complete even when the ring fails, see ``diphoma.torch``)."""
+        gradient buckets complete even when the ring fails, see ``diphoma.torch``); re-raises
+        any other failure of the group as it is (a ``CollectiveMismatch``: the ranks' calls
+        differ, and would again at every generation)."""
         group = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
-        if getattr(group, "error", None) is not None:
-            raise RingChanged(f"diphoma: a collective failed during step {self.step}: {group.error}")
+        error = getattr(group, "error", None)
+        if error is not None and not isinstance(error, RingChanged):
+            raise error
+        if error is not None:
+            raise RingChanged(f"diphoma: a collective failed during step {self.step}: {error}")
         self._saved = self.snapshot()
         progress = diphoma._progress
         progress["explicit"] = True  # the committed steps are the progress (not optimizer steps)
