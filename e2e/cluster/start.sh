@@ -196,11 +196,10 @@ leaderElection:
 CFG
 # --pod-max-in-unschedulable-pods-duration (deprecated, but applied with --config too: it has no
 # KubeSchedulerConfiguration field; default 5m): how long a pod may stay parked among the
-# unschedulable ones before it is tried again with no event asking for it. A gang member that
-# the alpha GangScheduling plugin rejects at Permit (its 5-minute timeout) is parked with that
-# plugin as the reason, and the plugin asks to be woken only by a pod of its own gang being added
-# or its Workload being added, not by room appearing (another gang's pods finishing): such a gang
-# stays Pending up to 5 more minutes with room for it (README, "Gang scheduling").
+# unschedulable ones before it is tried again with no event asking for it. On 1.35 a gang member
+# rejected at Permit (the GangScheduling plugin's 5-minute timeout) was parked so, woken by no
+# room appearing; 1.36 retries a gang's members after a back-off instead (README, "Gang
+# scheduling"), and the gang suite passed with the default 5m: 30s stays as a bound.
 supervise kube-scheduler "$BIN/kube-scheduler" \
   --config="$W/kube-scheduler.yaml" \
   "${GATE_ARGS[@]}" \

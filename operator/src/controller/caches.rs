@@ -757,17 +757,28 @@ pub fn prune_pod(pod: &mut Pod) {
 /// Keeps the whole object (what [`watch_kind`] keeps of kinds other than pods).
 fn keep<K>(_: &mut K) {}
 
-/// A store of the `K` objects this operator created ([`owned`]), whole, and the watch that feeds
-/// it, noting in `seen` (as `kind`) what it delivered; the objects touched, for `owns_stream`.
-pub fn watch_owned<K>(client: &Client, seen: &Arc<Seen>, kind: Kind) -> (Store<K>, Objects<K>)
-where
+/// A kind of object the operator watches into a store of its own ([`watch_kind`]).
+pub trait Watched:
+    Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static
+{
+}
+
+impl<K> Watched for K where
     K: Resource<DynamicType = ()>
         + Clone
         + DeserializeOwned
         + std::fmt::Debug
         + Send
         + Sync
-        + 'static,
+        + 'static
+{
+}
+
+/// A store of the `K` objects this operator created ([`owned`]), whole, and the watch that feeds
+/// it, noting in `seen` (as `kind`) what it delivered; the objects touched, for `owns_stream`.
+pub fn watch_owned<K>(client: &Client, seen: &Arc<Seen>, kind: Kind) -> (Store<K>, Objects<K>)
+where
+    K: Watched,
 {
     let (store, writer) = reflector::store();
     let events = watch_kind(client, &owned(), writer, seen, kind, keep);
@@ -786,13 +797,7 @@ fn watch_kind<K>(
     prune: fn(&mut K),
 ) -> Objects<K>
 where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
+    K: Watched,
 {
     let seen = seen.clone();
     observed(
