@@ -6,7 +6,7 @@
 # Builds only what is missing; outputs live outside the repository so every clone reuses them.
 set -euo pipefail
 
-K8S_VERSION=${K8S_VERSION:-v1.35.4}          # a k8s.io/kubernetes tag the proxy serves
+K8S_VERSION=${K8S_VERSION:-v1.36.3}          # a k8s.io/kubernetes tag the proxy serves
 ETCD_VERSION=${ETCD_VERSION:-v3.6.14}        # go.etcd.io/etcd/server/v3 tag
 HELM_VERSION=${HELM_VERSION:-v3.21.4}        # "" to skip
 KUBECONFORM_VERSION=${KUBECONFORM_VERSION:-} # e.g. v0.7.0; "" to skip
@@ -19,9 +19,9 @@ export GOWORK=off          # a go.work above us would force -mod=readonly semant
 export CGO_ENABLED=0       # upstream builds these as static binaries (hack/lib/golang.sh KUBE_STATIC_LIBRARIES)
 unset GOFLAGS              # an inherited -mod=vendor / -mod=mod breaks 'go get' / 'go install pkg@v'
 
-mp=${K8S_VERSION#v1.}                  # 35.4
-K8S_MINOR=${mp%%.*}                    # 35
-STAGING_VERSION="v0.${mp}"             # v0.35.4 — staging modules are tagged v0.<minor>.<patch>
+mp=${K8S_VERSION#v1.}                  # 36.3
+K8S_MINOR=${mp%%.*}                    # 36
+STAGING_VERSION="v0.${mp}"             # v0.36.3 — staging modules are tagged v0.<minor>.<patch>
 mkdir -p "$OUT" "$SRC/k8s" "$SRC/etcd"
 
 if [[ ! -x "$OUT/kube-apiserver" || ! -x "$OUT/kubectl" ]]; then
@@ -96,7 +96,7 @@ if [[ -n "$KUBECONFORM_VERSION" && ! -x "$OUT/kubeconform" ]]; then
     "github.com/yannh/kubeconform/cmd/kubeconform@${KUBECONFORM_VERSION}"
 fi
 
-"$OUT/kube-apiserver" --version >&2    # expect: Kubernetes v1.35.4
+"$OUT/kube-apiserver" --version >&2    # expect: Kubernetes v1.36.3
 # no `| head` here: under pipefail, etcd killed by SIGPIPE would fail the script (exit 141)
 etcd_version=$("$OUT/etcd" --version)
 echo "${etcd_version%%$'\n'*}" >&2

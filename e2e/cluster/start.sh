@@ -12,11 +12,13 @@
 # timeouts, which the gang tests print when they fail; a few hundred KB a suite),
 # SCHED_QPS/SCHED_BURST (the scheduler's client limits, default 50/100), SCHED_MAX_UNSCHEDULABLE
 # (the scheduler's --pod-max-in-unschedulable-pods-duration, default 30s; see below),
-# FEATURE_GATES (the API server's and the scheduler's; default: Kubernetes' gang scheduling,
-# KEP-4671, alpha in 1.35: GenericWorkload serves scheduling.k8s.io/v1alpha1 Workloads and the
-# pods' spec.workloadRef, GangScheduling enables the scheduler's plugin; "" for none).
+# FEATURE_GATES (the API server's, the controller-manager's and the scheduler's; default:
+# Kubernetes' gang scheduling, KEP-4671, alpha in 1.36: GenericWorkload serves
+# scheduling.k8s.io/v1alpha2 Workloads and PodGroups and the pods' spec.schedulingGroup, and runs
+# the controller-manager's podgroup-protection controller, which releases a deleted PodGroup once
+# no pod names it; GangScheduling enables the scheduler's plugin; "" for none).
 # Flags are taken from envtest, kwok's binary runtime and hack/local-up-cluster.sh
-# (../shared/control-plane/README.md §3); verified with the v1.35.4 binaries (e2e/cluster/README.md).
+# (../shared/control-plane/README.md §3); verified with the v1.36.3 binaries (e2e/cluster/README.md).
 set -euo pipefail
 BIN=$(cd "${1:?usage: $0 BIN_DIR [WORK_DIR]}" && pwd)
 W=${2:-$(mktemp -d -t k8s-cp.XXXXXX)}
@@ -38,7 +40,7 @@ API_GATE_ARGS=()
 if [[ -n $FEATURE_GATES ]]; then
   GATE_ARGS=(--feature-gates="$FEATURE_GATES")
   # the alpha API group version the gates serve (off by default even with them on)
-  [[ $FEATURE_GATES == *GenericWorkload=true* ]] && API_GATE_ARGS=(--runtime-config=scheduling.k8s.io/v1alpha1=true)
+  [[ $FEATURE_GATES == *GenericWorkload=true* ]] && API_GATE_ARGS=(--runtime-config=scheduling.k8s.io/v1alpha2=true)
 fi
 
 freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -99,8 +101,8 @@ wait_for() { # what timeout_s cmd...
 # supervise NAME CMD...: runs CMD in the background as a kubelet runs a control-plane static pod
 # (restartPolicy Always): started again 1 s after it exits, its output appended to logs/NAME.log
 # with a line saying so. NAME.pid is the supervisor's; SIGTERM stops it and its child. (Seen:
-# kube-scheduler v1.35.4's alpha GangScheduling plugin panics when a gang's pod waiting at Permit
-# is deleted while another pod of the gang reaches Permit; README "Gang scheduling".)
+# kube-scheduler v1.35.4's alpha GangScheduling plugin panicked when a gang's pod waiting at
+# Permit was deleted while another pod of the gang reached Permit; README "Gang scheduling".)
 supervise() {
   local name=$1; shift
   (
@@ -177,6 +179,7 @@ supervise kube-controller-manager "$BIN/kube-controller-manager" \
   --service-account-private-key-file="$P/sa.key" \
   --root-ca-file="$P/ca.crt" \
   --use-service-account-credentials=false \
+  "${GATE_ARGS[@]}" \
   ${KCM_EXTRA_ARGS:-} \
   --v="${KLOG_V:-1}"
 
@@ -193,11 +196,10 @@ leaderElection:
 CFG
 # --pod-max-in-unschedulable-pods-duration (deprecated, but applied with --config too: it has no
 # KubeSchedulerConfiguration field; default 5m): how long a pod may stay parked among the
-# unschedulable ones before it is tried again with no event asking for it. A gang member that
-# the alpha GangScheduling plugin rejects at Permit (its 5-minute timeout) is parked with that
-# plugin as the reason, and the plugin asks to be woken only by a pod of its own gang being added
-# or its Workload being added, not by room appearing (another gang's pods finishing): such a gang
-# stays Pending up to 5 more minutes with room for it (README, "Gang scheduling").
+# unschedulable ones before it is tried again with no event asking for it. On 1.35 a gang member
+# rejected at Permit (the GangScheduling plugin's 5-minute timeout) was parked so, woken by no
+# room appearing; 1.36 retries a gang's members after a back-off instead (README, "Gang
+# scheduling"), and the gang suite passed with the default 5m: 30s stays as a bound.
 supervise kube-scheduler "$BIN/kube-scheduler" \
   --config="$W/kube-scheduler.yaml" \
   "${GATE_ARGS[@]}" \

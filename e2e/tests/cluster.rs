@@ -799,7 +799,7 @@ fn scheduler_process(ctx: &Ctx) -> Result<Option<u32>> {
     Ok(children.split_whitespace().find_map(|c| c.parse().ok()))
 }
 
-/// A kube-scheduler that dies (as v1.35.4's does on a race of its alpha gang plugin: README, "Gang
+/// A kube-scheduler that dies (as v1.35.4's did on a race of its alpha gang plugin: README, "Gang
 /// scheduling") is started again, as a kubelet restarts a static pod, and places the next pod.
 /// Before, nothing was scheduled after it: the gang test waited 90 s for a replacement.
 async fn a_scheduler_that_dies_is_restarted_and_places_the_next_pod(

@@ -242,11 +242,12 @@ pub struct Gang {
     /// Which gang scheduler places the workers. `None` (default): each worker is scheduled on
     /// its own, so a ring that only partly fits holds the GPUs of the workers that did.
     /// `Kubernetes`: the kube-scheduler's own gang scheduling (KEP-4671, alpha in Kubernetes
-    /// 1.35: feature gates `GenericWorkload` and `GangScheduling` on the API server and the
-    /// scheduler, API `scheduling.k8s.io/v1alpha1` enabled): the operator creates a
-    /// `scheduling.k8s.io/v1alpha1` `Workload` named after the job, with one pod group
-    /// `workers` whose gang policy's `minCount` is the ring's minimum, and each worker points
-    /// at it (`spec.workloadRef`); the scheduler then binds no worker until that many fit.
+    /// 1.36: feature gates `GenericWorkload` and `GangScheduling` on the API server, the
+    /// controller-manager and the scheduler, API `scheduling.k8s.io/v1alpha2` enabled): the
+    /// operator creates a `scheduling.k8s.io/v1alpha2` `Workload` named after the job, with one
+    /// pod group template `workers` whose gang policy's `minCount` is the ring's minimum, and a
+    /// `PodGroup` of the same name made from it, which each worker names
+    /// (`spec.schedulingGroup`); the scheduler then binds no worker until that many fit.
     #[serde(default)]
     pub scheduler: GangScheduler,
 }
@@ -257,7 +258,7 @@ pub enum GangScheduler {
     /// No gang scheduling.
     #[default]
     None,
-    /// Kubernetes' own gang scheduling (`scheduling.k8s.io/v1alpha1` `Workload`).
+    /// Kubernetes' own gang scheduling (`scheduling.k8s.io/v1alpha2` `Workload` and `PodGroup`).
     Kubernetes,
 }
 

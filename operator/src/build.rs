@@ -14,18 +14,19 @@ use diphoma_contract::{
 };
 use k8s_openapi::api::core::v1::{
     Affinity, ConfigMap, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
-    NodeSelectorRequirement, NodeSelectorTerm, ObjectFieldSelector, Pod, PodSpec, Secret,
-    SecretVolumeSource, Service, ServiceAccount, ServicePort, ServiceSpec, Toleration, Volume,
-    VolumeMount, WorkloadReference,
+    NodeSelectorRequirement, NodeSelectorTerm, ObjectFieldSelector, Pod, PodSchedulingGroup,
+    PodSpec, Secret, SecretVolumeSource, Service, ServiceAccount, ServicePort, ServiceSpec,
+    Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
     NetworkPolicySpec,
 };
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
-use k8s_openapi::api::scheduling::v1alpha1::{
-    GangSchedulingPolicy, PodGroup, PodGroupPolicy, TypedLocalObjectReference, Workload,
-    WorkloadSpec,
+use k8s_openapi::api::scheduling::v1alpha2::{
+    GangSchedulingPolicy, PodGroup, PodGroupSchedulingPolicy, PodGroupSpec, PodGroupTemplate,
+    PodGroupTemplateReference, TypedLocalObjectReference, Workload,
+    WorkloadPodGroupTemplateReference, WorkloadSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
@@ -110,38 +111,66 @@ fn meta(job: &DiphomaJob, name: String) -> ObjectMeta {
     }
 }
 
-/// The name of the job's gang `Workload` (`scheduling.k8s.io/v1alpha1`): the job's own (a
-/// different API group and kind than Kueue's Workload, `diphomajob-<job>`).
-pub fn gang_workload_name(job: &str) -> String {
+/// The name of the job's gang objects (`scheduling.k8s.io/v1alpha2` `Workload` and `PodGroup`):
+/// the job's own (a different API group than Kueue's Workload, `diphomajob-<job>`).
+pub fn gang_name(job: &str) -> String {
     job.to_owned()
 }
 
-/// The only pod group of the job's gang `Workload`, which every worker names in
-/// `spec.workloadRef.podGroup`.
-pub const GANG_POD_GROUP: &str = "workers";
+/// The only pod group template of the job's gang `Workload`, which its `PodGroup` names.
+pub const GANG_TEMPLATE: &str = "workers";
 
-/// The job's gang: a `scheduling.k8s.io/v1alpha1` `Workload` (KEP-4671, Kubernetes 1.35) owned
-/// by the job, with one pod group [`GANG_POD_GROUP`] whose gang policy's `minCount` is
-/// `min_count` (the ring's minimum): the kube-scheduler binds none of the workers that point at
-/// it until `min_count` of them can be placed. `spec.podGroups` is immutable: a new minimum
-/// takes a new Workload of the same name.
+/// The gang policy: all or nothing, for at least `min_count` workers.
+fn gang_policy(min_count: i32) -> PodGroupSchedulingPolicy {
+    PodGroupSchedulingPolicy {
+        gang: Some(GangSchedulingPolicy { min_count }),
+        basic: None,
+    }
+}
+
+/// The job's gang definition: a `scheduling.k8s.io/v1alpha2` `Workload` (KEP-4671, Kubernetes
+/// 1.36) owned by the job, with one pod group template [`GANG_TEMPLATE`] whose gang policy's
+/// `minCount` is `min_count` (the ring's minimum). The scheduler reads the [`gang_pod_group`]
+/// made from it; `spec.podGroupTemplates` is immutable: a new minimum takes a new Workload of
+/// the same name.
 pub fn gang_workload(job: &DiphomaJob, min_count: i32) -> Workload {
     Workload {
-        metadata: meta(job, gang_workload_name(&job.name_any())),
+        metadata: meta(job, gang_name(&job.name_any())),
         spec: WorkloadSpec {
             controller_ref: Some(TypedLocalObjectReference {
                 api_group: Some(DiphomaJob::group(&()).into_owned()),
                 kind: DiphomaJob::kind(&()).into_owned(),
                 name: job.name_any(),
             }),
-            pod_groups: vec![PodGroup {
-                name: GANG_POD_GROUP.into(),
-                policy: PodGroupPolicy {
-                    gang: Some(GangSchedulingPolicy { min_count }),
-                    basic: None,
-                },
+            pod_group_templates: vec![PodGroupTemplate {
+                name: GANG_TEMPLATE.into(),
+                scheduling_policy: gang_policy(min_count),
+                ..Default::default()
             }],
         },
+    }
+}
+
+/// The job's gang as the kube-scheduler places it: a `scheduling.k8s.io/v1alpha2` `PodGroup`
+/// owned by the job, made from template [`GANG_TEMPLATE`] of its [`gang_workload`], with the
+/// same gang policy; every worker names it (`spec.schedulingGroup.podGroupName`). The scheduler
+/// binds none of them until `min_count` can be placed. Immutable, and kept by the API server
+/// while a pod names it (finalizer `scheduling.k8s.io/podgroup-protection`).
+pub fn gang_pod_group(job: &DiphomaJob, min_count: i32) -> PodGroup {
+    let name = gang_name(&job.name_any());
+    PodGroup {
+        metadata: meta(job, name.clone()),
+        spec: PodGroupSpec {
+            pod_group_template_ref: Some(PodGroupTemplateReference {
+                workload: Some(WorkloadPodGroupTemplateReference {
+                    workload_name: name,
+                    pod_group_template_name: GANG_TEMPLATE.into(),
+                }),
+            }),
+            scheduling_policy: gang_policy(min_count),
+            ..Default::default()
+        },
+        status: None,
     }
 }
 
@@ -318,12 +347,10 @@ pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Result<Pod, Bui
     pod_spec.hostname = Some(pod_name(&name, index, 0));
     pod_spec.subdomain = Some(name.clone());
     place(spec, &mut pod_spec);
-    // A gang-scheduled worker points at its gang (immutable on the pod, set at creation).
-    pod_spec.workload_ref = match spec.gang_scheduler() {
-        GangScheduler::Kubernetes => Some(WorkloadReference {
-            name: gang_workload_name(&name),
-            pod_group: GANG_POD_GROUP.into(),
-            pod_group_replica_key: None,
+    // A gang-scheduled worker names its gang's PodGroup (immutable on the pod, set at creation).
+    pod_spec.scheduling_group = match spec.gang_scheduler() {
+        GangScheduler::Kubernetes => Some(PodSchedulingGroup {
+            pod_group_name: Some(gang_name(&name)),
         }),
         GangScheduler::None => None,
     };
@@ -750,7 +777,7 @@ pub fn role_binding(job: &DiphomaJob) -> RoleBinding {
     RoleBinding {
         metadata: meta(job, name.clone()),
         role_ref: RoleRef {
-            api_group: "rbac.authorization.k8s.io".into(),
+            api_group: Some("rbac.authorization.k8s.io".into()),
             kind: "Role".into(),
             name: name.clone(),
         },
@@ -817,8 +844,10 @@ pub enum Kind {
     NetworkPolicy,
     /// The job's Kueue Workload (`kueue.x-k8s.io/v1beta2`), when Kueue is served.
     KueueWorkload,
-    /// The job's gang Workload (`scheduling.k8s.io/v1alpha1`), when the API server serves it.
+    /// The job's gang Workload (`scheduling.k8s.io/v1alpha2`), when the API server serves it.
     GangWorkload,
+    /// The job's gang PodGroup (`scheduling.k8s.io/v1alpha2`), when the API server serves it.
+    GangPodGroup,
 }
 
 impl Kind {
@@ -849,6 +878,7 @@ impl Kind {
             Kind::NetworkPolicy => ApiResource::erase::<NetworkPolicy>(&()),
             Kind::KueueWorkload => crate::queue::workloads(),
             Kind::GangWorkload => ApiResource::erase::<Workload>(&()),
+            Kind::GangPodGroup => ApiResource::erase::<PodGroup>(&()),
         }
     }
 
@@ -865,6 +895,7 @@ impl Kind {
             Kind::Secret => "Secret",
             Kind::NetworkPolicy => "NetworkPolicy",
             Kind::KueueWorkload | Kind::GangWorkload => "Workload",
+            Kind::GangPodGroup => "PodGroup",
         }
     }
 }

@@ -93,9 +93,10 @@ pub struct Context {
     pub caches: Arc<Caches>,
     /// The safety net: the longest a job goes without a reconcile ([`Options::resync`]).
     pub resync: Duration,
-    /// The gang Workloads (`scheduling.k8s.io/v1alpha1`) this operator created, as their watch
-    /// keeps them; none when the API server does not serve them ([`crate::gang`]).
-    pub gangs: Option<reflector::Store<k8s_openapi::api::scheduling::v1alpha1::Workload>>,
+    /// The gang Workloads and PodGroups (`scheduling.k8s.io/v1alpha2`) this operator created,
+    /// as their watches keep them; none when the API server does not serve them
+    /// ([`crate::gang`]).
+    pub gangs: Option<crate::gang::Stores>,
     /// Held while a gang-scheduled job's workers are created, so that the workers of two gangs
     /// are never created interleaved: the scheduler's queue takes pods of equal priority in the
     /// order they arrived, and two gangs placed turn about would each hold part of the room
@@ -329,23 +330,22 @@ pub async fn run(
         let events = caches.watch_kueue(&client, writers);
         controller = controller.owns_stream_with(events, crate::queue::workloads());
     }
-    // Gang Workloads (`scheduling.k8s.io/v1alpha1`), when the API server serves them (Kubernetes
-    // 1.35 with the feature gate `GenericWorkload` and the API enabled; a job asking for a gang
-    // is held without them): kept in a store, so that a reconcile reads its job's without a
-    // request.
-    let gangs = if caches::serves(&client, "scheduling.k8s.io/v1alpha1", "workloads").await {
-        let (store, writer) = reflector::store();
-        let api = Api::<k8s_openapi::api::scheduling::v1alpha1::Workload>::all(client.clone());
-        let events = caches::observed(
-            watcher(api, caches::owned()),
-            writer,
-            caches.seen.clone(),
-            Kind::GangWorkload,
-            |_| {},
-        )
-        .applied_objects();
+    // Gang Workloads and PodGroups (`scheduling.k8s.io/v1alpha2`), when the API server serves
+    // them (Kubernetes 1.36 with the feature gate `GenericWorkload` and the API enabled; a job
+    // asking for a gang is held without them): kept in stores, so that a reconcile reads its
+    // job's without a request.
+    let gang_group = "scheduling.k8s.io/v1alpha2";
+    let gangs = if caches::serves(&client, gang_group, "workloads").await
+        && caches::serves(&client, gang_group, "podgroups").await
+    {
+        let (workloads, events) = caches::watch_owned(&client, &caches.seen, Kind::GangWorkload);
         controller = controller.owns_stream(events);
-        Some(store)
+        let (pod_groups, events) = caches::watch_owned(&client, &caches.seen, Kind::GangPodGroup);
+        controller = controller.owns_stream(events);
+        Some(crate::gang::Stores {
+            workloads,
+            pod_groups,
+        })
     } else {
         None
     };

@@ -105,12 +105,15 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
-    /// Creating or deleting the job's gang Workload (`scheduling.k8s.io/v1alpha1`) failed.
-    #[error("{action} gang Workload {name}: {source}")]
+    /// Creating or deleting the job's gang Workload or PodGroup (`scheduling.k8s.io/v1alpha2`)
+    /// failed.
+    #[error("{action} gang {kind} {name}: {source}")]
     Gang {
         /// `create`, `delete`.
         action: &'static str,
-        /// The Workload.
+        /// `Workload`, `PodGroup`.
+        kind: &'static str,
+        /// The object.
         name: String,
         /// The API error.
         #[source]
@@ -206,6 +209,7 @@ mod tests {
             },
             Error::Gang {
                 action: "create",
+                kind: "PodGroup",
                 name: "w".into(),
                 source: api(),
             },

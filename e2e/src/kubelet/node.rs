@@ -146,7 +146,7 @@ pub fn node_object(cfg: &NodeConfig, ip: &str, pod_cidr: &str, kubelet_port: u16
             node_info: Some(NodeSystemInfo {
                 architecture: "amd64".into(),
                 operating_system: "linux".into(),
-                kubelet_version: "v1.35.4-diphoma-process".into(),
+                kubelet_version: "v1.36.3-diphoma-process".into(),
                 container_runtime_version: "process://0.1".into(),
                 ..Default::default()
             }),

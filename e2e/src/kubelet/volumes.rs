@@ -87,8 +87,8 @@ pub async fn pod_token(
         .and_then(|s| s.service_account_name.as_deref())
         .unwrap_or("default");
     let req = TokenRequest {
-        spec: TokenRequestSpec {
-            audiences: audience.map(|a| vec![a.to_owned()]).unwrap_or_default(),
+        spec: Some(TokenRequestSpec {
+            audiences: audience.map(|a| vec![a.to_owned()]),
             expiration_seconds: Some(TOKEN_SECONDS),
             bound_object_ref: Some(BoundObjectReference {
                 api_version: Some("v1".into()),
@@ -96,14 +96,14 @@ pub async fn pod_token(
                 name: pod.metadata.name.clone(),
                 uid: pod.metadata.uid.clone(),
             }),
-        },
+        }),
         ..Default::default()
     };
     let api: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
     let resp = api
         .create_token_request(sa, &PostParams::default(), &req)
         .await?;
-    Ok(resp.status.map(|s| s.token).unwrap_or_default())
+    Ok(resp.status.and_then(|s| s.token).unwrap_or_default())
 }
 
 /// Writes `<pod dir>/kubeconfig`: the API server at `server`, its CA, and the pod's token.

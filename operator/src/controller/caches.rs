@@ -44,7 +44,7 @@ use crate::plan::nodes::{LeaseSeen, observe_lease};
 pub use crate::build::Kind;
 
 /// The number of [`Kind`]s.
-const KINDS: usize = 11;
+const KINDS: usize = 12;
 
 /// The `resourceVersion` of an object as an integer (none: missing or not a number).
 pub fn resource_version(meta: &ObjectMeta) -> Option<u64> {
@@ -757,6 +757,34 @@ pub fn prune_pod(pod: &mut Pod) {
 /// Keeps the whole object (what [`watch_kind`] keeps of kinds other than pods).
 fn keep<K>(_: &mut K) {}
 
+/// A kind of object the operator watches into a store of its own ([`watch_kind`]).
+pub trait Watched:
+    Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static
+{
+}
+
+impl<K> Watched for K where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static
+{
+}
+
+/// A store of the `K` objects this operator created ([`owned`]), whole, and the watch that feeds
+/// it, noting in `seen` (as `kind`) what it delivered; the objects touched, for `owns_stream`.
+pub fn watch_owned<K>(client: &Client, seen: &Arc<Seen>, kind: Kind) -> (Store<K>, Objects<K>)
+where
+    K: Watched,
+{
+    let (store, writer) = reflector::store();
+    let events = watch_kind(client, &owned(), writer, seen, kind, keep);
+    (store, events)
+}
+
 /// A watch of the `K` objects matching `cfg` (their `managedFields` dropped, then `prune`d),
 /// feeding `writer`'s store and noting in `seen` what it delivered; the objects touched, for
 /// `owns_stream`.
@@ -769,13 +797,7 @@ fn watch_kind<K>(
     prune: fn(&mut K),
 ) -> Objects<K>
 where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
+    K: Watched,
 {
     let seen = seen.clone();
     observed(

@@ -577,7 +577,10 @@ async fn a_gang_job_deleted_during_its_repair_is_yielded_to_no_more() {
             if present {
                 writer.apply_watcher_event(&Ev::Apply(DeserializeGuard(Ok(other.clone()))));
             }
-            let (gangs, _) = reflector::store();
+            let gangs = crate::gang::Stores {
+                workloads: reflector::store().0,
+                pod_groups: reflector::store().0,
+            };
             let ctx = Arc::new(Context {
                 caches: caches(&job, &objects),
                 jobs: Some(jobs),

@@ -209,12 +209,7 @@ fn completion(
 fn suspend(job: &DiphomaJob, obs: &Observed, hold: &Hold, plan: &mut Plan) {
     let spec = &job.spec;
     let prev = job.status.clone().unwrap_or_default();
-    // A gang's workers held at the scheduler's Permit stage go last (kube-scheduler v1.35.4
-    // panics when one is deleted while another of its gang reaches Permit: README, "Gang
-    // scheduling"); the sort is stable.
-    let mut leaving: Vec<&Pod> = obs.pods.iter().filter(|p| !by_operator(p)).collect();
-    leaving.sort_by_key(|p| super::gang::at_permit(p));
-    for p in leaving {
+    for p in obs.pods.iter().filter(|p| !by_operator(p)) {
         plan.delete.push(Deletion {
             pod: p.name_any(),
             force: false,

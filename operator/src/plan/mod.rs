@@ -14,7 +14,7 @@
 //! 4. [`ring`]: publish the next ring generation when its membership changes;
 //! 5. [`status`]: readiness, waiting, phase and conditions;
 //! 6. [`queue`]: the job's Kueue Workload;
-//! 7. [`gang`]: the job's gang Workload;
+//! 7. [`gang`]: the job's gang Workload and PodGroup;
 //! 8. [`memory`]: the refused creations still held, and what the reconciler remembers.
 //!
 //! Every step depends only on earlier ones and on this module's vocabulary (failures,
@@ -331,7 +331,7 @@ pub struct Plan {
     pub relabel: Vec<Relabel>,
     /// What to do with the job's Kueue Workload.
     pub queue: queue::QueuePlan,
-    /// What to do with the job's gang Workload (`scheduling.k8s.io`).
+    /// What to do with the job's gang Workload and PodGroup (`scheduling.k8s.io`).
     pub gang: gang::GangPlan,
 }
 
@@ -398,11 +398,11 @@ pub fn plan(job: &DiphomaJob, obs: &Observed, memory: &memory::Memory) -> (Plan,
     {
         plan.due_in(queue::PRIORITY_CLASS_LOOK_AGAIN);
     }
-    // 7. Gang: the job's gang Workload. A gang waiting, or yielding, looks again for another
+    // 7. Gang: the job's gang Workload and PodGroup. A gang waiting, or yielding, looks again for another
     // gang's repair starting or ending (the other job's pods are not this job's: no event of
     // its own says so).
     plan.gang = gang::gang_plan(job, &obs.gang, plan.status.phase);
-    if gang::waiting(job, &obs.pods, None).is_some()
+    if gang::waiting(job, &obs.pods, &[]).is_some()
         || hold.is_some_and(|h| h.reason == gang::YIELDS)
     {
         plan.due_in(gang::YIELD_LOOK_AGAIN);

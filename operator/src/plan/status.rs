@@ -146,7 +146,7 @@ pub fn running(
         (true, None) => None,
     };
     // A gang bound all together or not at all says so while none of it is bound.
-    let gang = super::gang::waiting(job, &obs.pods, blocked).filter(|_| !ring.enough);
+    let gang = super::gang::waiting(job, &obs.pods, &workers.blocked).filter(|_| !ring.enough);
     if gang.is_some() {
         status.waiting = gang.clone();
     }
