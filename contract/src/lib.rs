@@ -74,7 +74,8 @@ pub const ENV_DETECTION_SECONDS: &str = "DIPHOMA_DETECTION_SECONDS";
 /// job gets the same value; peers that differ refuse each other's handshake.
 pub const ENV_RING_PROTECTION: &str = "DIPHOMA_RING_PROTECTION";
 /// Env: what carries a PyTorch job's collectives (`spec.ring.dataPlane`): `ring` (the default
-/// when unset) or `gloo` (a gloo communicator per ring generation; `diphoma.torch._plane`).
+/// when unset), `gloo` or `nccl` (a communicator of that library per ring generation;
+/// `diphoma.torch._plane`).
 pub const ENV_DATA_PLANE: &str = "DIPHOMA_DATA_PLANE";
 /// Env: the wire dtype of a PyTorch job's float32 all-reduces (`spec.ring.compression`): `none`
 /// (the default when unset) or `bf16` (`diphoma.torch._ops.compression`).

@@ -1439,6 +1439,20 @@ async fn gpu_workers_need_only_the_resource_and_cpu_workers_see_none(
         &yaml,
         &["must equal spec.gpusPerWorker"],
     )?;
+    // The nccl data plane on CPU workers is refused, naming both fields.
+    let yaml = JobManifest {
+        extra: json!({"spec": {"ring": {"dataPlane": "nccl"}}}),
+        gpus_per_worker: 0,
+        ..probe_job("nccl-on-cpus", 1)
+    }
+    .to_string();
+    refused(
+        &ctx,
+        &ns,
+        "the nccl data plane on CPU workers",
+        &yaml,
+        &["spec.ring.dataPlane nccl needs GPU workers (spec.gpusPerWorker"],
+    )?;
     let same = json!({"spec": {"template": {"spec": {"containers": [
         {"resources": {"limits": {"nvidia.com/gpu": "2"}, "requests": {"nvidia.com/gpu": 2}}}
     ]}}}});

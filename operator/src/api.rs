@@ -58,6 +58,9 @@ const RING_PORT_METRICS_MESSAGE: &str = "spec.ringPort and the rendezvous store'
 /// below 65536 and do not reach the metrics port 9400 from below.
 const PROCESS_PORTS_RULE: &str = "(has(self.ringPort) ? self.ringPort : 29500) + 2 * ((has(self.processesPerWorker) ? self.processesPerWorker : 1) - 1) <= 65535 && ((has(self.ringPort) ? self.ringPort : 29500) > 9400 || (has(self.ringPort) ? self.ringPort : 29500) + 2 * ((has(self.processesPerWorker) ? self.processesPerWorker : 1) - 1) < 9399)";
 const PROCESS_PORTS_MESSAGE: &str = "spec.processesPerWorker: local rank l listens at spec.ringPort + 2*l, so spec.ringPort + 2*(processesPerWorker - 1) must be at most 65535 and the ports must not reach the metrics port 9400 (choose another spec.ringPort)";
+/// The `nccl` data plane carries CUDA tensors: a job of CPU workers cannot run it.
+const NCCL_RULE: &str = "!has(self.ring) || !has(self.ring.dataPlane) || self.ring.dataPlane != 'nccl' || (has(self.gpusPerWorker) && self.gpusPerWorker >= 1)";
+const NCCL_MESSAGE: &str = "spec.ring.dataPlane nccl needs GPU workers (spec.gpusPerWorker at least 1): NCCL carries CUDA tensors (use ring or gloo for CPU workers)";
 const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers listen on it (delete and re-create the job to change it)";
 
 /// A distributed data-parallel training job: a ring of worker pods that the operator keeps alive,
@@ -134,6 +137,7 @@ const RING_PORT_MESSAGE: &str = "spec.ringPort is immutable: the running workers
 #[x_kube(validation = Rule::new(PROCESS_PORTS_RULE).message(PROCESS_PORTS_MESSAGE).field_path(".processesPerWorker"))]
 #[x_kube(validation = Rule::new(MANAGED_BY_RULE).message(MANAGED_BY_MESSAGE).field_path(".managedBy"))]
 #[x_kube(validation = Rule::new(GANG_RULE).message(GANG_MESSAGE).field_path(".gang"))]
+#[x_kube(validation = Rule::new(NCCL_RULE).message(NCCL_MESSAGE).field_path(".ring.dataPlane"))]
 #[serde(rename_all = "camelCase")]
 pub struct DiphomaJobSpec {
     /// Desired number of workers in the ring (the `/scale` subresource points here).
@@ -361,8 +365,10 @@ pub struct RingSpec {
     /// created afresh at each ring generation from an address the ring distributes, under
     /// the ring's membership and failure detection (a dead or silent peer is blamed within
     /// `faultTolerance.detectionSeconds`, the old communicator abandoned, the survivors go on in
-    /// the same process). Passed to the workers as `DIPHOMA_DATA_PLANE`; the Rust worker
-    /// always uses the ring. gloo's TCP connections carry no frame protection, and listen on
+    /// the same process); `nccl`, the same with a NCCL communicator, for CUDA tensors (one
+    /// process per GPU: `processesPerWorker` = `gpusPerWorker`; NCCL's `abort` ends a collective
+    /// in flight). Passed to the workers as `DIPHOMA_DATA_PLANE`; the Rust worker always uses
+    /// the ring. gloo's and NCCL's connections carry no frame protection, and listen on
     /// ephemeral ports: the operator's NetworkPolicy (`--network-policy`) then opens every TCP
     /// port of a worker to the job's own workers.
     #[serde(default, skip_serializing_if = "DataPlane::is_ring")]
@@ -412,6 +418,8 @@ pub enum DataPlane {
     Ring,
     /// A gloo communicator per ring generation.
     Gloo,
+    /// A NCCL communicator per ring generation (CUDA tensors).
+    Nccl,
 }
 
 impl DataPlane {
@@ -420,6 +428,7 @@ impl DataPlane {
         match self {
             DataPlane::Ring => "ring",
             DataPlane::Gloo => "gloo",
+            DataPlane::Nccl => "nccl",
         }
     }
 

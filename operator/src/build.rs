@@ -656,7 +656,7 @@ pub fn service(job: &DiphomaJob) -> Service {
 
 /// The job's NetworkPolicy (created when the operator runs with `--network-policy`): the ring
 /// port of its workers (TCP, and UDP for liveness pings) and the rendezvous store's port accept
-/// only this job's workers (with `spec.ring.dataPlane: gloo`, every TCP port: gloo listens on
+/// only this job's workers (with `spec.ring.dataPlane: gloo` or `nccl`, every TCP port: gloo listens on
 /// ephemeral ones; so do the cross-pod rings of the hierarchical all-reduce of a job of several
 /// processes per worker); the metrics port stays open to scrapers.
 /// Other ingress to the workers is denied (the policy selects them).
@@ -693,7 +693,7 @@ pub fn network_policy(job: &DiphomaJob) -> NetworkPolicy {
                         {
                             vec![ring("TCP"), on("TCP", store_port(job.spec.ring_port))]
                         } else {
-                            // gloo's store and connections, and the cross-pod rings of the
+                            // gloo's and NCCL's stores and connections, and the cross-pod rings of the
                             // hierarchical all-reduce (several processes per worker), listen on
                             // ephemeral ports.
                             vec![NetworkPolicyPort {
@@ -1314,7 +1314,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn the_data_plane_reaches_the_worker_and_only_gloo_changes_the_digest() {
+    fn the_data_plane_reaches_the_worker_and_only_a_library_changes_the_digest() {
         let plane = |j: &DiphomaJob| worker_env(j, contract::ENV_DATA_PLANE);
         let mut j = basic();
         let before = worker_spec_digest(&j);
@@ -1332,6 +1332,10 @@ pub(crate) mod tests {
             before,
             "a ring never mixes data planes"
         );
+        let gloo = worker_spec_digest(&j);
+        j.spec.ring.data_plane = DataPlane::Nccl;
+        assert_eq!(plane(&j).as_deref(), Some("nccl"));
+        assert!(![before, gloo].contains(&worker_spec_digest(&j)));
     }
 
     #[test]

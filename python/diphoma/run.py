@@ -27,6 +27,15 @@ the state by broadcast). Rank 0's progress record (``diphoma.report``) and the f
 land in the same directory (``progress.json``, ``report.<name>``). The launcher exits 0 once
 every remaining rank exited 0, and with the last failure's code when none remains.
 
+With ``--pods N`` (N > 1) it stands in for a DiphomaJob of N worker pods of ``--nproc-per-node``
+processes each (``replicas: N``, ``processesPerWorker``), all on 127.0.0.1: it writes the
+ring directory's one generation of N pods (``pod-0`` …, each with ``2·P`` consecutive free ports
+from its ring port: local rank ``l`` listens at ``+ 2·l``, rank 0's store at ``+ 1``) and runs
+one pod agent (below) per pod, as the kubelet would; ring rank ``p·P + l`` is local rank ``l`` of
+pod ``p``, and the all-reduce is hierarchical as in a job (``diphoma.torch._plane``). The first
+pod that fails stops the others (``--grace``) and its exit code is the launcher's. A fixed
+ring: ``--elastic`` and ``--max-restarts`` are refused with it (a job's operator re-forms it).
+
 In a DiphomaJob's worker pod (the contract's ``DIPHOMA_MEMBERSHIP`` is set) it is torchrun's
 agent for that pod instead: ``diphoma._pod`` runs the pod's ``spec.processesPerWorker``
 processes (``DIPHOMA_PROCESSES_PER_WORKER``, one per GPU) at each ring generation with
@@ -65,6 +74,25 @@ def free_ports(n, host=HOST):
     finally:
         for s in socks:
             s.close()
+
+
+def free_span(n, host=HOST):
+    """A port ``p`` such that ``p`` … ``p + n - 1`` are all free on ``host`` at the time of the
+    call (a local pod's ports: its ring port and its processes' ports after it)."""
+    while True:
+        first = free_ports(1, host)[0]
+        socks = []
+        try:
+            for port in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
 
 
 def base_env(nproc, base=None):
@@ -331,6 +359,40 @@ class Elastic:
             time.sleep(0.05)
 
 
+def pod_args(a):
+    """The pod agent's command line for the launcher's arguments ``a`` (``--pods``): the same
+    script, arguments and flags, one pod's ``--nproc-per-node``."""
+    flags = ["--nproc-per-node", str(a.nproc), "--grace", str(a.grace)]
+    flags += ["--backend", a.backend] if a.backend else []
+    flags += ["-m"] if a.module else []
+    return [sys.executable, "-m", "diphoma.run", *flags, a.script, *a.args]
+
+
+def run_pods(a, key_file, ring_dir, procs):
+    """Runs ``a.pods`` local pods of ``a.nproc`` processes (the module doc); returns the exit
+    code. Every launcher started is appended to ``procs`` (for the caller to stop)."""
+    uid = f"standalone-{secrets.token_hex(8)}"
+    ports = [free_span(2 * a.nproc) for _ in range(a.pods)]
+    base = base_env(a.nproc * a.pods)
+    for i in range(a.pods):
+        env = dict(base, DIPHOMA_RING_DIR=ring_dir, DIPHOMA_POD_NAME=f"pod-{i}", DIPHOMA_KEY_FILE=key_file,
+                   DIPHOMA_JOB_UID=uid, DIPHOMA_STORE_PORT=str(ports[0] + 1),
+                   DIPHOMA_PROCESSES_PER_WORKER=str(a.nproc))
+        procs.append(subprocess.Popen(pod_args(a), env=env))
+    write_atomic(os.path.join(ring_dir, "membership.json"),
+                 membership_json(1, uid, [(f"pod-{i}", HOST, port) for i, port in enumerate(ports)]))
+    while True:
+        failed = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if failed:
+            i, rc = failed[0]
+            print(f"diphoma.run: pod-{i} exited with {exit_code(rc)}; stopping the other pods", file=sys.stderr,
+                  flush=True)
+            return exit_code(rc)
+        if all(p.returncode == 0 for p in procs):
+            return 0
+        time.sleep(0.05)
+
+
 def parse(argv):
     """The launcher's arguments (torchrun's names where they mean the same; see ``main``)."""
     ap = argparse.ArgumentParser(prog="python -m diphoma.run", description=__doc__.split("\n\n")[0])
@@ -339,6 +401,9 @@ def parse(argv):
     ap.add_argument("--nnodes", default="1", help="must be 1 (standalone: one node; a DiphomaJob spans nodes)")
     ap.add_argument("--node-rank", "--node_rank", type=int, default=0, help="must be 0")
     ap.add_argument("--standalone", action="store_true", help="accepted for torchrun's command lines (always standalone)")
+    ap.add_argument("--pods", type=int, default=1,
+                    help="run this many local pods of --nproc-per-node processes each, as a DiphomaJob's worker pods "
+                    "(replicas, processesPerWorker): the all-reduce is hierarchical across them")
     for flag in ("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf"):
         ap.add_argument(flag, flag.replace("-", "_").replace("__", "--"), help="accepted and ignored, as torchrun --standalone does")
     ap.add_argument("--master-addr", "--master_addr", default=HOST, help=f"must be {HOST} (one node)")
@@ -383,6 +448,10 @@ def parse(argv):
         ap.error(f"--master-addr {a.master_addr}: this launcher runs one node on {HOST}")
     if a.no_python and (a.module or a.backend):
         ap.error("--no-python runs a program: it takes neither -m nor --backend")
+    if a.pods < 1:
+        ap.error("--pods must be at least 1")
+    if a.pods > 1 and (a.elastic or a.max_restarts or a.no_python):
+        ap.error("--pods runs a fixed ring of local pods: it takes neither --elastic, --max-restarts nor --no-python")
     if a.elastic and (a.max_restarts or a.module or a.no_python or a.backend):
         ap.error("--elastic re-forms in place: it takes neither --max-restarts, -m, --no-python nor --backend")
     return a
@@ -409,6 +478,8 @@ def main(argv=None):
         fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(secrets.token_bytes(32))
+        if a.pods > 1:
+            return run_pods(a, key_file, tmp, procs)
         if not a.elastic:
             return run_fixed(a, key_file, a.log_dir or os.path.join(tmp, "logs"))
         command = [sys.executable, a.script, *a.args]
@@ -421,10 +492,10 @@ def main(argv=None):
         ring.publish()
         return ring.supervise(a.replace)
     except KeyboardInterrupt:
-        stop(procs, a.grace)
         return 130
     finally:
-        stop(procs, a.grace)
+        # A pod agent stops its own processes within --grace of SIGTERM: it gets that and more.
+        stop(procs, 2 * a.grace + 5 if a.pods > 1 else a.grace)
         for s, h in old.items():
             signal.signal(s, h)
         shutil.rmtree(tmp, ignore_errors=True)

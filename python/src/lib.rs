@@ -223,7 +223,8 @@ impl Ring {
                     "diphoma: ring generation {} (rank {} of {}): the ranks called different \
                      collectives or sizes: this rank expected a frame of {want_len} bytes from \
                      its peer and received one of {len} (check that every rank calls the same \
-                     collectives, in the same order, with tensors of the same size and dtype)",
+                     collectives, in the same order, with tensors of the same size and dtype, \
+                     and has the same DIPHOMA_COMPRESSION and DIPHOMA_DATA_PLANE)",
                     self.generation, self.rank, self.world
                 ))
             }

@@ -11,7 +11,10 @@ import os
 import signal
 import time
 
+import pytest
 import torch
+
+from diphoma.torch._plane import library_unavailable
 
 from conftest import check, launch
 from test_elastic import STEPS, check_survivors, run_and_kill, undisturbed
@@ -62,4 +65,20 @@ def test_a_rank_paused_past_the_window_and_resumed_hangs_nobody(tmp_path):
 def test_an_unknown_data_plane_is_refused_naming_the_variable():
     p = launch(2, "collectives.py", env=env(DIPHOMA_DATA_PLANE="nccl2"))
     assert p.returncode != 0
-    assert "DIPHOMA_DATA_PLANE='nccl2' is not a data plane (ring, gloo)" in p.stderr, p.stderr[-3000:]
+    assert "DIPHOMA_DATA_PLANE='nccl2' is not a data plane (ring, gloo, nccl)" in p.stderr, p.stderr[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.distributed.is_nccl_available(), reason="NCCL runs here")
+def test_the_nccl_plane_without_cuda_is_refused_naming_the_variable_and_why():
+    p = launch(2, "collectives.py", env=env(DIPHOMA_DATA_PLANE="nccl"))
+    assert p.returncode != 0
+    assert "DIPHOMA_DATA_PLANE=nccl: " in p.stderr and "the nccl data plane carries CUDA tensors" in p.stderr, \
+        p.stderr[-3000:]
+
+
+def test_only_nccl_needs_cuda_and_a_torch_with_nccl():
+    assert library_unavailable("gloo", False, False) is None
+    assert library_unavailable("ring", False, False) is None
+    assert "no NCCL" in library_unavailable("nccl", True, False)
+    assert "no CUDA device" in library_unavailable("nccl", False, True)
+    assert library_unavailable("nccl", True, True) is None

@@ -133,3 +133,4 @@ def test_a_member_whose_collectives_differ_fails_the_run_instead_of_re_forming(t
     output = p.stdout + p.stderr
     assert p.returncode != 0, output[-4000:]
     assert "CollectiveMismatch" in output and "called different collectives or sizes" in output, output[-4000:]
+    assert "the same DIPHOMA_COMPRESSION" in output, output[-4000:]  # what differed here

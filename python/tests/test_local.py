@@ -26,10 +26,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import SCRIPTS, check, launch, records
-from diphoma import membership_json
+from diphoma import ConfigError, membership_json
 from diphoma.torch._plane import hierarchical_split, pod_groups, processes_per_pod
 from test_ddp import GLOO_EXIT_ABORT
 from test_elastic import STEPS as ELASTIC_STEPS, undisturbed
@@ -150,6 +151,10 @@ def test_the_all_reduce_is_hierarchical_only_across_pods_of_several_processes():
     assert processes_per_pod(4, {"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == 1  # the standalone launcher
     assert processes_per_pod(4, {**pod, "DIPHOMA_PROCESSES_PER_WORKER": "x"}) == 1
     assert processes_per_pod(6, {**pod, "DIPHOMA_PROCESSES_PER_WORKER": "4"}) == 1  # not whole pods
+    assert processes_per_pod(4, {**pod, "DIPHOMA_HIERARCHICAL": "1"}) == 2
+    for bogus in ("bogus", "no", "2"):
+        with pytest.raises(ConfigError, match=f"DIPHOMA_HIERARCHICAL='{bogus}' must be 0"):
+            processes_per_pod(4, {**pod, "DIPHOMA_HIERARCHICAL": bogus})
 
 
 def test_each_rank_reduces_in_its_pod_then_across_pods_with_its_local_rank():
@@ -184,21 +189,32 @@ def test_ddp_of_two_pods_of_two_processes_equals_gloo_at_world_4(tmp_path):
     torch.testing.assert_close(torch.load(ours_out), torch.load(gloo_out), atol=2e-5, rtol=1e-4)
 
 
-def test_every_operation_in_two_pods_of_two_processes_matches_a_gloo_group(tmp_path):
+def test_every_operation_in_two_pods_of_two_processes_matches_a_gloo_group():
     """ops_vs_gloo.py's every operation and dtype at world 4, against a gloo group of the same
     ranks: the hierarchical all-reduce (11 elements: 10 over the two levels, 1 over the flat
-    ring) exact for integers, within float tolerance otherwise."""
-    pods = Pods(tmp_path)
-    try:
-        for pod in ("pod-a", "pod-b"):
-            pods.start(pod, "--nproc-per-node", str(PROCESSES), *with_info_log("ops_vs_gloo.py"))
-        pods.publish("pod-a", "pod-b")
-        for pod in ("pod-a", "pod-b"):
-            assert pods.wait(pod, 400) == 0, pods.log(pod)[-6000:]
-    finally:
-        pods.stop()
-    assert "ops ok" in pods.log("pod-a"), pods.log("pod-a")[-4000:]
-    assert hierarchical(1, 1, 1) in pods.log("pod-b"), pods.log("pod-b")[-4000:]
+    ring) exact for integers, within float tolerance otherwise. Run as a user runs it:
+    ``python -m diphoma.run --pods 2 --nproc-per-node 2`` (two local pods)."""
+    p = subprocess.run([sys.executable, "-m", "diphoma.run", "--pods", "2", "--nproc-per-node", str(PROCESSES),
+                        *with_info_log("ops_vs_gloo.py")], capture_output=True, text=True, timeout=400)
+    output = p.stdout + p.stderr
+    assert p.returncode == 0, output[-6000:]
+    assert "ops ok" in output, output[-4000:]
+    assert hierarchical(1, 1, 1) in output, output[-4000:]
+
+
+def test_local_pods_stop_together_when_one_fails(tmp_path):
+    """Ring rank 3 (local rank 1 of pod-1) exits 1: its pod exits 1, the launcher stops pod-0
+    and exits 1 too, naming the pod; none of the four processes is left running."""
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\n"
+                      f"open(os.path.join({str(tmp_path)!r}, os.environ['RANK'] + '.pid'), 'w').write(str(os.getpid()))\n"
+                      "sys.exit(1) if os.environ['RANK'] == '3' else time.sleep(600)\n")
+    p = subprocess.run([sys.executable, "-m", "diphoma.run", "--pods", "2", "--nproc-per-node", str(PROCESSES),
+                        "--grace", "1", str(script)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, (p.stdout + p.stderr)[-4000:]
+    assert "pod-1 exited with 1; stopping the other pods" in p.stderr, p.stderr[-4000:]
+    pids = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
+    assert len(pids) == 4 and not any(alive(pid) for pid in pids), pids
 
 
 FIRST = ("pod-a.0", "pod-a.1", "pod-b.0", "pod-b.1")

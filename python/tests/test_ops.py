@@ -60,6 +60,7 @@ def test_compression_plans_only_float32_sums_and_averages():
     wire = _ops.compression({"DIPHOMA_COMPRESSION": "bf16"})
     assert wire == torch.bfloat16
     assert _ops.compression({}) is None and _ops.compression({"DIPHOMA_COMPRESSION": " "}) is None
+    assert _ops.compression({"DIPHOMA_COMPRESSION": "BF16"}) is wire  # as ' bf16': spelling, not meaning
     for op, ring_op in [(dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg")]:
         plan = _ops.plan_reduction("all_reduce", torch.float32, op, wire)
         assert (plan.kind, plan.ring_dtype, plan.ring_op) == ("compress", "bfloat16", ring_op)

@@ -131,11 +131,12 @@ class _InPlace:
     thread (device to host, after ``_check`` waited for the caller's stream) and copied back
     to the device by ``done()`` before the collective's work completes (host to device, waited
     for). One copy each way, not overlapped with the ring's transfer (gloo's CUDA path does
-    the same)."""
+    the same). With ``on_device`` (a data plane that takes CUDA tensors, ``nccl``) a CUDA
+    tensor is handled as a CPU one: itself when contiguous, else a contiguous copy on its device."""
 
-    def __init__(self, t):
+    def __init__(self, t, on_device=False):
         self.t = t
-        if t.is_cpu:
+        if t.is_cpu or on_device:
             self.buf = t if t.is_contiguous() else t.contiguous()
         else:
             self.buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -227,6 +228,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         self._timeout = timeout or timedelta(minutes=30)  # torch's default
         # What moves the bytes: with processes > 1 per pod, a hierarchical all-reduce.
         self.plane = _plane.create(plane, ring, self._timeout, processes)
+        self.plane_on_device = getattr(self.plane, "on_device", False)
         self.wire = _ops.compression()  # float32 all-reduces' wire dtype (None: float32)
         self._p2p = StoreP2P(store if store is not None else dist.HashStore(), self._timeout)
         self._coalesced = None  # the works since start_coalescing, while coalescing
@@ -325,7 +327,8 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                         f"ranks called different collectives or sizes: {found_by} received a frame of another size "
                         f"and left the ring, so this rank saw: {e}; this rank's collective number {seq} of the group "
                         f"had {mine or 'no tensor'} (check that every rank calls the same collectives, in the same "
-                        "order, with tensors of the same size and dtype)")
+                        "order, with tensors of the same size and dtype, and has the same DIPHOMA_COMPRESSION and "
+                        "DIPHOMA_DATA_PLANE)")
         except Exception as store_error:  # noqa: BLE001 - the store went away with rank 0: e as it is
             _log.debug("diphoma: the mismatch notice of collective %d: %s", seq, store_error)
         return e
@@ -372,10 +375,16 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         else:
             native(t, ring_op)
 
+    def _view(self, t):
+        """The ``_InPlace`` view of ``t`` this group's data plane reduces (on its device for
+        ``nccl``, else in host memory)."""
+        return _InPlace(t, self.plane_on_device)
+
     def _gathered(self, t):
         """Every rank's copy of ``t``: a ``(world, *t.shape)`` tensor in rank order (one byte
-        all-gather; any dtype)."""
-        flat = torch.empty((self.size(), *t.shape), dtype=t.dtype)
+        all-gather; any dtype), on ``t``'s device for the ``nccl`` plane, else on the host."""
+        device = t.device if self.plane_on_device else "cpu"
+        flat = torch.empty((self.size(), *t.shape), dtype=t.dtype, device=device)
         flat[self.rank()].copy_(t)
         self.plane.allgather(flat)
         return flat
@@ -406,7 +415,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         for t in tensors:
             _check(t, what)
         plans = [_ops.plan_reduction(what, t.dtype, _reduce_opts(opts), self.wire) for t in tensors]
-        views = [_InPlace(t) for t in tensors]
+        views = [self._view(t) for t in tensors]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
         def job():
@@ -433,7 +442,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             raise ConfigError(f"diphoma: broadcast: src rank {root} is not in the group (ranks 0 to {self.size() - 1})")
         for t in tensors:
             _check(t, "broadcast")
-        views = [_InPlace(t) for t in tensors]
+        views = [self._view(t) for t in tensors]
 
         def job():
             for v in views:
@@ -468,7 +477,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             _check(i, what)
             if o.numel() != i.numel() * self.size() or o.dtype != i.dtype:
                 raise ConfigError(f"diphoma: {what} needs an output of world × the input's numel and dtype")
-        views = [_InPlace(o) for o in outputs]
+        views = [self._view(o) for o in outputs]
 
         def job():
             for v, i in zip(views, inputs):

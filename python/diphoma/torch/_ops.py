@@ -73,7 +73,7 @@ def compression(environ=os.environ):
     """The wire dtype of float32 all-reductions ``DIPHOMA_COMPRESSION`` names: None for
     ``none`` (also unset or empty), ``torch.bfloat16`` for ``bf16``. Raises ``ConfigError``
     naming the variable for any other value."""
-    name = environ.get(ENV_COMPRESSION, "").strip() or "none"
+    name = environ.get(ENV_COMPRESSION, "").strip().lower() or "none"
     if name not in COMPRESSIONS:
         raise ConfigError(f"diphoma: {ENV_COMPRESSION}={name!r} is not a compression ({', '.join(COMPRESSIONS)})")
     return COMPRESSIONS[name]

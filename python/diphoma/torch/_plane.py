@@ -1,10 +1,14 @@
 """The data plane of a ``"diphoma"`` process group: what moves a collective's bytes.
 
-``ring`` (the default) is Diphoma's own ring, joined by the membership source. ``gloo``
-(``DIPHOMA_DATA_PLANE=gloo``, ``spec.ring.dataPlane: gloo`` in a pod) keeps the ring for the
-membership, the failure detection and the state sync, and moves the default group's
-collectives through a gloo communicator of its own for each generation (torchft's design,
-with the ring's detection instead of a collective timeout):
+``ring`` (the default) is Diphoma's own ring, joined by the membership source. ``gloo`` and
+``nccl`` (``DIPHOMA_DATA_PLANE``, ``spec.ring.dataPlane`` in a pod) keep the ring for the
+membership, the failure detection and the state sync, and move the default group's
+collectives through a communicator of that library of its own for each generation (torchft's
+design, with the ring's detection instead of a collective timeout; ``LibraryPlane``, one code
+path for both: ``gloo`` is the CPU-testable twin of ``nccl``). ``nccl`` carries the CUDA
+tensors of all-reduce, broadcast and all-gather on their device (one process per GPU: NCCL
+refuses two ranks on one device) and the group's CPU tensors over the ring; it needs a torch
+with NCCL and a CUDA device, else ``chosen()`` refuses it naming the variable.
 
 - **Created from an id the ring distributes.** At the group's first collective rank 0 serves a
   ``TCPStore`` on a free port at its ring address and broadcasts that address over the ring;
@@ -19,10 +23,13 @@ with the ring's detection instead of a collective timeout):
   ``RingChanged`` naming it; the follower reports it and the elastic runner re-forms in the same
   process.
 - **Nothing written late.** gloo cannot abort a collective in flight (``abort()`` returns, the
-  collective goes on once its peer answers), so every collective works on copies of its
+  collective goes on once its peer answers), so every gloo collective works on copies of its
   tensors, copied back only when it succeeded, and an abandoned communicator is kept alive, never
   destroyed (its destructor would wait for the collective). One copy each way per collective:
-  the plane is the CPU-testable twin of a GPU library's, not a faster ring.
+  the plane is the CPU-testable twin of a GPU library's, not a faster ring. NCCL's ``abort()``
+  (``ncclCommAbort``) ends a collective in flight, so the nccl plane works on the tensors in
+  place; its works are polled (``_Polled``), never waited for with a timeout (NCCL's own
+  timeout makes the work an error that tears the communicator down).
 
 With several training processes per pod (the contract's ``DIPHOMA_LOCAL_RANK`` and
 ``DIPHOMA_PROCESSES_PER_WORKER`` = P > 1, set by the pod's launcher, and more than one pod),
@@ -61,7 +68,7 @@ from diphoma.torch._watchdog import detection_seconds
 
 ENV = "DIPHOMA_DATA_PLANE"
 HIERARCHICAL_ENV = "DIPHOMA_HIERARCHICAL"
-PLANES = ("ring", "gloo")
+PLANES = ("ring", "gloo", "nccl")
 # How often a collective of a library plane looks at its ring (a newer generation) while it waits.
 TICK = timedelta(milliseconds=50)
 # How long a collective may still take to complete once a member closed its ring connection.
@@ -74,10 +81,15 @@ _LIBRARY_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.
 
 def chosen(environ=os.environ):
     """The data plane ``DIPHOMA_DATA_PLANE`` names (default ``ring``); ``ConfigError`` naming
-    the variable for any other value."""
-    name = environ.get(ENV, "").strip() or "ring"
+    the variable for any other value, and for ``nccl`` where it cannot run
+    (``library_unavailable``)."""
+    name = environ.get(ENV, "").strip().lower() or "ring"
     if name not in PLANES:
         raise ConfigError(f"diphoma: {ENV}={name!r} is not a data plane ({', '.join(PLANES)})")
+    why = library_unavailable(name, torch.cuda.is_available(), dist.is_nccl_available())
+    if why:
+        raise ConfigError(f"diphoma: {ENV}={name}: {why} (the nccl data plane carries CUDA tensors; "
+                          "use ring or gloo on CPU)")
     return name
 
 
@@ -87,8 +99,13 @@ def processes_per_pod(world, environ=os.environ):
     process's ``DIPHOMA_LOCAL_RANK`` (a process of a pod of several, ring rank ``pod·P +
     local rank``), P > 1, ``world`` holds more than one pod of P, and ``DIPHOMA_HIERARCHICAL``
     is not ``0``; else 1 (a flat ring: one process per pod, one pod, or the standalone
-    launcher, whose every process is a member of its own)."""
-    if not environ.get("DIPHOMA_LOCAL_RANK", "").strip() or environ.get(HIERARCHICAL_ENV, "").strip() == "0":
+    launcher, whose every process is a member of its own). ``ConfigError`` naming
+    ``DIPHOMA_HIERARCHICAL`` unless it is unset, ``0`` or ``1``."""
+    hierarchical = environ.get(HIERARCHICAL_ENV, "").strip()
+    if hierarchical not in ("", "0", "1"):
+        raise ConfigError(f"diphoma: {HIERARCHICAL_ENV}={hierarchical!r} must be 0 (a flat all-reduce) or 1 "
+                          "(the default: hierarchical with several processes per pod)")
+    if not environ.get("DIPHOMA_LOCAL_RANK", "").strip() or hierarchical == "0":
         return 1
     try:
         processes = int(environ.get("DIPHOMA_PROCESSES_PER_WORKER", "1"))
@@ -101,8 +118,8 @@ def create(name, ring, timeout, processes=1):
     """The data plane ``name`` (``chosen()``) over ``ring``, for the default group; with
     ``processes`` > 1 per pod (``processes_per_pod``) the ``ring`` plane's all-reduce is
     hierarchical."""
-    if name == "gloo":
-        return GlooPlane(ring, timeout)
+    if name in ("gloo", "nccl"):
+        return LibraryPlane(ring, timeout, name)
     return HierarchicalPlane(ring, processes) if processes > 1 else RingPlane(ring)
 
 
@@ -227,39 +244,92 @@ class _Watched:
         raise NotImplementedError
 
 
-class GlooPlane(_Watched):
-    """A gloo communicator of this generation under ``ring``'s membership (see the module doc)."""
+class _Polled:
+    """A NCCL work waited for as ``_Watched._wait`` waits (``wait(timedelta)`` raising until it
+    is done): by polling ``is_completed()``, never by ``wait(timeout)``, which NCCL treats as
+    the collective's own timeout (an error that tears the communicator down); the final
+    ``wait()`` raises its error and makes this thread's current stream wait for it."""
 
-    backend = "gloo"
-    abandoned = "gloo communicator"
+    POLL = 0.001  # seconds
 
-    def __init__(self, ring, timeout):
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self, timeout=None):
+        if timeout is not None:
+            deadline = time.monotonic() + timeout.total_seconds()
+            while not self.work.is_completed():
+                if time.monotonic() >= deadline:
+                    raise TimeoutError
+                time.sleep(self.POLL)
+        self.work.wait()
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+
+def library_unavailable(name, cuda_available, nccl_available):
+    """Why data plane ``name`` cannot run in this process (pure; ``None`` when it can): ``nccl``
+    needs a torch built with NCCL and a CUDA device."""
+    if name != "nccl":
+        return None
+    if not nccl_available:
+        return "this torch has no NCCL (a CPU-only build)"
+    if not cuda_available:
+        return "no CUDA device is visible to this process"
+    return None
+
+
+class LibraryPlane(_Watched):
+    """A third-party library's communicator of this generation (``gloo`` or ``nccl``) under
+    ``ring``'s membership (see the module doc). ``gloo`` works on host copies of the tensors
+    (it cannot abort a collective in flight); ``nccl`` on the caller's CUDA tensors in place
+    (``ncclCommAbort`` ends a collective in flight, so nothing is written late), and carries the
+    CPU tensors of the same group over the ring."""
+
+    def __init__(self, ring, timeout, backend):
         super().__init__(ring)
+        self.backend = backend
+        self.abandoned = f"{backend} communicator"
+        self.on_device = backend == "nccl"  # takes CUDA tensors as they are (no host staging)
         self.timeout = timeout
         self.pg = None
         self._store = None
+        self._host = RingPlane(ring) if self.on_device else None  # an nccl plane's CPU tensors
 
     def averages(self, dtype):
-        return False  # gloo has no AVG: the group sums and divides
+        return False  # the group sums and divides (gloo has no AVG; one path for both)
 
-    def _connect(self):
-        """Builds the generation's communicator (at the group's first collective, on every rank)."""
+    def _new_library_group(self, store):
+        """The communicator of ``self.backend`` over ``store`` (the generation's prefix)."""
+        rank, world = self.ring.rank, self.ring.world
+        if self.backend == "nccl":
+            from torch._C._distributed_c10d import ProcessGroupNCCL
+
+            opts = ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            return ProcessGroupNCCL(store, rank, world, opts)
         from torch._C._distributed_c10d import ProcessGroupGloo
 
-        self._store = _serve_store(self.ring)
         opts = ProcessGroupGloo._Options()
         opts._timeout = timedelta(seconds=self.ring.timeout)  # connecting
         opts._devices = [ProcessGroupGloo.create_device(hostname=self.ring.host)]
+        pg = ProcessGroupGloo(store, rank, world, opts)
+        pg.set_timeout(self.timeout)  # each collective: a backstop, the ring's probes come first
+        return pg
+
+    def _connect(self):
+        """Builds the generation's communicator (at the group's first collective, on every rank)."""
+        self._store = _serve_store(self.ring)
         prefix = dist.PrefixStore(f"diphoma/{self.backend}/{self.ring.generation}/", self._store)
-        self.pg = ProcessGroupGloo(prefix, self.ring.rank, self.ring.world, opts)
-        self.pg.set_timeout(self.timeout)  # each collective: a backstop, the ring's probes come first
-        _log.info("diphoma: ring generation %d (rank %d of %d): collectives through a gloo communicator",
-                  self.ring.generation, self.ring.rank, self.ring.world)
+        self.pg = self._new_library_group(prefix)
+        _log.info("diphoma: ring generation %d (rank %d of %d): collectives through a %s communicator",
+                  self.ring.generation, self.ring.rank, self.ring.world, self.backend)
 
     def _run(self, what, tensors, start):
-        """Runs ``start(copies)`` (a gloo collective on copies of ``tensors``), waits for it as the
-        module doc says and copies the results back; raises ``RingChanged`` naming the member
-        blamed."""
+        """Runs ``start(tensors')`` (a collective of the communicator: on copies of ``tensors``
+        for gloo, on ``tensors`` for nccl), waits for it as the module doc says and copies gloo's
+        results back; raises ``RingChanged`` naming the member blamed."""
         t0 = time.monotonic()
         if self.pg is None:
             try:
@@ -268,24 +338,31 @@ class GlooPlane(_Watched):
                 raise
             except Exception as e:  # noqa: BLE001 - a member lost while connecting
                 self._fail(what, t0, e)
-        copies = [t.clone() for t in tensors]
+        copies = tensors if self.on_device else [t.clone() for t in tensors]
         try:
             work = start(copies)
         except Exception as e:  # noqa: BLE001 - refused before anything was sent: the arguments
-            raise ConfigError(f"diphoma: {what} of the gloo data plane: {e}") from None
-        self._wait(what, t0, work)
-        for t, c in zip(tensors, copies):
-            t.copy_(c)
+            raise ConfigError(f"diphoma: {what} of the {self.backend} data plane: {e}") from None
+        self._wait(what, t0, _Polled(work) if self.on_device else work)
+        if not self.on_device:
+            for t, c in zip(tensors, copies):
+                t.copy_(c)
 
     def _drop(self):
-        """gloo cannot abort: the communicator is never used again and never destroyed (see the
-        module doc)."""
+        """Aborts the communicator (nccl: its collectives in flight end; gloo: they go on) and
+        never uses or destroys it again (see the module doc)."""
         if self.pg is not None:
             self.pg.abort()
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.pg))
             self.pg = None
 
+    def _host_tensor(self, t):
+        """Whether an nccl plane carries ``t`` over the ring (a CPU tensor)."""
+        return self._host is not None and t.is_cpu
+
     def allreduce(self, t, op):
+        if self._host_tensor(t):
+            return self._host.allreduce(t, op)
         opts = dist.AllreduceOptions()
         opts.reduceOp = _LIBRARY_OPS[op]
         self._run("allreduce", [t], lambda c: self.pg.allreduce(c, opts))
@@ -295,16 +372,22 @@ class GlooPlane(_Watched):
         self.allreduce(flat, op)
 
     def allgather(self, flat):
+        if self._host_tensor(flat):
+            return self._host.allgather(flat)
         raw = _bytes(flat)  # any dtype
         mine = raw.view(self.ring.world, -1)[self.ring.rank].clone()
         self._run("allgather", [raw], lambda c: self.pg._allgather_base(c[0], mine))
 
     def broadcast(self, t, root):
+        if self._host_tensor(t):
+            return self._host.broadcast(t, root)
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
         self._run("broadcast", [_bytes(t)], lambda c: self.pg.broadcast(c, opts))
 
     def barrier(self):
+        if self._host is not None:
+            return self._host.barrier()
         self._run("barrier", [], lambda c: self.pg.barrier())
 
     def close(self):
