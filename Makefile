@@ -61,7 +61,7 @@ test-python: ## build the wheel, install it into a cached torch venv (created on
 bench: deps ## allreduce benchmark side by side with gloo and Open MPI (prints the merged table); PROFILE=1g or PROFILES="1g 2.5g 10g loopback" runs it in a network namespace of its own with each rank's link shaped by tc htb (root; worker/bench/netns.sh, results in worker/bench/PROFILES.md)
 	bash worker/bench/run.sh
 
-bench-torch: deps ## DDP step time gloo vs diphoma with and without frame protection (ResNet-18/50, CPU, world 2 and 4, interleaved rounds), all_reduce from Python vs the Rust bench, and all_reduce's time beyond the ring; PARTS selects (e.g. PARTS=allreduce SIZES=1M ROUNDS=5 WORLDS=2); writes python/bench/RESULTS.md
+bench-torch: deps ## DDP step time gloo vs diphoma with and without frame protection (ResNet-18/50, CPU, world 2 and 4, interleaved rounds), all_reduce from Python vs the Rust bench, and all_reduce's time beyond the ring; PARTS=layout: 2 pods x 2 processes vs 4 x 1 and gloo at world 4; PARTS selects (e.g. PARTS=allreduce SIZES=1M ROUNDS=5 WORLDS=2); writes python/bench/RESULTS.md
 	bash python/bench/run.sh
 
 gpu-check: deps ## issue 27's GPU check on one NVIDIA GPU (< 8 min): CUDA all_reduce via the host-staged ring vs gloo (f32/bf16, 1 KiB-256 MiB, exact, bar 1.3x from 16 MiB), DDP ResNet-50 diphoma vs gloo on CUDA, kill -9 of one of 2 elastic CUDA ranks; says "no CUDA device" and exits 0 without one (PYTHON= a CUDA torch)

@@ -17,8 +17,9 @@ the Rust runtime (performance.md §1): 5 warm-up operations, k calibrated on ran
 back-to-back operations take about 20 ms, 20 samples of k operations, each sample the slowest
 rank's mean; rank 0 appends one JSON line per size with the median (s) and k.
 
-Every JSON line carries the backend, the world size and ``DIPHOMA_RING_PROTECTION`` (the
-diphoma ring's frame protection; gloo has none).
+Every JSON line carries the backend, the world size, ``DIPHOMA_RING_PROTECTION`` (the
+diphoma ring's frame protection; gloo has none) and ``BENCH_LAYOUT`` (pods × processes, e.g.
+``2x2``, with `` flat`` under ``DIPHOMA_HIERARCHICAL=0``; absent for the other parts).
 """
 
 import json
@@ -140,7 +141,8 @@ def main():
     if dist.get_rank() == 0:
         with open(sys.argv[-1], "a") as f:
             for r in rows:
-                f.write(json.dumps({**r, "backend": backend, "protection": protection,
+                layout = {"layout": os.environ["BENCH_LAYOUT"]} if os.environ.get("BENCH_LAYOUT") else {}
+                f.write(json.dumps({**r, **layout, "backend": backend, "protection": protection,
                                     "world": dist.get_world_size(),
                                     "round": int(os.environ.get("BENCH_ROUND", "0"))}) + "\n")
     dist.destroy_process_group()

@@ -20,6 +20,8 @@ from collections import defaultdict
 
 rows_path, rust_path, out_path, load_before, load_after, params = sys.argv[1:7]
 rows = [json.loads(line) for line in open(rows_path)]
+layout_rows = [r for r in rows if "layout" in r]  # PARTS=layout: a table of their own
+rows = [r for r in rows if "layout" not in r]
 NAMES = {("gloo", "-"): "gloo", ("diphoma", "integrity"): "diphoma", ("diphoma", "none"): "diphoma none"}
 
 
@@ -42,7 +44,7 @@ RUN = (f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC o
        f"{load_before}, after {load_after}.")
 # The part each section belongs to, by the start of its title.
 PARTS = {"## DDP step": "ddp", "## all_reduce (": "allreduce", "## The Rust bench": "allreduce",
-         "## all_reduce beyond the ring": "overhead"}
+         "## all_reduce beyond the ring": "overhead", "## Layouts": "layout"}
 
 
 def previous(path):
@@ -138,5 +140,25 @@ out += (["", "## all_reduce beyond the ring (python/bench/overhead.py)", "", RUN
          "and `dist.all_reduce(async_op=True).wait()` (the group's thread). \"Outside the ring\": the "
          "time per operation not spent in the native call.", "", tables, ""]
         if tables else kept["overhead"])
+LAYOUTS = ("gloo", "4x1", "2x2", "2x2 flat")
+by_cell = defaultdict(lambda: defaultdict(dict))  # (what) -> round -> layout -> seconds
+for r in layout_rows:
+    what = f"DDP step {r['model']}" if r["kind"] == "ddp" else f"all_reduce {r['bytes']} B"
+    by_cell[(r["kind"] != "ddp", r.get("model", ""), r.get("bytes", 0), what)][r["round"]][r["layout"]] = (
+        r["step_s"] if r["kind"] == "ddp" else r["median_s"])
+layout_out = ["## Layouts at world 4: 2 pods × 2 processes against 4 × 1 (ms)", "", RUN, "",
+              "`2x2`: `python -m diphoma.run --pods 2 --nproc-per-node 2` (two local pods; the all-reduce "
+              "hierarchical at every size (`DIPHOMA_HIERARCHICAL_MIN_BYTES=0`; by default below 1 MiB goes flat): "
+              "in-pod reduce-scatter, cross-pod all-reduce per local rank, in-pod all-gather); "
+              "`2x2 flat`: the same with `DIPHOMA_HIERARCHICAL=0`; `4x1`: four processes of one ring; `gloo`: "
+              "gloo at world 4. No protection. On one machine every layout crosses the same loopback: this "
+              "shows what the two levels cost, not what they save between nodes.", "",
+              "| what | " + " | ".join(LAYOUTS) + " | 2x2 / 4x1 | 2x2 / gloo |", "|---|" + "---|" * (len(LAYOUTS) + 2)]
+for key, by_round in sorted(by_cell.items()):
+    med = [statistics.median(v[n] for v in by_round.values() if n in v) * 1e3
+           if any(n in v for v in by_round.values()) else float("nan") for n in LAYOUTS]
+    layout_out.append(f"| {key[3]} | " + " | ".join(f"{x:.2f}" for x in med) + " | "
+                      + " | ".join(spread(ratios(by_round, a, "2x2")) for a in ("4x1", "gloo")) + " |")
+out += (layout_out + [""]) if layout_rows else kept["layout"]
 open(out_path, "w").write("\n".join(out))
 print("\n".join(out))

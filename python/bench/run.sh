@@ -11,7 +11,12 @@
 #   Rust `diphoma-worker bench` (integrity, none) at the protocol's sizes, timed alike (the
 #   binding's overhead);
 # - where all_reduce's time goes beyond the ring (python/bench/overhead.py: the native ring call,
-#   the process group, dist.all_reduce sync and async, interleaved; the time outside the ring).
+#   the process group, dist.all_reduce sync and async, interleaved; the time outside the ring);
+# - layouts at world 4 (PARTS=layout, not in the default PARTS): 2 local pods × 2 processes
+#   (python -m diphoma.run --pods 2: the hierarchical all-reduce, and flat with
+#   DIPHOMA_HIERARCHICAL=0; every size hierarchical: DIPHOMA_HIERARCHICAL_MIN_BYTES=0) against 4 × 1 diphoma and gloo at world 4: all_reduce at SIZES and
+#   the DDP step of MODELS, no protection. On one machine every layout sends the same bytes over
+#   the same loopback: the table shows the hierarchical path's cost, its gain needs two nodes.
 # Writes python/bench/RESULTS.md: medians over rounds, ratios as the median of the rounds'
 # ratios with their min–max, and the machine's load average before and after. A part left out
 # of PARTS keeps its section of the previous RESULTS.md (each section states its own run).
@@ -33,7 +38,7 @@
 set -euo pipefail
 repo="$(git rev-parse --show-toplevel)"
 cd "$repo"
-PARTS="${PARTS:-ddp allreduce overhead}"; ROUNDS="${ROUNDS:-3}"; STEPS="${STEPS:-10}"; WARMUP="${WARMUP:-2}"
+PARTS="${PARTS:-ddp allreduce overhead}"  # and layout; ROUNDS="${ROUNDS:-3}"; STEPS="${STEPS:-10}"; WARMUP="${WARMUP:-2}"
 WORLDS="${WORLDS:-2 4}"
 MODELS="${MODELS:-resnet18 resnet50}"; SIZES="${SIZES:-1K,64K,1M,16M,64M}"
 OUT="${OUT:-$repo/python/bench/RESULTS.md}"
@@ -53,6 +58,16 @@ launch() {
   BENCH_ROUND=$1 DIPHOMA_RING_PROTECTION=$protection PYTHONWARNINGS=ignore \
     "$venv/bin/python" -m diphoma.run --nproc "$3" python/bench/bench_torch.py "${@:4}"
 }
+# layout ROUND NAME ARGS…: one run of bench_torch.py at world 4 in layout NAME (4x1, gloo, 2x2,
+# "2x2 flat"), no protection.
+layout() {
+  local name=$2 how=(--nproc 4) hier=1
+  case $name in 2x2) how=(--pods 2 --nproc 2) ;; "2x2 flat") how=(--pods 2 --nproc 2); hier=0 ;; esac
+  BENCH_ROUND=$1 BENCH_LAYOUT=$name DIPHOMA_HIERARCHICAL=$hier DIPHOMA_HIERARCHICAL_MIN_BYTES=0 \
+    DIPHOMA_RING_PROTECTION=none PYTHONWARNINGS=ignore \
+    "$venv/bin/python" -m diphoma.run "${how[@]}" python/bench/bench_torch.py "${@:3}"
+}
+layouts=(gloo 4x1 2x2 "2x2 flat")
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 for ((r = 0; r < ROUNDS; r++)); do
   order=("${contenders[@]:r%3}" "${contenders[@]:0:r%3}")   # rotate the order each round
@@ -76,6 +91,15 @@ for ((r = 0; r < ROUNDS; r++)); do
         "$venv/bin/python" -m diphoma.run --nproc "$w" python/bench/overhead.py >>"$overhead"
     fi
   done
+  if [[ " $PARTS " == *" layout "* ]]; then
+    lorder=("${layouts[@]:r%4}" "${layouts[@]:0:r%4}")
+    echo "round $((r + 1))/$ROUNDS layouts at world 4: ${lorder[*]}" >&2
+    for l in "${lorder[@]}"; do
+      backend=diphoma; [[ $l == gloo ]] && backend=gloo
+      for model in $MODELS; do layout "$r" "$l" ddp "$backend" "$model" "$STEPS" "$WARMUP" "$rows"; done
+      layout "$r" "$l" allreduce "$backend" "$bytes" "$rows"
+    done
+  fi
 done
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 OVERHEAD=$overhead "$venv/bin/python" python/bench/report.py "$rows" "$rust" "$OUT" "$load_before" "$load_after" \

@@ -31,7 +31,8 @@ import torch
 
 from conftest import SCRIPTS, check, launch, records
 from diphoma import ConfigError, membership_json
-from diphoma.torch._plane import hierarchical_split, pod_groups, processes_per_pod
+from diphoma.torch._plane import (hierarchical_min_bytes, hierarchical_split, pod_groups, pod_library,
+                                  processes_per_pod)
 from test_ddp import GLOO_EXIT_ABORT
 from test_elastic import STEPS as ELASTIC_STEPS, undisturbed
 
@@ -58,7 +59,8 @@ def pod_port():
 class Pods:
     """The operator's part for local pods: the ring directory, its key, each pod's launcher."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, env=None):
+        self.env = env or {}  # more variables for every pod's launcher
         self.dir = tmp_path / "ring"
         self.dir.mkdir()
         self.key = tmp_path / "ring.key"
@@ -78,7 +80,9 @@ class Pods:
         store = next(iter(self.ports.values())) + 1
         env = dict(os.environ, DIPHOMA_RING_DIR=str(self.dir), DIPHOMA_POD_NAME=pod, DIPHOMA_KEY_FILE=str(self.key),
                    DIPHOMA_JOB_UID=self.uid, DIPHOMA_STORE_PORT=str(store),
-                   DIPHOMA_PROCESSES_PER_WORKER=str(PROCESSES), DIPHOMA_DETECTION_SECONDS="2")
+                   DIPHOMA_PROCESSES_PER_WORKER=str(PROCESSES), DIPHOMA_DETECTION_SECONDS="2",
+                   DIPHOMA_HIERARCHICAL_MIN_BYTES="0",  # the tests' small tensors go hierarchical too
+                   **self.env)
         self.logs[pod] = open(self.dir.parent / f"{pod}.log", "w+")
         self.launchers[pod] = subprocess.Popen([sys.executable, "-m", "diphoma.run", *args], env=env,
                                                stdout=self.logs[pod], stderr=subprocess.STDOUT)
@@ -164,15 +168,28 @@ def test_each_rank_reduces_in_its_pod_then_across_pods_with_its_local_rank():
     assert pod_groups(7, 8, 4) == (([4, 5, 6, 7], 3), ([3, 7], 1))
     # Equal chunks over the two levels; the rest (fewer than P elements) over the flat ring.
     assert [hierarchical_split(n, 4) for n in (0, 3, 4, 10, 1000)] == [0, 0, 4, 8, 1000]
+    # Below the smallest hierarchical all-reduce (bytes), all of it over the flat ring.
+    assert hierarchical_split(1000, 4, 4, 4000) == 1000 and hierarchical_split(999, 4, 4, 4000) == 0
+    # The in-pod stages' library: NCCL wherever it can run (CUDA tensors), gloo on request (CPU).
+    assert pod_library({}, True) == "nccl" and pod_library({"DIPHOMA_POD_PLANE": "gloo"}, True) == "nccl"
+    assert pod_library({}, False) is None and pod_library({"DIPHOMA_POD_PLANE": "GLOO"}, False) == "gloo"
+    with pytest.raises(ConfigError, match="DIPHOMA_POD_PLANE='shm' is not an in-pod plane"):
+        pod_library({"DIPHOMA_POD_PLANE": "shm"}, False)
+    assert hierarchical_min_bytes({}) == 1 << 20 and hierarchical_min_bytes({"DIPHOMA_HIERARCHICAL_MIN_BYTES": "0"}) == 0
+    with pytest.raises(ConfigError, match="DIPHOMA_HIERARCHICAL_MIN_BYTES='1M' must be a number of bytes"):
+        hierarchical_min_bytes({"DIPHOMA_HIERARCHICAL_MIN_BYTES": "1M"})
 
 
-def test_ddp_of_two_pods_of_two_processes_equals_gloo_at_world_4(tmp_path):
+@pytest.mark.parametrize("pod_plane", ["ring", "gloo"])
+def test_ddp_of_two_pods_of_two_processes_equals_gloo_at_world_4(tmp_path, pod_plane):
+    """With ``DIPHOMA_POD_PLANE=gloo`` the in-pod stages run on a gloo communicator of the pod
+    (the CPU twin of NCCL in the pod: the same code path, ``_library_stages``)."""
     steps, gloo_out, ours_out = "20", str(tmp_path / "gloo.pt"), str(tmp_path / "ours.pt")
     proc = launch(4, "ddp_train.py", "gloo", steps, gloo_out)
     if proc.returncode == 134 and GLOO_EXIT_ABORT in proc.stderr:  # see test_ddp.py
         proc = launch(4, "ddp_train.py", "gloo", steps, gloo_out)
     check(proc)
-    pods = Pods(tmp_path)
+    pods = Pods(tmp_path, {"DIPHOMA_POD_PLANE": pod_plane})
     try:
         for pod in ("pod-a", "pod-b"):
             pods.start(pod, "--nproc-per-node", str(PROCESSES), *with_info_log("ddp_train.py"), "diphoma", steps,
@@ -186,6 +203,7 @@ def test_ddp_of_two_pods_of_two_processes_equals_gloo_at_world_4(tmp_path):
     for pod, index in (("pod-a", 0), ("pod-b", 1)):
         for local in range(PROCESSES):
             assert hierarchical(1, index, local) in pods.log(pod), pods.log(pod)[-4000:]
+        assert ("in the pod: gloo" in pods.log(pod)) == (pod_plane == "gloo"), pods.log(pod)[-4000:]
     torch.testing.assert_close(torch.load(ours_out), torch.load(gloo_out), atol=2e-5, rtol=1e-4)
 
 
@@ -195,7 +213,8 @@ def test_every_operation_in_two_pods_of_two_processes_matches_a_gloo_group():
     ring) exact for integers, within float tolerance otherwise. Run as a user runs it:
     ``python -m diphoma.run --pods 2 --nproc-per-node 2`` (two local pods)."""
     p = subprocess.run([sys.executable, "-m", "diphoma.run", "--pods", "2", "--nproc-per-node", str(PROCESSES),
-                        *with_info_log("ops_vs_gloo.py")], capture_output=True, text=True, timeout=400)
+                        *with_info_log("ops_vs_gloo.py")], capture_output=True, text=True, timeout=400,
+                       env=dict(os.environ, DIPHOMA_HIERARCHICAL_MIN_BYTES="0"))
     output = p.stdout + p.stderr
     assert p.returncode == 0, output[-6000:]
     assert "ops ok" in output, output[-4000:]

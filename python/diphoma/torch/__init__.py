@@ -228,7 +228,6 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         self._timeout = timeout or timedelta(minutes=30)  # torch's default
         # What moves the bytes: with processes > 1 per pod, a hierarchical all-reduce.
         self.plane = _plane.create(plane, ring, self._timeout, processes)
-        self.plane_on_device = getattr(self.plane, "on_device", False)
         self.wire = _ops.compression()  # float32 all-reduces' wire dtype (None: float32)
         self._p2p = StoreP2P(store if store is not None else dist.HashStore(), self._timeout)
         self._coalesced = None  # the works since start_coalescing, while coalescing
@@ -375,15 +374,15 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         else:
             native(t, ring_op)
 
-    def _view(self, t):
-        """The ``_InPlace`` view of ``t`` this group's data plane reduces (on its device for
-        ``nccl``, else in host memory)."""
-        return _InPlace(t, self.plane_on_device)
+    def _view(self, t, what):
+        """The ``_InPlace`` view of ``t`` the data plane's collective ``what`` works on: on its
+        device where the plane takes it there (``on_device``: NCCL), else in host memory."""
+        return _InPlace(t, self.plane.on_device(what, t))
 
     def _gathered(self, t):
         """Every rank's copy of ``t``: a ``(world, *t.shape)`` tensor in rank order (one byte
         all-gather; any dtype), on ``t``'s device for the ``nccl`` plane, else on the host."""
-        device = t.device if self.plane_on_device else "cpu"
+        device = t.device if self.plane.on_device("allgather", t) else "cpu"
         flat = torch.empty((self.size(), *t.shape), dtype=t.dtype, device=device)
         flat[self.rank()].copy_(t)
         self.plane.allgather(flat)
@@ -415,7 +414,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         for t in tensors:
             _check(t, what)
         plans = [_ops.plan_reduction(what, t.dtype, _reduce_opts(opts), self.wire) for t in tensors]
-        views = [self._view(t) for t in tensors]
+        views = [self._view(t, "allreduce") for t in tensors]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
         def job():
@@ -442,7 +441,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             raise ConfigError(f"diphoma: broadcast: src rank {root} is not in the group (ranks 0 to {self.size() - 1})")
         for t in tensors:
             _check(t, "broadcast")
-        views = [self._view(t) for t in tensors]
+        views = [self._view(t, "broadcast") for t in tensors]
 
         def job():
             for v in views:
@@ -477,7 +476,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             _check(i, what)
             if o.numel() != i.numel() * self.size() or o.dtype != i.dtype:
                 raise ConfigError(f"diphoma: {what} needs an output of world × the input's numel and dtype")
-        views = [self._view(o) for o in outputs]
+        views = [self._view(o, "allgather") for o in outputs]
 
         def job():
             for v, i in zip(views, inputs):

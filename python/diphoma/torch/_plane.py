@@ -36,20 +36,27 @@ With several training processes per pod (the contract's ``DIPHOMA_LOCAL_RANK`` a
 the ``ring`` plane's all-reduce is **hierarchical** (``HierarchicalPlane``; Horovod's and
 NCCL's two-level all-reduce): local rank ``l`` of pod ``p`` is ring rank ``p·P + l``; the P
 processes of a pod reduce-scatter over an in-pod ring (TCP on the pod's address, for CPU
-tensors; shared memory would spare the kernel's copies, and CUDA tensors would take NCCL here:
-neither is built), chunk ``l`` is all-reduced across the pods over the ring of local rank ``l``
-(the P cross-pod rings in parallel, each carrying 1/P of the bytes), and the pod all-gathers
-the chunks; a rest of fewer than P elements goes over the flat ring. Both rings are the ring
+tensors; shared memory would spare the kernel's copies: not built) or, for CUDA tensors where
+the process has CUDA and NCCL, over a NCCL communicator of the pod's processes on the device
+(``pod_library``; ``DIPHOMA_POD_PLANE=gloo`` runs the same stages on a gloo communicator for
+CPU tensors, the CPU-testable twin), chunk ``l`` is all-reduced across the pods over the ring
+of local rank ``l`` in host memory (a CUDA chunk copied there and back; the P cross-pod rings
+in parallel, each carrying 1/P of the bytes), and the pod all-gathers the chunks (NCCL's or
+gloo's all-gather where its reduce-scatter ran); a rest of fewer than P elements goes over the flat ring, and so does a whole
+all-reduce of less than ``DIPHOMA_HIERARCHICAL_MIN_BYTES`` (default 1 MiB: below it the
+stages' fixed cost outweighs what they can save). Both rings are the ring
 generation's, built at its first all-reduce (``Ring.subring``, their addresses all-gathered
-over the ring) and watched as the gloo communicator's collectives are (above): a member lost or
+over the ring; the pod's communicator from a store rank 0 serves) and watched as the gloo communicator's collectives are (above): a member lost or
 silent in any stage fails the all-reduce with ``RingChanged`` and the rings are shut
-(``Ring.abort``), so every stage's peers fail too. Broadcast, all-gather, reduce-scatter and
+(``Ring.abort``) and the pod's communicator aborted, so every stage's peers fail too (gloo's
+stages work on a copy: nothing is written late). Broadcast, all-gather, reduce-scatter and
 barrier stay on the flat ring (it carries the membership and the state sync);
 ``DIPHOMA_HIERARCHICAL=0`` keeps the all-reduce flat too, as does the ``gloo`` plane.
 
 Sub-groups (``new_group``) keep rings of their own.
 """
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -68,6 +75,12 @@ from diphoma.torch._watchdog import detection_seconds
 
 ENV = "DIPHOMA_DATA_PLANE"
 HIERARCHICAL_ENV = "DIPHOMA_HIERARCHICAL"
+HIERARCHICAL_MIN_ENV = "DIPHOMA_HIERARCHICAL_MIN_BYTES"
+POD_PLANE_ENV = "DIPHOMA_POD_PLANE"
+# Below this an all-reduce stays on the flat ring: the three stages' fixed cost (measured 3 ms
+# against 0.8 ms flat for 64 KiB at 2 pods × 2 on loopback, python/bench/RESULTS.md "Layouts")
+# exceeds what 1/P of the bytes per cross-pod ring could save (1 MiB crosses 10 Gbit/s in 0.8 ms).
+HIERARCHICAL_MIN_BYTES = 1 << 20
 PLANES = ("ring", "gloo", "nccl")
 # How often a collective of a library plane looks at its ring (a newer generation) while it waits.
 TICK = timedelta(milliseconds=50)
@@ -120,7 +133,7 @@ def create(name, ring, timeout, processes=1):
     hierarchical."""
     if name in ("gloo", "nccl"):
         return LibraryPlane(ring, timeout, name)
-    return HierarchicalPlane(ring, processes) if processes > 1 else RingPlane(ring)
+    return HierarchicalPlane(ring, processes, timeout) if processes > 1 else RingPlane(ring)
 
 
 class RingPlane:
@@ -128,6 +141,11 @@ class RingPlane:
 
     def __init__(self, ring):
         self.ring = ring
+
+    def on_device(self, what, t):
+        """Whether collective ``what`` (``allreduce``, ``broadcast``, ``allgather``) takes the
+        CUDA tensor ``t`` on its device (else the group stages it through host memory)."""
+        return False
 
     def averages(self, dtype):
         return dtype in _ops.RING_AVERAGES
@@ -280,6 +298,34 @@ def library_unavailable(name, cuda_available, nccl_available):
     return None
 
 
+def library_group(backend, store, rank, world, ring, timeout):
+    """A ``backend`` (``gloo``, ``nccl``) communicator of ``world`` ranks over ``store`` (a
+    generation's prefix), this process rank ``rank``: connecting bounded by ``ring``'s join
+    timeout (gloo binds ``ring``'s host), each collective by ``timeout`` (a backstop: the ring's
+    probes come first)."""
+    if backend == "nccl":
+        from torch._C._distributed_c10d import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupNCCL(store, rank, world, opts)
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
+    opts = ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=ring.timeout)  # connecting
+    opts._devices = [ProcessGroupGloo.create_device(hostname=ring.host)]
+    pg = ProcessGroupGloo(store, rank, world, opts)
+    pg.set_timeout(timeout)
+    return pg
+
+
+def _abandon_library_group(pg):
+    """Aborts ``pg`` (nccl: its collectives in flight end; gloo: they go on) and keeps it from
+    ever being destroyed (gloo's destructor would wait for a collective in flight)."""
+    pg.abort()
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
+
+
 class LibraryPlane(_Watched):
     """A third-party library's communicator of this generation (``gloo`` or ``nccl``) under
     ``ring``'s membership (see the module doc). ``gloo`` works on host copies of the tensors
@@ -291,38 +337,22 @@ class LibraryPlane(_Watched):
         super().__init__(ring)
         self.backend = backend
         self.abandoned = f"{backend} communicator"
-        self.on_device = backend == "nccl"  # takes CUDA tensors as they are (no host staging)
         self.timeout = timeout
         self.pg = None
         self._store = None
-        self._host = RingPlane(ring) if self.on_device else None  # an nccl plane's CPU tensors
+        self._host = RingPlane(ring) if backend == "nccl" else None  # an nccl plane's CPU tensors
+
+    def on_device(self, what, t):
+        return self.backend == "nccl" and t.is_cuda
 
     def averages(self, dtype):
         return False  # the group sums and divides (gloo has no AVG; one path for both)
-
-    def _new_library_group(self, store):
-        """The communicator of ``self.backend`` over ``store`` (the generation's prefix)."""
-        rank, world = self.ring.rank, self.ring.world
-        if self.backend == "nccl":
-            from torch._C._distributed_c10d import ProcessGroupNCCL
-
-            opts = ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout
-            return ProcessGroupNCCL(store, rank, world, opts)
-        from torch._C._distributed_c10d import ProcessGroupGloo
-
-        opts = ProcessGroupGloo._Options()
-        opts._timeout = timedelta(seconds=self.ring.timeout)  # connecting
-        opts._devices = [ProcessGroupGloo.create_device(hostname=self.ring.host)]
-        pg = ProcessGroupGloo(store, rank, world, opts)
-        pg.set_timeout(self.timeout)  # each collective: a backstop, the ring's probes come first
-        return pg
 
     def _connect(self):
         """Builds the generation's communicator (at the group's first collective, on every rank)."""
         self._store = _serve_store(self.ring)
         prefix = dist.PrefixStore(f"diphoma/{self.backend}/{self.ring.generation}/", self._store)
-        self.pg = self._new_library_group(prefix)
+        self.pg = library_group(self.backend, prefix, self.ring.rank, self.ring.world, self.ring, self.timeout)
         _log.info("diphoma: ring generation %d (rank %d of %d): collectives through a %s communicator",
                   self.ring.generation, self.ring.rank, self.ring.world, self.backend)
 
@@ -338,13 +368,14 @@ class LibraryPlane(_Watched):
                 raise
             except Exception as e:  # noqa: BLE001 - a member lost while connecting
                 self._fail(what, t0, e)
-        copies = tensors if self.on_device else [t.clone() for t in tensors]
+        in_place = self.backend == "nccl"
+        copies = tensors if in_place else [t.clone() for t in tensors]
         try:
             work = start(copies)
         except Exception as e:  # noqa: BLE001 - refused before anything was sent: the arguments
             raise ConfigError(f"diphoma: {what} of the {self.backend} data plane: {e}") from None
-        self._wait(what, t0, _Polled(work) if self.on_device else work)
-        if not self.on_device:
+        self._wait(what, t0, _Polled(work) if in_place else work)
+        if not in_place:
             for t, c in zip(tensors, copies):
                 t.copy_(c)
 
@@ -352,8 +383,7 @@ class LibraryPlane(_Watched):
         """Aborts the communicator (nccl: its collectives in flight end; gloo: they go on) and
         never uses or destroys it again (see the module doc)."""
         if self.pg is not None:
-            self.pg.abort()
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.pg))
+            _abandon_library_group(self.pg)
             self.pg = None
 
     def _host_tensor(self, t):
@@ -405,11 +435,40 @@ def pod_groups(rank, world, processes):
             (list(range(local, world, processes)), pod))
 
 
-def hierarchical_split(count, processes):
-    """The part of ``count`` elements the hierarchical all-reduce takes (pure): the largest
-    multiple of ``processes`` (equal chunks, one per local rank); the rest, fewer than
-    ``processes`` elements, goes over the flat ring."""
-    return count - count % processes
+def hierarchical_split(count, processes, element_size=1, min_bytes=0):
+    """The part of ``count`` elements of ``element_size`` bytes the hierarchical all-reduce
+    takes (pure): none below ``min_bytes`` in all (``hierarchical_min_bytes``: the flat ring
+    takes it whole), else the largest multiple of ``processes`` (equal chunks, one per local
+    rank); the rest, fewer than ``processes`` elements, goes over the flat ring."""
+    return 0 if count * element_size < min_bytes else count - count % processes
+
+
+def hierarchical_min_bytes(environ=os.environ):
+    """The smallest all-reduce (bytes) that goes hierarchical: ``DIPHOMA_HIERARCHICAL_MIN_BYTES``,
+    default ``HIERARCHICAL_MIN_BYTES``; ``ConfigError`` naming the variable unless it is an
+    integer ≥ 0."""
+    raw = environ.get(HIERARCHICAL_MIN_ENV, "").strip()
+    if not raw:
+        return HIERARCHICAL_MIN_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"diphoma: {HIERARCHICAL_MIN_ENV}={raw!r} must be a number of bytes (0 or more)")
+    return value
+
+
+def pod_library(environ, nccl_ready):
+    """The library that runs the in-pod stages of the hierarchical all-reduce besides the
+    in-pod ring (pure): ``nccl`` where this process has CUDA and a torch with NCCL (for CUDA
+    tensors: ``nccl_ready``), else ``gloo`` when ``DIPHOMA_POD_PLANE=gloo`` (for CPU tensors:
+    the CPU-testable twin of the NCCL path), else None (the in-pod ring only). ``ConfigError``
+    naming the variable for a value other than ``ring`` or ``gloo``."""
+    name = environ.get(POD_PLANE_ENV, "").strip().lower() or "ring"
+    if name not in ("ring", "gloo"):
+        raise ConfigError(f"diphoma: {POD_PLANE_ENV}={name!r} is not an in-pod plane for CPU tensors (ring, gloo)")
+    return "nccl" if nccl_ready else (None if name == "ring" else name)
 
 
 class _Thread:
@@ -447,12 +506,28 @@ class HierarchicalPlane(_Watched):
 
     abandoned = "pair of in-pod and cross-pod rings"
 
-    def __init__(self, ring, processes):
+    def __init__(self, ring, processes, timeout=timedelta(minutes=30)):
         super().__init__(ring)
         self.flat = RingPlane(ring)
         self.processes = processes
+        self.timeout = timeout
         self.pod = self.across = None  # this generation's sub-rings, built at the first all-reduce
         self._work = None  # the stages in flight
+        self.min_bytes = hierarchical_min_bytes()
+        # The pod's library communicator (``pod_library``), built with the sub-rings.
+        self.library = pod_library(os.environ, torch.cuda.is_available() and dist.is_nccl_available())
+        self.pod_pg = None
+        self._store = None
+
+    def on_device(self, what, t):
+        """Whether collective ``what`` takes ``t`` on its device (a CUDA tensor's all-reduce,
+        whose in-pod stages run on NCCL), not staged through host memory by the group."""
+        return what == "allreduce" and t.is_cuda and self.library == "nccl"
+
+    def _through_library(self, t):
+        """Whether ``t``'s in-pod stages run on the pod's library communicator: CUDA tensors
+        with ``nccl``, CPU tensors with ``gloo`` (``DIPHOMA_POD_PLANE=gloo``)."""
+        return self.library == ("nccl" if t.is_cuda else "gloo")
 
     def averages(self, dtype):
         return False  # sums over both rings, divided by the group
@@ -471,9 +546,13 @@ class HierarchicalPlane(_Watched):
         (pod_ranks, local), (across_ranks, pod) = pod_groups(ring.rank, world, self.processes)
         self.pod = ring.subring(local, [_text(table[r, 0]) for r in pod_ranks], f"{tag}/pod/{pod}")
         self.across = ring.subring(pod, [_text(table[r, 1]) for r in across_ranks], f"{tag}/local/{local}")
+        if self.library:
+            self._store = _serve_store(ring)
+            prefix = dist.PrefixStore(f"diphoma/pod-{self.library}/{tag}/{pod}/", self._store)
+            self.pod_pg = library_group(self.library, prefix, local, self.processes, ring, self.timeout)
         _log.info("diphoma: ring generation %d (rank %d of %d): all-reduce hierarchical, pod %d of %d, "
-                  "local rank %d of %d", ring.generation, ring.rank, world, pod, world // self.processes, local,
-                  self.processes)
+                  "local rank %d of %d%s", ring.generation, ring.rank, world, pod, world // self.processes, local,
+                  self.processes, f"; in the pod: {self.library}" if self.library else "")
 
     @staticmethod
     def _stages(pod, across, t, op):
@@ -486,10 +565,30 @@ class HierarchicalPlane(_Watched):
         across.allreduce(t.data_ptr() + pod.rank * chunk * t.element_size(), chunk, dtype, op)
         pod.allgather(t.data_ptr(), n * t.element_size())
 
+    @staticmethod
+    def _library_stages(pg, across, local, t, op):
+        """As ``_stages`` with the in-pod reduce-scatter and all-gather on the pod's library
+        communicator ``pg`` (NCCL for a CUDA ``t``; gloo for a CPU one): the cross-pod ring
+        all-reduces this local rank's chunk in host memory (a CUDA chunk copied there and back)."""
+        chunk = t.numel() // pg.size()
+        out = torch.empty(chunk, dtype=t.dtype, device=t.device)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = _LIBRARY_OPS[op]
+        with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():
+            pg._reduce_scatter_base(out, t, opts).wait()
+            host = out.cpu() if t.is_cuda else out  # waits for the stream: NCCL's result is there
+            across.allreduce(host.data_ptr(), chunk, _ops.NATIVE[t.dtype], op)
+            if host is not out:
+                out.copy_(host)
+            pg._allgather_base(t, out).wait()
+            if t.is_cuda:
+                torch.cuda.current_stream(t.device).synchronize()
+
     def allreduce(self, t, op):
         """``t`` (contiguous, a native dtype) all-reduced by ``op``: its first
-        ``hierarchical_split`` elements over the two levels (watched), the rest over the ring."""
-        head = hierarchical_split(t.numel(), self.processes)
+        ``hierarchical_split`` elements over the two levels (watched), the rest over the ring
+        (all of it below ``DIPHOMA_HIERARCHICAL_MIN_BYTES``)."""
+        head = hierarchical_split(t.numel(), self.processes, t.element_size(), self.min_bytes)
         flat = t.reshape(-1)
         if head:
             t0 = time.monotonic()
@@ -505,12 +604,24 @@ class HierarchicalPlane(_Watched):
                     raise
                 except Exception as e:  # noqa: BLE001 - a member lost while joining the sub-rings
                     self._fail("allreduce", t0, e)
-            part, pod, across = flat[:head], self.pod, self.across
-            self._work = _Thread(lambda: self._stages(pod, across, part, op))
+            part, pod, across, pg = flat[:head], self.pod, self.across, self.pod_pg
+            if self._through_library(t):
+                # gloo cannot abort: its stages work on a copy, written back once they succeeded.
+                work_on = part if t.is_cuda else part.clone()
+                self._work = _Thread(lambda: self._library_stages(pg, across, pod.rank, work_on, op))
+            else:
+                work_on = part
+                self._work = _Thread(lambda: self._stages(pod, across, part, op))
             self._wait("allreduce", t0, self._work)
             self._work = None
+            if work_on is not part:
+                part.copy_(work_on)
         if head < t.numel():
-            self.flat.allreduce(flat[head:], op)
+            rest = flat[head:]
+            host = rest.cpu() if rest.is_cuda else rest  # the flat ring reduces host memory
+            self.flat.allreduce(host, op)
+            if host is not rest:
+                rest.copy_(host)
 
     def _drop(self):
         """Shuts both sub-rings (a stage in flight fails at once, the peers of every stage see
@@ -518,7 +629,9 @@ class HierarchicalPlane(_Watched):
         for r in (self.pod, self.across):
             if r is not None:
                 r.abort()
-        self.pod = self.across = None
+        if self.pod_pg is not None:
+            _abandon_library_group(self.pod_pg)
+        self.pod = self.across = self.pod_pg = self._store = None
         if self._work is not None:  # returns at once, its rings shut: nothing written after this
             try:
                 self._work.wait()
