@@ -12,6 +12,11 @@ GPU. Prints a table, and exits 0 with "no CUDA device" where there is none.
    each.
 3. One of 2 elastic ranks on CUDA killed with ``kill -9`` mid-run: the other goes on at the
    next generation in its own process (its pid unchanged) and finishes.
+4. With 2 or more GPUs (NCCL refuses two ranks on one GPU; skipped with one): the ``nccl``
+   data plane (``DIPHOMA_DATA_PLANE=nccl``: a NCCL communicator per ring generation) exact at
+   every size and timed, and through the kill -9 of part 3; and 2 local pods × 2 processes
+   (``python -m diphoma.run --pods 2``) with NCCL inside each pod (the hierarchical
+   all-reduce's in-pod stages), exact at every size.
 
 Usage: ``python gpu_check.py`` (the driver, run by ``python/bench/gpu_check.sh``); it starts
 its ranks with ``python -m diphoma.run`` running this file with ``--part``. Every process it
@@ -44,14 +49,16 @@ def human(n):
 
 
 def device():
-    """This rank's GPU: ``cuda:LOCAL_RANK`` modulo the GPUs there are (2 ranks share one), made
-    current. ``GPU_CHECK_CPU=1`` runs the parts on the CPU instead: a dry run of this script's
+    """This rank's GPU: ``cuda:LOCAL_RANK`` (an elastic member ``local-N``: N) modulo the GPUs
+    there are (2 ranks share one). ``GPU_CHECK_CPU=1`` runs the parts on the CPU instead: a dry run of this script's
     own code where there is no GPU (its numbers say nothing about a GPU)."""
     import torch
 
     if os.environ.get("GPU_CHECK_CPU") == "1":
         return torch.device("cpu")
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    index = os.environ.get("LOCAL_RANK") or os.environ.get("DIPHOMA_POD_NAME", "local-0").rsplit("-", 1)[-1]
+    dev = torch.device("cuda", int(index) % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
     return dev
 
 
@@ -60,7 +67,7 @@ def sync(dev):
     import torch
 
     if dev.type == "cuda":
-        sync(dev)
+        torch.cuda.synchronize(dev)
 
 
 # -- the ranks' parts -----------------------------------------------------------------------
@@ -257,12 +264,13 @@ def check_ddp(tmp):
     return same
 
 
-def check_elastic(tmp):
-    out = os.path.join(tmp, "elastic")
+def check_elastic(tmp, plane="ring", label="3."):
+    out = os.path.join(tmp, f"elastic-{plane}")
     os.makedirs(out)
     p = subprocess.Popen([sys.executable, "-m", "diphoma.run", "--nproc", "2", "--elastic", "--ring-dir",
-                          os.path.join(tmp, "ring"), __file__, "--part", "elastic", "--out", out],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                          os.path.join(tmp, f"ring-{plane}"), __file__, "--part", "elastic", "--out", out],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, DIPHOMA_DATA_PLANE=plane))
     pids, ok = [], False
     try:
         deadline = time.monotonic() + 120
@@ -274,19 +282,19 @@ def check_elastic(tmp):
                 break
             time.sleep(0.05)
         if "local-1" not in before or p.poll() is not None:
-            print(f"\n3. kill -9: the ranks did not reach step 5\n{p.communicate(timeout=30)[0][-3000:]}")
+            print(f"\n{label} kill -9: the ranks did not reach step 5\n{p.communicate(timeout=30)[0][-3000:]}")
             return False
         os.kill(before["local-1"]["pid"], signal.SIGKILL)
         rc = p.wait(timeout=120)
         after = read_records(out)
         a, b = after.get("local-0", {}), before["local-0"]
         ok = (rc == 0 and a.get("pid") == b["pid"] and a.get("generation", 0) > 1 and a.get("step") == ELASTIC_STEPS)
-        print(f"\n3. kill -9 of rank 1 at step {before['local-1']['step']}: rank 0 (pid {b['pid']}, {a.get('cuda')}) "
+        print(f"\n{label} kill -9 of rank 1 at step {before['local-1']['step']}: rank 0 (pid {b['pid']}, {a.get('cuda')}) "
               f"{'went on' if ok else 'did NOT go on'} at generation {a.get('generation')} (world {a.get('world')}) "
               f"to step {a.get('step')}, same pid: {a.get('pid') == b['pid']}; launcher exit {rc}")
         return ok
     except subprocess.TimeoutExpired:
-        print("\n3. kill -9: the survivor did not finish within 120 s")
+        print(f"\n{label} kill -9: the survivor did not finish within 120 s")
         return False
     finally:
         if p.poll() is None:
@@ -301,6 +309,36 @@ def check_elastic(tmp):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def check_nccl(tmp):
+    """Part 4 (the module doc): with one GPU, says why it is skipped and passes."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        print(f"\n4. dataPlane nccl and NCCL inside the pod: skipped ({torch.cuda.device_count()} GPU: NCCL refuses "
+              "two ranks on one GPU; run on a machine with 2 or more)")
+        return True
+    ok = True
+    small = dict(os.environ, GPU_CHECK_MAX_BYTES=str(64 << 20))  # the 8-minute budget
+    for label, args, env in (
+            ("dataPlane nccl, 2 ranks on 2 GPUs", ["--nproc", "2"], dict(small, DIPHOMA_DATA_PLANE="nccl")),
+            ("2 pods x 2 processes, NCCL inside each pod", ["--pods", "2", "--nproc", "2"],
+             dict(small, DIPHOMA_HIERARCHICAL_MIN_BYTES="0"))):
+        out = os.path.join(tmp, f"nccl-{len(args)}.json")
+        rc, log = launch([*args, __file__, "--part", "allreduce", "--backend", "diphoma", "--out", out], 180, env)
+        if rc != 0:
+            print(f"\n4. {label}: exit {rc}\n{log[-3000:]}")
+            ok = False
+            continue
+        with open(out) as f:
+            rows = json.load(f)
+        print(f"\n4. {label}: all_reduce, ms per call (exact against the reference)")
+        for r in rows:
+            ok &= r["exact"]
+            ms = f"{r['seconds'] * 1e3:.3f}" if r.get("seconds") else "-"
+            print(f"   {r['dtype']:9} {human(r['bytes']):>8} {str(r['exact']):>6} {ms:>10}{' ' + r['error'] if r.get('error') else ''}")
+    return check_elastic(tmp, "nccl", "4. dataPlane nccl,") and ok
 
 
 def read_records(out):
@@ -343,7 +381,8 @@ def main():
         print("gpu-check: GPU_CHECK_CPU=1: a dry run on the CPU (no GPU numbers)")
     results = {}
     with tempfile.TemporaryDirectory(prefix="diphoma-gpu-check-") as tmp:
-        for name, check in (("allreduce", check_allreduce), ("ddp", check_ddp), ("elastic", check_elastic)):
+        for name, check in (("allreduce", check_allreduce), ("ddp", check_ddp), ("elastic", check_elastic),
+                            ("nccl", check_nccl)):
             try:
                 results[name] = check(tmp)
             except Exception as e:  # noqa: BLE001 - reported, the other parts still run
