@@ -38,7 +38,8 @@
 set -euo pipefail
 repo="$(git rev-parse --show-toplevel)"
 cd "$repo"
-PARTS="${PARTS:-ddp allreduce overhead}"  # and layout; ROUNDS="${ROUNDS:-3}"; STEPS="${STEPS:-10}"; WARMUP="${WARMUP:-2}"
+PARTS="${PARTS:-ddp allreduce overhead}"  # PARTS=layout runs the layouts (not in the default)
+ROUNDS="${ROUNDS:-3}"; STEPS="${STEPS:-10}"; WARMUP="${WARMUP:-2}"
 WORLDS="${WORLDS:-2 4}"
 MODELS="${MODELS:-resnet18 resnet50}"; SIZES="${SIZES:-1K,64K,1M,16M,64M}"
 OUT="${OUT:-$repo/python/bench/RESULTS.md}"

@@ -49,6 +49,9 @@ STORE_FAULTS = ("DistNetworkError", "DistStoreError")
 # Restarts at one generation after ring faults, with no newer generation coming, before the
 # launcher gives up: the operator re-forms a ring that lost a member within detectionSeconds.
 MAX_STUCK = 3
+# Set by ``python -m diphoma.run --pods`` (the local stand-in for a job's pods, whose ring never
+# changes): a ring fault ends the pod's launcher at once instead of waiting for a generation.
+FIXED_ENV = "DIPHOMA_RING_FIXED"
 
 
 def host_of(address):
@@ -352,7 +355,15 @@ def main(a, tmp):
                 # The ring's loss makes the operator publish a new generation (within
                 # detectionSeconds); a store that went away was rank 0's restarting process.
                 what = fault(error)
-                log(f"{who}'s {what} failed at generation {running} (exit {exit_code(rc)}): waiting for the next")
+                if os.environ.get(FIXED_ENV) == "1":
+                    # python -m diphoma.run --pods: nobody publishes another generation. A moment
+                    # first, so that the pod whose process failed is the first to exit.
+                    time.sleep(1.0)
+                    log(f"{who}'s {what} failed at generation {running} (exit {exit_code(rc)}): the ring is fixed "
+                        "(python -m diphoma.run --pods), no other generation comes")
+                    return exit_code(rc)
+                log(f"{who}'s {what} failed at generation {running} (exit {exit_code(rc)}): waiting for the next "
+                    "generation")
                 g = wait_newest(watch, running, 2 * detection if what == "ring" else 1.0, stopping)
                 if stopping:
                     break

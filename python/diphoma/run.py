@@ -377,7 +377,7 @@ def run_pods(a, key_file, ring_dir, procs):
     for i in range(a.pods):
         env = dict(base, DIPHOMA_RING_DIR=ring_dir, DIPHOMA_POD_NAME=f"pod-{i}", DIPHOMA_KEY_FILE=key_file,
                    DIPHOMA_JOB_UID=uid, DIPHOMA_STORE_PORT=str(ports[0] + 1),
-                   DIPHOMA_PROCESSES_PER_WORKER=str(a.nproc))
+                   DIPHOMA_PROCESSES_PER_WORKER=str(a.nproc), DIPHOMA_RING_FIXED="1")
         procs.append(subprocess.Popen(pod_args(a), env=env))
     write_atomic(os.path.join(ring_dir, "membership.json"),
                  membership_json(1, uid, [(f"pod-{i}", HOST, port) for i, port in enumerate(ports)]))
@@ -452,6 +452,11 @@ def parse(argv):
         ap.error("--pods must be at least 1")
     if a.pods > 1 and (a.elastic or a.max_restarts or a.no_python):
         ap.error("--pods runs a fixed ring of local pods: it takes neither --elastic, --max-restarts nor --no-python")
+    if a.pods > 1 and (a.log_dir or a.redirects != "0" or a.tee != "0" or a.local_ranks_filter is not None):
+        ap.error("--pods: each pod's processes write to the console, as a pod's log: --log-dir, --redirects, --tee "
+                 "and --local-ranks-filter are for one pod (--nproc alone)")
+    if a.replace and not a.elastic:
+        ap.error("--replace starts a new rank for each lost one of an --elastic ring: add --elastic")
     if a.elastic and (a.max_restarts or a.module or a.no_python or a.backend):
         ap.error("--elastic re-forms in place: it takes neither --max-restarts, -m, --no-python nor --backend")
     return a
@@ -463,7 +468,7 @@ def main(argv=None):
     procs = []
 
     def on_signal(signum, _frame):
-        raise KeyboardInterrupt(signum)
+        raise KeyboardInterrupt(signum)  # the launcher exits 128 + signum
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -491,9 +496,11 @@ def main(argv=None):
             ring.spawn()
         ring.publish()
         return ring.supervise(a.replace)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        return 128 + (e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT)
     finally:
+        for s in old:  # a second Ctrl-C does not cut the stop short (it is bounded by --grace)
+            signal.signal(s, signal.SIG_IGN)
         # A pod agent stops its own processes within --grace of SIGTERM: it gets that and more.
         stop(procs, 2 * a.grace + 5 if a.pods > 1 else a.grace)
         for s, h in old.items():

@@ -236,6 +236,47 @@ def test_local_pods_stop_together_when_one_fails(tmp_path):
     assert len(pids) == 4 and not any(alive(pid) for pid in pids), pids
 
 
+def test_local_pods_end_when_their_ring_breaks_without_restarting_the_script(tmp_path):
+    """Ring rank 1 returns after its first all-reduce while the others go on: their ring breaks.
+    Under ``--pods`` nobody publishes another generation, so each pod's launcher ends at once
+    (before, each restarted its processes in place three times over about 165 s, waiting for
+    the operator); every process ran the script once."""
+    script = tmp_path / "early.py"
+    script.write_text("import os, sys, torch, torch.distributed as dist\n"
+                      "import diphoma.torch\n"
+                      "print('started', os.environ['RANK'], flush=True)\n"
+                      "dist.init_process_group('diphoma')\n"
+                      "t = torch.ones(4)\n"
+                      "dist.all_reduce(t)\n"
+                      "if dist.get_rank() == 1:\n"
+                      "    sys.exit(0)\n"
+                      "for _ in range(1000):\n"
+                      "    dist.all_reduce(t)\n")
+    p = subprocess.run([sys.executable, "-m", "diphoma.run", "--pods", "2", "--nproc-per-node", str(PROCESSES),
+                        str(script)], capture_output=True, text=True, timeout=240)
+    output = p.stdout + p.stderr
+    assert p.returncode != 0, output[-4000:]
+    assert "the ring is fixed (python -m diphoma.run --pods), no other generation comes" in output, output[-4000:]
+    assert sorted(line for line in p.stdout.splitlines() if line.startswith("started")) == \
+        [f"started {r}" for r in range(4)], output[-4000:]
+
+
+def test_local_pods_refuse_what_applies_to_one_pod_or_to_elastic_rings():
+    for flags, said in ((["--pods", "2", "--log-dir", "/tmp/x"], "--log-dir, --redirects, --tee"),
+                        (["--pods", "2", "--local-ranks-filter", "0"], "--local-ranks-filter are for one pod"),
+                        (["--replace"], "--replace starts a new rank for each lost one of an --elastic ring")):
+        p = subprocess.run([sys.executable, "-m", "diphoma.run", *flags, "x.py"], capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 2 and said in p.stderr, (flags, p.stderr)
+
+
+def test_the_hierarchical_variables_are_refused_also_where_they_do_not_apply():
+    """A typo in them shows at once, not only once the job runs in pods of several processes."""
+    for var, value in (("DIPHOMA_HIERARCHICAL_MIN_BYTES", "1MiB"), ("DIPHOMA_POD_PLANE", "shm")):
+        p = launch(2, "collectives.py", env=dict(os.environ, **{var: value}))
+        assert p.returncode != 0 and f"{var}='{value}'" in p.stderr, p.stderr[-3000:]
+
+
 FIRST = ("pod-a.0", "pod-a.1", "pod-b.0", "pod-b.1")
 
 

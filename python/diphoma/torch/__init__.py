@@ -763,6 +763,9 @@ def _create(store, rank, size, timeout):
     if dist.is_initialized() and not _HANDOFF:
         return ProcessGroupDiphoma(_subring(store, rank, size), rank, size, store, timeout)
     plane = _plane.chosen()
+    # Refused wherever they are set, not only in pods of several processes, where they apply.
+    _plane.hierarchical_min_bytes()
+    _plane.pod_library(os.environ, False)
     if _HANDOFF:
         ring = _HANDOFF.pop()
     else:
