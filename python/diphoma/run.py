@@ -471,6 +471,7 @@ def main(argv=None):
         raise KeyboardInterrupt(signum)  # the launcher exits 128 + signum
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    signalled = False
     try:
         # A DiphomaJob's worker pod (the contract's variables), or a local stand-in for one: a
         # member of a ring directory that someone else publishes.
@@ -497,14 +498,22 @@ def main(argv=None):
         ring.publish()
         return ring.supervise(a.replace)
     except KeyboardInterrupt as e:
+        signalled = True
         return 128 + (e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT)
+    except Exception as e:
+        if type(e).__name__ != "SignalException":  # torch's agent's, for a signal while it runs the ranks
+            raise
+        signalled = True
+        print(f"diphoma.run: stopped by signal {int(e.sigval)}", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
     finally:
         for s in old:  # a second Ctrl-C does not cut the stop short (it is bounded by --grace)
             signal.signal(s, signal.SIG_IGN)
         # A pod agent stops its own processes within --grace of SIGTERM: it gets that and more.
         stop(procs, 2 * a.grace + 5 if a.pods > 1 else a.grace)
-        for s, h in old.items():
-            signal.signal(s, h)
+        if not signalled:  # stopped by a signal: the process exits with 128 + it, a repeat is ignored
+            for s, h in old.items():
+                signal.signal(s, h)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
