@@ -305,10 +305,7 @@ async fn does_not_fit(ctx: Arc<Ctx>, ns: String, sched: Sched) -> Result<()> {
         let ready = st.conditions.iter().find(|c| c.type_ == "Ready");
         if p.live == 3
             && ready.is_some_and(|c| c.reason == "GangWaiting")
-            && st.waiting.as_deref().is_some_and(|w| {
-                w.starts_with("gang of 3 waits: 2 of 3 workers can be placed, none is bound; ")
-                    && w.contains("Insufficient nvidia.com/gpu")
-            })
+            && st.waiting.as_deref().is_some_and(|w| says_why(sched, w))
         {
             said = st.waiting;
         }
@@ -371,6 +368,30 @@ async fn does_not_fit(ctx: Arc<Ctx>, ns: String, sched: Sched) -> Result<()> {
         said.unwrap_or_default()
     );
     Ok(())
+}
+
+/// Whether `waiting` says why a gang of 3 with room for 2 waits, as `sched` leaves it.
+/// kube-scheduler tries the whole gang in one cycle: 2 found a node and were turned away for the
+/// gang, the third for room. The coscheduling plugin tries one worker at a time, holding each
+/// that found a node at Permit and rejecting those when another finds none, over and over
+/// (the worker turned away for room differs from one round to the next): at a look, 2 or 3 of
+/// them were last turned away at Permit, and the reason is the room or that rejection.
+fn says_why(sched: Sched, waiting: &str) -> bool {
+    match sched {
+        Sched::Kubernetes => {
+            waiting.starts_with("gang of 3 waits: 2 of 3 workers can be placed, none is bound; ")
+                && waiting.contains("Insufficient nvidia.com/gpu")
+        }
+        Sched::Coscheduling => {
+            ["2 of 3", "3 of 3"].iter().any(|n| {
+                waiting.starts_with(&format!(
+                    "gang of 3 waits: {n} workers can be placed, none is bound; "
+                ))
+            }) && ["Insufficient nvidia.com/gpu", "optimistic rejection in PostFilter"]
+                .iter()
+                .any(|why| waiting.contains(why))
+        }
+    }
 }
 
 /// The coscheduling gang's objects as the test of a gang that does not fit sees them: a

@@ -900,7 +900,7 @@ pub enum Kind {
     /// The job's gang PodGroup (`scheduling.k8s.io/v1alpha2`), when the API server serves it.
     GangPodGroup,
     /// The job's coscheduling PodGroup (`scheduling.x-k8s.io/v1alpha1`), when the API server
-    /// serves it.
+    /// serves it. The last variant: `controller::caches` counts the kinds from it.
     CoschedulingPodGroup,
 }
 
