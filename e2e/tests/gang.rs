@@ -268,7 +268,11 @@ async fn does_not_fit(ctx: Arc<Ctx>, ns: String, sched: Sched) -> Result<()> {
     // A job without a gang holds 2 of the 4 GPUs.
     start_job(&ctx, &ns, &training_job("blocker", 2, 1_000_000, None), 2).await?;
     // A gang of 3 does not fit in the 2 left: none of its workers is bound, and it says why.
-    apply_json(&ctx, &ns, &training_job("gang", 3, 300, Some(sched)).build())?;
+    apply_json(
+        &ctx,
+        &ns,
+        &training_job("gang", 3, 300, Some(sched)).build(),
+    )?;
     // spec.gang is immutable: the gang cannot be dropped, nor one given to a running job; the
     // default written explicitly is no change.
     let patch = |job: &'static str, gang: serde_json::Value| {
@@ -387,9 +391,12 @@ fn says_why(sched: Sched, waiting: &str) -> bool {
                 waiting.starts_with(&format!(
                     "gang of 3 waits: {n} workers can be placed, none is bound; "
                 ))
-            }) && ["Insufficient nvidia.com/gpu", "optimistic rejection in PostFilter"]
-                .iter()
-                .any(|why| waiting.contains(why))
+            }) && [
+                "Insufficient nvidia.com/gpu",
+                "optimistic rejection in PostFilter",
+            ]
+            .iter()
+            .any(|why| waiting.contains(why))
         }
     }
 }
@@ -578,9 +585,17 @@ async fn first_runs_second_waits(
     steps: (u64, u64),
     sched: Sched,
 ) -> Result<diphoma_contract::Membership> {
-    apply_json(ctx, ns, &training_job("first", 3, steps.0, Some(sched)).build())?;
+    apply_json(
+        ctx,
+        ns,
+        &training_job("first", 3, steps.0, Some(sched)).build(),
+    )?;
     let ring = running_ring(ctx, ns, "first", 3, 0).await?;
-    apply_json(ctx, ns, &training_job("second", 3, steps.1, Some(sched)).build())?;
+    apply_json(
+        ctx,
+        ns,
+        &training_job("second", 3, steps.1, Some(sched)).build(),
+    )?;
     eventually(60, "the second gang waiting", async || {
         let st = status(ctx, ns, "second").await?;
         Ok(st

@@ -210,7 +210,10 @@ pub mod coscheduling {
 /// `PodGroup` named [`gang_name`], owned by the job, whose `minMember` is `min_count` (the ring's
 /// minimum); every worker carries [`coscheduling::POD_GROUP_LABEL`] naming it. The plugin's
 /// timeout at Permit is left to the scheduler's configuration (`permitWaitingTimeSeconds`).
-pub fn coscheduling_pod_group(job: &DiphomaJob, min_count: i32) -> coscheduling::CoschedulingPodGroup {
+pub fn coscheduling_pod_group(
+    job: &DiphomaJob,
+    min_count: i32,
+) -> coscheduling::CoschedulingPodGroup {
     coscheduling::CoschedulingPodGroup {
         metadata: meta(job, gang_name(&job.name_any())),
         spec: coscheduling::PodGroupSpec {

@@ -50,8 +50,14 @@ pub fn observe(stores: &Stores, job: &DiphomaJob) -> Gang {
         GangScheduler::Kubernetes => match &stores.native {
             None => Gang::Unserved,
             Some(n) => Gang::Observed {
-                workload: n.workloads.get(&at(&name, &ns)).map(|w| gang::view_workload(&w, &uid)),
-                pod_group: n.pod_groups.get(&at(&name, &ns)).map(|g| gang::view_pod_group(&g, &uid)),
+                workload: n
+                    .workloads
+                    .get(&at(&name, &ns))
+                    .map(|w| gang::view_workload(&w, &uid)),
+                pod_group: n
+                    .pod_groups
+                    .get(&at(&name, &ns))
+                    .map(|g| gang::view_pod_group(&g, &uid)),
             },
         },
         GangScheduler::Coscheduling => match &stores.coscheduling {

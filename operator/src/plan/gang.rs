@@ -571,7 +571,10 @@ mod tests {
         let j = cosched_job(4, Some(3));
         let plan = gang_plan(&j, &Gang::NONE, Some(Phase::Pending));
         // No native object; one scheduling.x-k8s.io PodGroup, named after the job, owned by it.
-        assert_eq!((&plan.workload, &plan.pod_group), (&Step::Keep, &Step::Keep));
+        assert_eq!(
+            (&plan.workload, &plan.pod_group),
+            (&Step::Keep, &Step::Keep)
+        );
         let Step::Create(g) = &plan.coscheduling else {
             panic!("{plan:?}")
         };
@@ -620,7 +623,10 @@ mod tests {
         );
         assert!(p.spec.unwrap().scheduling_group.is_none());
         let p = build::worker_pod(&gang_job(2, None), 1, 0).unwrap();
-        assert!(!p.labels().contains_key(build::coscheduling::POD_GROUP_LABEL));
+        assert!(
+            !p.labels()
+                .contains_key(build::coscheduling::POD_GROUP_LABEL)
+        );
     }
 
     #[test]
@@ -705,7 +711,9 @@ mod tests {
             .collect();
         let w = waiting(&j, &early, &blocked).unwrap();
         assert!(
-            w.starts_with("gang of 3 waits: 0 of 3 workers can be placed, none is bound; train-worker-2: "),
+            w.starts_with(
+                "gang of 3 waits: 0 of 3 workers can be placed, none is bound; train-worker-2: "
+            ),
             "{w}"
         );
     }
