@@ -10,7 +10,11 @@
 # stop.sh (and start.sh's watchdog) stop it with the control plane; log: logs/coscheduling.log.
 # Optional: COSCHED_PERMIT_WAIT_S (the plugin's permitWaitingTimeSeconds: how long a member with
 # a node waits at Permit for the rest of its gang; default 10, as the module's sample config),
-# SCHED_V (log verbosity, default 4).
+# COSCHED_BACKOFF_S (podGroupBackoffSeconds, default 10: after a round in which a member found no
+# node, the group is not tried for that long; without it the plugin re-activates the siblings of
+# each member it holds at Permit and a gang that does not fit is tried thousands of times a
+# minute, which slowed the training of the other jobs on 2 cores), SCHED_MAX_UNSCHEDULABLE
+# (default 30s, below), SCHED_V (log verbosity, default 4).
 set -euo pipefail
 W=$(cd "${1:?usage: $0 WORK_DIR [SCHEDULER_NAME]}" && pwd)
 NAME=${2:-diphoma-coscheduling}
@@ -49,7 +53,13 @@ profiles:
   - name: Coscheduling
     args:
       permitWaitingTimeSeconds: ${COSCHED_PERMIT_WAIT_S:-10}
+      podGroupBackoffSeconds: ${COSCHED_BACKOFF_S:-10}
 CFG
+# --pod-max-in-unschedulable-pods-duration (as start.sh gives kube-scheduler; default 5m): a gang
+# whose members were all last rejected at Permit is parked with only Coscheduling to blame, and
+# the plugin asks to be woken by pods added and PodGroups changed, not by pods deleted: room
+# appearing (a finished job's pods going) wakes no member. Parked pods are tried again after this
+# long (checked every 30 s).
 "$SBIN/scheduler" \
   --config="$W/coscheduling.yaml" \
   --authentication-kubeconfig="$W/admin.kubeconfig" \
@@ -57,6 +67,7 @@ CFG
   --bind-address=127.0.0.1 \
   --secure-port="$PORT" \
   --cert-dir="$W/coscheduling-certs" \
+  --pod-max-in-unschedulable-pods-duration="${SCHED_MAX_UNSCHEDULABLE:-30s}" \
   --v="${SCHED_V:-4}" </dev/null >>"$W/logs/coscheduling.log" 2>&1 &
 echo $! >"$W/coscheduling.pid"
 for ((i = 0; i < 300; i++)); do

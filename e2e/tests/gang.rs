@@ -348,7 +348,14 @@ async fn does_not_fit(ctx: Arc<Ctx>, ns: String, sched: Sched) -> Result<()> {
     .await?;
     let room = Instant::now();
     let mut bound = None;
-    let formed = eventually(90, "gang's ring formed", async || {
+    // The coscheduling plugin is not woken by room appearing (a pod deleted) for a gang all of
+    // whose members it last rejected at Permit: the second scheduler tries parked pods again
+    // after 30 s, checked every 30 s (start-coscheduling.sh), so up to a minute more.
+    let bound_s = match sched {
+        Sched::Kubernetes => 90,
+        Sched::Coscheduling => 150,
+    };
+    let formed = eventually(bound_s, "gang's ring formed", async || {
         let now = placements(&ctx, &ns).await?;
         never_half_placed(&now, &gangs, &mut last)?;
         if bound.is_none() && now.get("gang").is_some_and(|p| p.bound == 3) {
@@ -376,10 +383,11 @@ async fn does_not_fit(ctx: Arc<Ctx>, ns: String, sched: Sched) -> Result<()> {
 
 /// Whether `waiting` says why a gang of 3 with room for 2 waits, as `sched` leaves it.
 /// kube-scheduler tries the whole gang in one cycle: 2 found a node and were turned away for the
-/// gang, the third for room. The coscheduling plugin tries one worker at a time, holding each
-/// that found a node at Permit and rejecting those when another finds none, over and over
-/// (the worker turned away for room differs from one round to the next): at a look, 2 or 3 of
-/// them were last turned away at Permit, and the reason is the room or that rejection.
+/// gang, the third for room. The coscheduling plugin tries one worker at a time, holds each that
+/// found a node at Permit and rejects those when another finds none (the one turned away for
+/// room differs from round to round), then backs the group off (`podGroupBackoffSeconds`): at a
+/// look, the count is of those last held at Permit, and the reason is the room, that rejection,
+/// or the back-off.
 fn says_why(sched: Sched, waiting: &str) -> bool {
     match sched {
         Sched::Kubernetes => {
@@ -387,16 +395,15 @@ fn says_why(sched: Sched, waiting: &str) -> bool {
                 && waiting.contains("Insufficient nvidia.com/gpu")
         }
         Sched::Coscheduling => {
-            ["2 of 3", "3 of 3"].iter().any(|n| {
-                waiting.starts_with(&format!(
-                    "gang of 3 waits: {n} workers can be placed, none is bound; "
-                ))
-            }) && [
-                "Insufficient nvidia.com/gpu",
-                "optimistic rejection in PostFilter",
-            ]
-            .iter()
-            .any(|why| waiting.contains(why))
+            waiting.starts_with("gang of 3 waits: ")
+                && waiting.contains(" of 3 workers can be placed, none is bound; gang-worker-")
+                && [
+                    "Insufficient nvidia.com/gpu",
+                    "optimistic rejection in PostFilter",
+                    "failed recently",
+                ]
+                .iter()
+                .any(|why| waiting.contains(why))
         }
     }
 }

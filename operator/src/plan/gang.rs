@@ -221,14 +221,12 @@ pub const COSCHEDULING_PERMIT: [&str; 3] = [
     "at plugin Coscheduling",
 ];
 
-/// The reasons the coscheduling plugin gives a gang member before looking for a node, for its
-/// gang alone: too few of the group exist yet, the group failed recently (its back-off), or the
-/// whole group was rejected for another member (PostFilter).
-pub const COSCHEDULING_GANG: [&str; 3] = [
-    "cannot find enough sibling pods",
-    "failed recently",
-    "is unschedulable even after PostFilter",
-];
+/// The reasons the coscheduling plugin gives a gang member at PreFilter, before looking for a
+/// node, for its gang alone: too few of the group exist yet, or the group failed recently (its
+/// back-off, `podGroupBackoffSeconds`). (The member that found no node gets its own reason,
+/// followed by the plugin's `PodGroup … gets rejected due to Pod … is unschedulable even after
+/// PostFilter`.)
+pub const COSCHEDULING_GANG: [&str; 2] = ["cannot find enough sibling pods", "failed recently"];
 
 /// Whether `pod`, not bound, could be placed were the rest of its gang: the scheduler's last
 /// try found it a node and turned it away only for its gang ([`GANG_QUORUM`],
@@ -251,9 +249,7 @@ fn placed_but_gang(b: &Blocked) -> bool {
 /// Whether the scheduler turned `b`'s worker away only for the rest of its gang, not for a
 /// reason of its own (room, a taint...).
 fn quorum_only(b: &Blocked) -> bool {
-    placed_but_gang(b)
-        || (COSCHEDULING_GANG.iter().any(|m| b.message.contains(m))
-            && !b.message.contains(" nodes are available"))
+    placed_but_gang(b) || COSCHEDULING_GANG.iter().any(|m| b.message.contains(m))
 }
 
 /// Whether `job`'s gang was placed (a worker bound) and is now below its minimum with a live
@@ -688,19 +684,19 @@ mod tests {
             ),
             "{w}"
         );
-        // Turned away before any node was looked for, for its gang only (too few siblings, or
-        // the whole group rejected for another member): not placeable, and not the reason
-        // given while another worker has one of its own.
+        // Turned away at PreFilter, before any node was looked for, for its gang only (too few
+        // siblings; the group's back-off), as the scheduler words it: not placeable, and not
+        // the reason given while another worker has one of its own.
         let early = [
             pod(
                 0,
-                "pre-filter pod train-worker-0 cannot find enough sibling pods, current pods \
-                 number: 2, minMember of group: 3",
+                "0/2 nodes are available: pre-filter pod train-worker-0 cannot find enough \
+                 sibling pods, current pods number: 2, minMember of group: 3.",
             ),
             pod(
                 1,
-                "PodGroup ns/train gets rejected due to Pod train-worker-2 is unschedulable even \
-                 after PostFilter",
+                "0/2 nodes are available: podGroup ns/train failed recently. preemption: not \
+                 eligible",
             ),
             pods[2].clone(),
         ];
