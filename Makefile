@@ -18,11 +18,12 @@ help: ## list the targets
 deps: ## install Debian packages the scripts need (idempotent)
 	@bash scripts/install-deps.sh
 
-tools: deps ## build the pinned control plane, etcd and helm from Go modules; fetch Prometheus; install helm-docs and cargo-deny (all cached outside the repo)
+tools: deps ## build the pinned control plane, etcd and helm from Go modules (and Kueue, the scheduler-plugins scheduler); fetch Prometheus; install helm-docs and cargo-deny (all cached outside the repo)
 	@bash e2e/cluster/build-bins.sh >/dev/null
 	@bash scripts/tools.sh helm-docs >/dev/null
 	@bash scripts/tools.sh cargo-deny >/dev/null
 	@bash e2e/cluster/build-kueue.sh >/dev/null
+	@bash e2e/cluster/build-coscheduling.sh >/dev/null
 	@bash e2e/cluster/fetch-prometheus.sh >/dev/null
 
 build: deps ## build every binary of the workspace

@@ -5,7 +5,7 @@
 set -uo pipefail
 W=${1:?usage: $0 WORK_DIR [--keep]}
 [[ -d "$W" ]] || exit 0
-for c in operator kueue kubelet kube-scheduler kube-controller-manager kube-apiserver etcd watchdog; do
+for c in operator kueue coscheduling kubelet kube-scheduler kube-controller-manager kube-apiserver etcd watchdog; do
   f="$W/$c.pid"; [[ -f "$f" ]] || continue
   pid=$(cat "$f")
   rm -f "$f"

@@ -269,6 +269,21 @@ impl ControlPlane {
         )
         .map(|_| ())
     }
+
+    /// Starts the scheduler-plugins scheduler (`e2e/cluster/start-coscheduling.sh`, built by
+    /// `build-coscheduling.sh`) as a second scheduler named `scheduler_name` running the
+    /// Coscheduling plugin, after installing its PodGroup CRD (`scheduling.x-k8s.io/v1alpha1`).
+    /// Stopped with the control plane (its pid file is in [`Self::dir`]).
+    ///
+    /// Errors: [`Error::Script`] carrying the script's stderr.
+    pub fn start_coscheduling(&self, scheduler_name: &str) -> Result<(), Error> {
+        run_script(
+            &scripts_dir().join("start-coscheduling.sh"),
+            &[&self.dir.to_string_lossy(), scheduler_name],
+            &[],
+        )
+        .map(|_| ())
+    }
 }
 
 /// `GET http://addr/path` on loopback (a pod's or the operator's metrics and health endpoints);

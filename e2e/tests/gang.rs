@@ -3,8 +3,12 @@
 //! `GenericWorkload` and `GangScheduling` and serves `scheduling.k8s.io/v1alpha2`), with real
 //! `diphoma-worker train` workers under the in-process operator, on 2 nodes of 2 GPUs: a gang
 //! that does not fit binds no worker and says why, then starts when room appears; two gangs
-//! competing for the same GPUs run one after the other, never both half placed. Prints the time
-//! from room appearing to the ring formed.
+//! competing for the same GPUs run one after the other, never both half placed; a gang being
+//! repaired gets its room before one that waits. The same scenarios run again with the
+//! scheduler-plugins coscheduling plugin (`spec.gang.scheduler: Coscheduling`: its
+//! `scheduling.x-k8s.io/v1alpha1` PodGroup), started by `e2e/cluster/start-coscheduling.sh` as
+//! a second scheduler next to kube-scheduler. Prints the time from room appearing to the ring
+//! formed.
 
 mod common;
 
@@ -16,6 +20,7 @@ use common::*;
 use diphoma_e2e::kit::JobManifest;
 use diphoma_e2e::kubelet::node::NodeConfig;
 use diphoma_operator::api::{DiphomaJob, Phase};
+use diphoma_operator::build::coscheduling::{CoschedulingPodGroup, POD_GROUP_LABEL};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::scheduling::v1alpha2::{PodGroup, Workload};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
@@ -26,19 +31,105 @@ use serde_json::json;
 const GPUS_PER_NODE: u32 = 2;
 
 fn main() -> Result<()> {
+    init_tracing();
     let nodes = (0..2)
         .map(|i| NodeConfig::gpu(&format!("gpu-{i}"), GPUS_PER_NODE))
         .collect();
-    run_tests(
+    let rt = runtime()?;
+    // The second scheduler and its PodGroup CRD first (the operator looks at start for the
+    // PodGroup API), then the operator.
+    let ctx = Ctx::start(
+        &rt,
         nodes,
-        OperatorMode::InProcess,
-        tests![
-            a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_appears,
-            two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed,
-            a_gang_being_repaired_gets_its_room_before_a_gang_that_waits,
-            a_gang_job_deleted_during_its_repair_is_yielded_to_no_more,
-        ],
-    )
+        OperatorMode::None,
+        diphoma_e2e::kubelet::Runtime::Process,
+    )?;
+    ctx.cp.install_crd()?;
+    ctx.cp.start_coscheduling(COSCHEDULING_SCHEDULER)?;
+    rt.block_on(async { ctx.start_operator() });
+    let list = tests![
+        a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_appears,
+        two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed,
+        a_gang_being_repaired_gets_its_room_before_a_gang_that_waits,
+        a_gang_job_deleted_during_its_repair_is_yielded_to_no_more,
+        coscheduling_a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_appears,
+        coscheduling_two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed,
+        coscheduling_a_gang_being_repaired_gets_its_room_before_a_gang_that_waits,
+    ];
+    let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
+    let conclusion = libtest_mimic::run(&sequential_args(), trials);
+    ctx.shutdown(&rt)?;
+    conclusion.exit()
+}
+
+/// The gang scheduler a test runs with (`spec.gang.scheduler`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sched {
+    /// Kubernetes' own (`scheduling.k8s.io/v1alpha2`), in kube-scheduler.
+    Kubernetes,
+    /// The scheduler-plugins coscheduling plugin (`scheduling.x-k8s.io/v1alpha1`), in the second
+    /// scheduler [`COSCHEDULING_SCHEDULER`].
+    Coscheduling,
+}
+
+impl Sched {
+    /// The value of `spec.gang.scheduler`.
+    fn value(self) -> &'static str {
+        match self {
+            Sched::Kubernetes => "Kubernetes",
+            Sched::Coscheduling => "Coscheduling",
+        }
+    }
+
+    /// The log of the scheduler that places the gang, in the control plane's `logs/`.
+    fn log(self) -> &'static str {
+        match self {
+            Sched::Kubernetes => "kube-scheduler.log",
+            Sched::Coscheduling => "coscheduling.log",
+        }
+    }
+}
+
+async fn a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_appears(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    does_not_fit(ctx, ns, Sched::Kubernetes).await
+}
+
+async fn coscheduling_a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_appears(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    does_not_fit(ctx, ns, Sched::Coscheduling).await
+}
+
+async fn two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    two_gangs(ctx, ns, Sched::Kubernetes).await
+}
+
+async fn coscheduling_two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    two_gangs(ctx, ns, Sched::Coscheduling).await
+}
+
+async fn a_gang_being_repaired_gets_its_room_before_a_gang_that_waits(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    repaired_first(ctx, ns, Sched::Kubernetes).await
+}
+
+async fn coscheduling_a_gang_being_repaired_gets_its_room_before_a_gang_that_waits(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    repaired_first(ctx, ns, Sched::Coscheduling).await
 }
 
 /// Every pod of the cluster: namespace/name, node, phase, whether it is being deleted.
@@ -67,10 +158,11 @@ async fn cluster_pods(ctx: &Ctx) -> Result<String> {
         .join("\n"))
 }
 
-/// The last 80 lines of the kube-scheduler's log (`logs/kube-scheduler.log`, restarts included)
-/// that contain any of `needles`, less the per-attempt chatter of verbosity 4.
-fn scheduler_said(ctx: &Ctx, needles: &[&str]) -> Result<String> {
-    let log = std::fs::read_to_string(ctx.cp.dir.join("logs/kube-scheduler.log"))?;
+/// The last 80 lines of the log of `sched`'s scheduler (`logs/kube-scheduler.log`, restarts
+/// included, or `logs/coscheduling.log`) that contain any of `needles`, less the per-attempt
+/// chatter of verbosity 4.
+fn scheduler_said(ctx: &Ctx, sched: Sched, needles: &[&str]) -> Result<String> {
+    let log = std::fs::read_to_string(ctx.cp.dir.join("logs").join(sched.log()))?;
     let chatter = [
         "OpportunisticBatch",
         "About to try",
@@ -86,21 +178,23 @@ fn scheduler_said(ctx: &Ctx, needles: &[&str]) -> Result<String> {
 
 /// `e` with every pod of the cluster (what holds the GPUs) and the scheduler's last lines about
 /// `needles` (at the local control plane's verbosity 4: each pod's moves between the scheduler's
-/// queues with the plugins that rejected it, the gang plugin's quorum, Permit timeouts).
-async fn explained(ctx: &Ctx, e: anyhow::Error, needles: &[&str]) -> anyhow::Error {
+/// queues with the plugins that rejected it, the gang plugin's quorum, Permit timeouts), for the
+/// scheduler of `sched`.
+async fn explained(ctx: &Ctx, sched: Sched, e: anyhow::Error, needles: &[&str]) -> anyhow::Error {
     let pods = cluster_pods(ctx)
         .await
         .unwrap_or_else(|e| format!("(pods not listed: {e})"));
-    let said = scheduler_said(ctx, needles).unwrap_or_else(|e| format!("(log not read: {e})"));
+    let said =
+        scheduler_said(ctx, sched, needles).unwrap_or_else(|e| format!("(log not read: {e})"));
     e.context(format!("{pods}\nscheduler:\n{said}"))
 }
 
 /// A digits training job of `replicas` workers (1 GPU each) for `steps` steps; `gang`: placed
-/// by Kubernetes' gang scheduling.
-fn training_job(name: &str, replicas: i32, steps: u64, gang: bool) -> JobManifest {
+/// as a gang by that scheduler.
+fn training_job(name: &str, replicas: i32, steps: u64, gang: Option<Sched>) -> JobManifest {
     let extra = match gang {
-        true => json!({"spec": {"gang": {"scheduler": "Kubernetes"}}}),
-        false => json!({}),
+        Some(s) => json!({"spec": {"gang": {"scheduler": s.value()}}}),
+        None => json!({}),
     };
     quick_job((name, replicas, steps), 10, 4, extra)
 }
@@ -168,14 +262,17 @@ fn never_half_placed(
     Ok(())
 }
 
-async fn a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_appears(
-    ctx: Arc<Ctx>,
-    ns: String,
-) -> Result<()> {
+/// Room for fewer than the gang's minimum: a gang of 3 with 2 GPUs free binds no worker, says
+/// why (`status.waiting`, `GangWaiting`), and starts once room appears.
+async fn does_not_fit(ctx: Arc<Ctx>, ns: String, sched: Sched) -> Result<()> {
     // A job without a gang holds 2 of the 4 GPUs.
-    start_job(&ctx, &ns, &training_job("blocker", 2, 1_000_000, false), 2).await?;
+    start_job(&ctx, &ns, &training_job("blocker", 2, 1_000_000, None), 2).await?;
     // A gang of 3 does not fit in the 2 left: none of its workers is bound, and it says why.
-    apply_json(&ctx, &ns, &training_job("gang", 3, 300, true).build())?;
+    apply_json(
+        &ctx,
+        &ns,
+        &training_job("gang", 3, 300, Some(sched)).build(),
+    )?;
     // spec.gang is immutable: the gang cannot be dropped, nor one given to a running job; the
     // default written explicitly is no change.
     let patch = |job: &'static str, gang: serde_json::Value| {
@@ -188,7 +285,7 @@ async fn a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_
     };
     for (job, gang) in [
         ("gang", json!({"scheduler": "None"})),
-        ("blocker", json!({"scheduler": "Kubernetes"})),
+        ("blocker", json!({"scheduler": sched.value()})),
     ] {
         let err = patch(job, gang.clone()).await.err();
         ensure!(
@@ -212,10 +309,7 @@ async fn a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_
         let ready = st.conditions.iter().find(|c| c.type_ == "Ready");
         if p.live == 3
             && ready.is_some_and(|c| c.reason == "GangWaiting")
-            && st.waiting.as_deref().is_some_and(|w| {
-                w.starts_with("gang of 3 waits: 2 of 3 workers can be placed, none is bound; ")
-                    && w.contains("Insufficient nvidia.com/gpu")
-            })
+            && st.waiting.as_deref().is_some_and(|w| says_why(sched, w))
         {
             said = st.waiting;
         }
@@ -224,7 +318,8 @@ async fn a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_
     .await;
     if let Err(e) = waited {
         let st = status(&ctx, &ns, "gang").await?;
-        return Err(e.context(format!("gang: {st:?}")));
+        let e = e.context(format!("gang: {st:?}"));
+        return Err(explained(&ctx, sched, e, &["gang-worker"]).await);
     }
     // It stays so: nothing is bound while it does not fit.
     let until = Instant::now() + std::time::Duration::from_secs(5);
@@ -236,9 +331,133 @@ async fn a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_
         );
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
-    // The gang objects: a Workload of one pod group template, minCount 3, a PodGroup made from
-    // it, the workers naming the PodGroup, which the scheduler says it could not place.
-    let w = Api::<Workload>::namespaced(ctx.client.clone(), &ns)
+    match sched {
+        Sched::Kubernetes => native_gang_objects(&ctx, &ns).await?,
+        Sched::Coscheduling => coscheduling_gang_objects(&ctx, &ns).await?,
+    }
+    // Room appears: the blocker goes; the gang starts.
+    Api::<DiphomaJob>::namespaced(ctx.client.clone(), &ns)
+        .delete("blocker", &DeleteParams::foreground())
+        .await?;
+    // Room appears when the blocker's workers stop (a finished pod holds no GPU).
+    eventually(60, "the blocker's workers stopped", async || {
+        let now = placements(&ctx, &ns).await?;
+        never_half_placed(&now, &gangs, &mut last)?;
+        Ok(now.get("blocker").is_none_or(|p| p.live == 0))
+    })
+    .await?;
+    let room = Instant::now();
+    let mut bound = None;
+    // The coscheduling plugin is not woken by room appearing (a pod deleted) for a gang all of
+    // whose members it last rejected at Permit: the second scheduler tries parked pods again
+    // after 30 s, checked every 30 s (start-coscheduling.sh), so up to a minute more.
+    let bound_s = match sched {
+        Sched::Kubernetes => 90,
+        Sched::Coscheduling => 150,
+    };
+    let formed = eventually(bound_s, "gang's ring formed", async || {
+        let now = placements(&ctx, &ns).await?;
+        never_half_placed(&now, &gangs, &mut last)?;
+        if bound.is_none() && now.get("gang").is_some_and(|p| p.bound == 3) {
+            bound = Some(Instant::now());
+        }
+        let st = status(&ctx, &ns, "gang").await?;
+        Ok(st.phase == Some(Phase::Running) || st.phase == Some(Phase::Succeeded))
+    })
+    .await;
+    if let Err(e) = formed {
+        return Err(explained(&ctx, sched, e, &["gang-worker"]).await);
+    }
+    let formed = Instant::now();
+    let st = finished(&ctx, &ns, "gang", 90).await?;
+    ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
+    println!(
+        "\n{sched:?}: gang of 3: room appeared → all 3 workers bound {:.2} s, → ring formed {:.2} s \
+         (this test's polls, 200 ms); it waited with: {}",
+        bound.map_or(f64::NAN, |b| (b - room).as_secs_f64()),
+        (formed - room).as_secs_f64(),
+        said.unwrap_or_default()
+    );
+    Ok(())
+}
+
+/// Whether `waiting` says why a gang of 3 with room for 2 waits, as `sched` leaves it.
+/// kube-scheduler tries the whole gang in one cycle: 2 found a node and were turned away for the
+/// gang, the third for room. The coscheduling plugin tries one worker at a time, holds each that
+/// found a node at Permit and rejects those when another finds none (the one turned away for
+/// room differs from round to round), then backs the group off (`podGroupBackoffSeconds`): at a
+/// look, the count is of those last held at Permit, and the reason is the room, that rejection,
+/// or the back-off.
+fn says_why(sched: Sched, waiting: &str) -> bool {
+    match sched {
+        Sched::Kubernetes => {
+            waiting.starts_with("gang of 3 waits: 2 of 3 workers can be placed, none is bound; ")
+                && waiting.contains("Insufficient nvidia.com/gpu")
+        }
+        Sched::Coscheduling => {
+            waiting.starts_with("gang of 3 waits: ")
+                && waiting.contains(" of 3 workers can be placed, none is bound; gang-worker-")
+                && [
+                    "Insufficient nvidia.com/gpu",
+                    "optimistic rejection in PostFilter",
+                    "failed recently",
+                ]
+                .iter()
+                .any(|why| waiting.contains(why))
+        }
+    }
+}
+
+/// The coscheduling gang's objects as the test of a gang that does not fit sees them: a
+/// `scheduling.x-k8s.io/v1alpha1` PodGroup owned by the job with `minMember` 3, the workers
+/// labelled with it and naming the second scheduler, and no native gang objects.
+async fn coscheduling_gang_objects(ctx: &Ctx, ns: &str) -> Result<()> {
+    let g = Api::<CoschedulingPodGroup>::namespaced(ctx.client.clone(), ns)
+        .get("gang")
+        .await?;
+    let job = jobs(ctx, ns).get("gang").await?;
+    ensure!(
+        g.spec.min_member == 3
+            && g.owner_references()
+                .iter()
+                .any(|o| Some(&o.uid) == job.metadata.uid.as_ref()),
+        "the PodGroup: {g:?}"
+    );
+    ensure!(
+        Api::<PodGroup>::namespaced(ctx.client.clone(), ns)
+            .get_opt("gang")
+            .await?
+            .is_none()
+            && Api::<Workload>::namespaced(ctx.client.clone(), ns)
+                .get_opt("gang")
+                .await?
+                .is_none(),
+        "a native gang object for a coscheduled job"
+    );
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns)
+        .list(&ListParams::default().labels("diphoma.io/job-name=gang"))
+        .await?;
+    ensure!(!pods.items.is_empty(), "no worker");
+    for p in &pods.items {
+        let spec = p.spec.as_ref();
+        ensure!(
+            p.labels().get(POD_GROUP_LABEL).map(String::as_str) == Some("gang")
+                && spec.and_then(|s| s.scheduler_name.as_deref()) == Some(COSCHEDULING_SCHEDULER)
+                && spec.is_some_and(|s| s.scheduling_group.is_none()),
+            "{}: labels {:?}, schedulerName {:?}",
+            p.name_any(),
+            p.labels(),
+            spec.and_then(|s| s.scheduler_name.as_deref())
+        );
+    }
+    Ok(())
+}
+
+/// The native gang's objects as the test of a gang that does not fit sees them: a Workload of
+/// one pod group template, minCount 3, a PodGroup made from it, the workers naming the
+/// PodGroup, which the scheduler says it could not place.
+async fn native_gang_objects(ctx: &Ctx, ns: &str) -> Result<()> {
+    let w = Api::<Workload>::namespaced(ctx.client.clone(), ns)
         .get("gang")
         .await?;
     let template = &w.spec.pod_group_templates[0];
@@ -250,7 +469,7 @@ async fn a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_
         "{:?}",
         w.spec
     );
-    let g = Api::<PodGroup>::namespaced(ctx.client.clone(), &ns)
+    let g = Api::<PodGroup>::namespaced(ctx.client.clone(), ns)
         .get("gang")
         .await?;
     let from = g
@@ -272,7 +491,7 @@ async fn a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_
         scheduled.is_some_and(|c| c.status == "False" && c.reason == "Unschedulable"),
         "the PodGroup's condition: {scheduled:?}"
     );
-    let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns)
         .list(&ListParams::default().labels("diphoma.io/job-name=gang"))
         .await?;
     ensure!(
@@ -283,52 +502,16 @@ async fn a_gang_that_does_not_fit_binds_no_worker_says_why_and_starts_when_room_
             .is_some_and(|g| g.pod_group_name.as_deref() == Some("gang"))),
         "a worker without its schedulingGroup"
     );
-    // Room appears: the blocker goes; the gang starts.
-    Api::<DiphomaJob>::namespaced(ctx.client.clone(), &ns)
-        .delete("blocker", &DeleteParams::foreground())
-        .await?;
-    // Room appears when the blocker's workers stop (a finished pod holds no GPU).
-    eventually(60, "the blocker's workers stopped", async || {
-        let now = placements(&ctx, &ns).await?;
-        never_half_placed(&now, &gangs, &mut last)?;
-        Ok(now.get("blocker").is_none_or(|p| p.live == 0))
-    })
-    .await?;
-    let room = Instant::now();
-    let mut bound = None;
-    eventually(90, "gang's ring formed", async || {
-        let now = placements(&ctx, &ns).await?;
-        never_half_placed(&now, &gangs, &mut last)?;
-        if bound.is_none() && now.get("gang").is_some_and(|p| p.bound == 3) {
-            bound = Some(Instant::now());
-        }
-        let st = status(&ctx, &ns, "gang").await?;
-        Ok(st.phase == Some(Phase::Running) || st.phase == Some(Phase::Succeeded))
-    })
-    .await?;
-    let formed = Instant::now();
-    let st = finished(&ctx, &ns, "gang", 90).await?;
-    ensure!(st.phase == Some(Phase::Succeeded), "{st:?}");
-    println!(
-        "\ngang of 3: room appeared → all 3 workers bound {:.2} s, → ring formed {:.2} s \
-         (this test's polls, 200 ms); it waited with: {}",
-        bound.map_or(f64::NAN, |b| (b - room).as_secs_f64()),
-        (formed - room).as_secs_f64(),
-        said.unwrap_or_default()
-    );
     Ok(())
 }
 
-async fn two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed(
-    ctx: Arc<Ctx>,
-    ns: String,
-) -> Result<()> {
+async fn two_gangs(ctx: Arc<Ctx>, ns: String, sched: Sched) -> Result<()> {
     // Two gangs of 3 on 4 GPUs, submitted together: one runs, the other waits with no worker
     // bound, then runs; neither ever holds part of the GPUs while waiting for the rest.
     let t0 = Instant::now();
     let both = json!({"apiVersion": "v1", "kind": "List", "items": [
-        training_job("left", 3, 2_000, true).build(),
-        training_job("right", 3, 2_000, true).build(),
+        training_job("left", 3, 2_000, Some(sched)).build(),
+        training_job("right", 3, 2_000, Some(sched)).build(),
     ]});
     apply_json(&ctx, &ns, &both)?;
     let gangs = [("left", 3), ("right", 3)];
@@ -374,6 +557,7 @@ async fn two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed(
         let e = e.context(format!("pods: {pods:#?}"));
         return Err(explained(
             &ctx,
+            sched,
             e,
             &["left-worker", "right-worker", "--- kube-scheduler"],
         )
@@ -389,8 +573,8 @@ async fn two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed(
         )
     })?;
     println!(
-        "\ntwo gangs of 3 on 4 GPUs: ring formed at {} after submission; the second waited \
-         with: {waited}",
+        "\n{sched:?}: two gangs of 3 on 4 GPUs: ring formed at {} after submission; the second \
+         waited with: {waited}",
         order
             .iter()
             .map(|(j, t)| format!("{j} {:.2} s", t.as_secs_f64()))
@@ -400,16 +584,25 @@ async fn two_gangs_competing_for_the_same_gpus_run_in_turn_neither_half_placed(
     Ok(())
 }
 
-/// Gang jobs `first` and `second` of 3 workers each (`steps` each) on the 4 GPUs: `first`
-/// runs, then `second` waits (`gang of 3 waits: ...`); the ring `first` formed.
+/// Gang jobs `first` and `second` of 3 workers each (`steps` each) on the 4 GPUs, placed by
+/// `sched`: `first` runs, then `second` waits (`gang of 3 waits: ...`); the ring `first` formed.
 async fn first_runs_second_waits(
     ctx: &Ctx,
     ns: &str,
     steps: (u64, u64),
+    sched: Sched,
 ) -> Result<diphoma_contract::Membership> {
-    apply_json(ctx, ns, &training_job("first", 3, steps.0, true).build())?;
+    apply_json(
+        ctx,
+        ns,
+        &training_job("first", 3, steps.0, Some(sched)).build(),
+    )?;
     let ring = running_ring(ctx, ns, "first", 3, 0).await?;
-    apply_json(ctx, ns, &training_job("second", 3, steps.1, true).build())?;
+    apply_json(
+        ctx,
+        ns,
+        &training_job("second", 3, steps.1, Some(sched)).build(),
+    )?;
     eventually(60, "the second gang waiting", async || {
         let st = status(ctx, ns, "second").await?;
         Ok(st
@@ -427,11 +620,8 @@ async fn first_runs_second_waits(
 /// deleted, `Suspended` with reason `GangYields`) until the repair is done; the ring re-forms,
 /// and the second gang runs once the first finishes. (Found by trying it as a user: before, the
 /// first job stayed `Repairing` for more than 6 minutes.)
-async fn a_gang_being_repaired_gets_its_room_before_a_gang_that_waits(
-    ctx: Arc<Ctx>,
-    ns: String,
-) -> Result<()> {
-    let g1 = first_runs_second_waits(&ctx, &ns, (6_000, 2_000)).await?;
+async fn repaired_first(ctx: Arc<Ctx>, ns: String, sched: Sched) -> Result<()> {
+    let g1 = first_runs_second_waits(&ctx, &ns, (6_000, 2_000), sched).await?;
     ensure!(
         status(&ctx, &ns, "first").await?.completion_time.is_none(),
         "the first job finished before its worker was deleted: give it more steps"
@@ -450,14 +640,15 @@ async fn a_gang_being_repaired_gets_its_room_before_a_gang_that_waits(
     ];
     let g2 = match running_ring(&ctx, &ns, "first", 3, g1.generation).await {
         Ok(g) => g,
-        Err(e) => return Err(explained(&ctx, e, &needles).await),
+        Err(e) => return Err(explained(&ctx, sched, e, &needles).await),
     };
     // kube-scheduler v1.35.4 panicked here in about 1 run of 9 (a deleted gang member waiting
     // at Permit); v1.36 no longer holds members at Permit between cycles and forgets deleted
     // ones: the restarts, if any (e2e/cluster/start.sh's supervise), are counted.
-    let restarts = scheduler_said(&ctx, &["--- kube-scheduler exited"])?;
+    let restarts = scheduler_said(&ctx, Sched::Kubernetes, &["--- kube-scheduler exited"])?;
     println!(
-        "\nrepaired at generation {} while the second gang waited; kube-scheduler restarts: {}",
+        "\n{sched:?}: repaired at generation {} while the second gang waited; kube-scheduler \
+         restarts: {}",
         g2.generation,
         restarts.lines().count()
     );
@@ -468,7 +659,7 @@ async fn a_gang_being_repaired_gets_its_room_before_a_gang_that_waits(
     };
     let second = match both.await {
         Ok(s) => s,
-        Err(e) => return Err(explained(&ctx, e, &needles).await),
+        Err(e) => return Err(explained(&ctx, sched, e, &needles).await),
     };
     ensure!(second.phase == Some(Phase::Succeeded), "{second:?}");
     println!(
@@ -496,7 +687,7 @@ async fn a_gang_job_deleted_during_its_repair_is_yielded_to_no_more(
         }
         Ok(())
     };
-    first_runs_second_waits(&ctx, &ns, (100_000, 1_000)).await?;
+    first_runs_second_waits(&ctx, &ns, (100_000, 1_000), Sched::Kubernetes).await?;
     cordon("cordon")?;
     // The nodes are uncordoned whatever happens next: the suite's other tests share them.
     let repaired_then_deleted = async {
@@ -537,7 +728,7 @@ async fn a_gang_job_deleted_during_its_repair_is_yielded_to_no_more(
         Ok(s) => s,
         Err(e) => {
             let needles = ["second-worker", "--- kube-scheduler"];
-            return Err(explained(&ctx, e, &needles).await);
+            return Err(explained(&ctx, Sched::Kubernetes, e, &needles).await);
         }
     };
     ensure!(second.phase == Some(Phase::Succeeded), "{second:?}");

@@ -252,6 +252,15 @@ pub struct Gang {
     /// pod group template `workers` whose gang policy's `minCount` is the ring's minimum, and a
     /// `PodGroup` of the same name made from it, which each worker names
     /// (`spec.schedulingGroup`); the scheduler then binds no worker until that many fit.
+    /// `Coscheduling`: the scheduler-plugins coscheduling plugin (`sigs.k8s.io/scheduler-plugins`,
+    /// tested with v0.34.7), run as a second scheduler (its PodGroup CRD
+    /// `podgroups.scheduling.x-k8s.io` installed): the operator creates a
+    /// `scheduling.x-k8s.io/v1alpha1` `PodGroup` named after the job whose `minMember` is the
+    /// ring's minimum, labels each worker `scheduling.x-k8s.io/pod-group: <job>` and sets its
+    /// `schedulerName` to that scheduler's (the operator's `--coscheduling-scheduler-name`,
+    /// default `scheduler-plugins-scheduler`); the plugin holds the workers at Permit until that
+    /// many have a node. Either way a job whose gang API the API server does not serve is held
+    /// (`GangSchedulerUnavailable`), never placed worker by worker.
     #[serde(default)]
     pub scheduler: GangScheduler,
 }
@@ -264,6 +273,9 @@ pub enum GangScheduler {
     None,
     /// Kubernetes' own gang scheduling (`scheduling.k8s.io/v1alpha2` `Workload` and `PodGroup`).
     Kubernetes,
+    /// The scheduler-plugins coscheduling plugin (`scheduling.x-k8s.io/v1alpha1` `PodGroup`),
+    /// run as a second scheduler.
+    Coscheduling,
 }
 
 /// The split of each step's global batch over the workers (`spec.balance`).

@@ -174,6 +174,55 @@ pub fn gang_pod_group(job: &DiphomaJob, min_count: i32) -> PodGroup {
     }
 }
 
+/// The scheduler-plugins coscheduling plugin's API (`sigs.k8s.io/scheduler-plugins`,
+/// `apis/scheduling/v1alpha1`): only the fields the operator writes and reads.
+pub mod coscheduling {
+    use kube::CustomResource;
+    use serde::{Deserialize, Serialize};
+
+    /// The label that puts a pod in a PodGroup of its namespace (its value: the PodGroup's name).
+    pub const POD_GROUP_LABEL: &str = "scheduling.x-k8s.io/pod-group";
+
+    /// `PodGroup.spec` (`scheduling.x-k8s.io/v1alpha1`): the plugin binds no pod of the group
+    /// until `minMember` of its pods have a node (its Permit stage).
+    #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+    #[kube(
+        group = "scheduling.x-k8s.io",
+        version = "v1alpha1",
+        kind = "PodGroup",
+        root = "CoschedulingPodGroup",
+        derive = "PartialEq",
+        namespaced,
+        schema = "disabled"
+    )]
+    #[serde(rename_all = "camelCase")]
+    pub struct PodGroupSpec {
+        /// The fewest pods that run together.
+        pub min_member: i32,
+        /// How long the group's pods wait at Permit for the rest (none: the plugin's
+        /// `permitWaitingTimeSeconds`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub schedule_timeout_seconds: Option<i32>,
+    }
+}
+
+/// The job's gang for the scheduler-plugins coscheduling plugin: a `scheduling.x-k8s.io/v1alpha1`
+/// `PodGroup` named [`gang_name`], owned by the job, whose `minMember` is `min_count` (the ring's
+/// minimum); every worker carries [`coscheduling::POD_GROUP_LABEL`] naming it. The plugin's
+/// timeout at Permit is left to the scheduler's configuration (`permitWaitingTimeSeconds`).
+pub fn coscheduling_pod_group(
+    job: &DiphomaJob,
+    min_count: i32,
+) -> coscheduling::CoschedulingPodGroup {
+    coscheduling::CoschedulingPodGroup {
+        metadata: meta(job, gang_name(&job.name_any())),
+        spec: coscheduling::PodGroupSpec {
+            min_member: min_count,
+            schedule_timeout_seconds: None,
+        },
+    }
+}
+
 /// Why a worker pod cannot be built from a job's template.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
@@ -348,15 +397,20 @@ pub fn worker_pod(job: &DiphomaJob, index: i32, attempt: i32) -> Result<Pod, Bui
     pod_spec.subdomain = Some(name.clone());
     place(spec, &mut pod_spec);
     // A gang-scheduled worker names its gang's PodGroup (immutable on the pod, set at creation).
+    // A coscheduled worker is labelled with its PodGroup instead (its `schedulerName` is the
+    // operator's option: `crate::plan::workers`).
     pod_spec.scheduling_group = match spec.gang_scheduler() {
         GangScheduler::Kubernetes => Some(PodSchedulingGroup {
             pod_group_name: Some(gang_name(&name)),
         }),
-        GangScheduler::None => None,
+        GangScheduler::None | GangScheduler::Coscheduling => None,
     };
     let mut meta = meta(job, pod_name(&name, index, attempt));
     let mut pod_labels = tpl_meta.labels.unwrap_or_default();
     pod_labels.extend(labels(job));
+    if spec.gang_scheduler() == GangScheduler::Coscheduling {
+        pod_labels.insert(coscheduling::POD_GROUP_LABEL.into(), gang_name(&name));
+    }
     pod_labels.insert(LABEL_REPLICA_INDEX.into(), index.to_string());
     pod_labels.insert(LABEL_WORKER_SPEC.into(), worker_spec_digest(job));
     meta.labels = Some(pod_labels);
@@ -848,6 +902,9 @@ pub enum Kind {
     GangWorkload,
     /// The job's gang PodGroup (`scheduling.k8s.io/v1alpha2`), when the API server serves it.
     GangPodGroup,
+    /// The job's coscheduling PodGroup (`scheduling.x-k8s.io/v1alpha1`), when the API server
+    /// serves it. The last variant: `controller::caches` counts the kinds from it.
+    CoschedulingPodGroup,
 }
 
 impl Kind {
@@ -879,6 +936,9 @@ impl Kind {
             Kind::KueueWorkload => crate::queue::workloads(),
             Kind::GangWorkload => ApiResource::erase::<Workload>(&()),
             Kind::GangPodGroup => ApiResource::erase::<PodGroup>(&()),
+            Kind::CoschedulingPodGroup => {
+                ApiResource::erase::<coscheduling::CoschedulingPodGroup>(&())
+            }
         }
     }
 
@@ -895,7 +955,7 @@ impl Kind {
             Kind::Secret => "Secret",
             Kind::NetworkPolicy => "NetworkPolicy",
             Kind::KueueWorkload | Kind::GangWorkload => "Workload",
-            Kind::GangPodGroup => "PodGroup",
+            Kind::GangPodGroup | Kind::CoschedulingPodGroup => "PodGroup",
         }
     }
 }

@@ -93,10 +93,12 @@ pub struct Context {
     pub caches: Arc<Caches>,
     /// The safety net: the longest a job goes without a reconcile ([`Options::resync`]).
     pub resync: Duration,
-    /// The gang Workloads and PodGroups (`scheduling.k8s.io/v1alpha2`) this operator created,
-    /// as their watches keep them; none when the API server does not serve them
-    /// ([`crate::gang`]).
-    pub gangs: Option<crate::gang::Stores>,
+    /// The gang objects this operator created, as their watches keep them: the
+    /// `scheduling.k8s.io/v1alpha2` Workloads and PodGroups, the `scheduling.x-k8s.io/v1alpha1`
+    /// PodGroups, each none when the API server does not serve them ([`crate::gang`]).
+    pub gangs: crate::gang::Stores,
+    /// The `schedulerName` of coscheduled workers ([`Options::coscheduling_scheduler_name`]).
+    pub coscheduling_scheduler_name: String,
     /// Held while a gang-scheduled job's workers are created, so that the workers of two gangs
     /// are never created interleaved: the scheduler's queue takes pods of equal priority in the
     /// order they arrived, and two gangs placed turn about would each hold part of the room
@@ -128,7 +130,8 @@ impl Context {
             jobs: None,
             caches: Arc::new(Caches::unwatched()),
             resync: DEFAULT_RESYNC,
-            gangs: None,
+            gangs: Default::default(),
+            coscheduling_scheduler_name: DEFAULT_COSCHEDULING_SCHEDULER_NAME.into(),
             gang_creation: tokio::sync::Mutex::new(()),
         }
     }
@@ -158,7 +161,15 @@ pub struct Options {
     /// The safety net: a job is reconciled at least this often, even when no watch event and no
     /// timer of its plan asks for it ([`DEFAULT_RESYNC`]).
     pub resync: Duration,
+    /// The `schedulerName` of the workers of a job with `spec.gang.scheduler: Coscheduling`:
+    /// the scheduler that runs the scheduler-plugins coscheduling plugin
+    /// ([`DEFAULT_COSCHEDULING_SCHEDULER_NAME`]).
+    pub coscheduling_scheduler_name: String,
 }
+
+/// The default [`Options::coscheduling_scheduler_name`]: the name the scheduler-plugins Helm
+/// chart gives its second scheduler.
+pub const DEFAULT_COSCHEDULING_SCHEDULER_NAME: &str = "scheduler-plugins-scheduler";
 
 impl Default for Options {
     fn default() -> Self {
@@ -166,6 +177,7 @@ impl Default for Options {
             leader_election: None,
             network_policy: false,
             resync: DEFAULT_RESYNC,
+            coscheduling_scheduler_name: DEFAULT_COSCHEDULING_SCHEDULER_NAME.into(),
         }
     }
 }
@@ -335,20 +347,27 @@ pub async fn run(
     // asking for a gang is held without them): kept in stores, so that a reconcile reads its
     // job's without a request.
     let gang_group = "scheduling.k8s.io/v1alpha2";
-    let gangs = if caches::serves(&client, gang_group, "workloads").await
+    let mut gangs = crate::gang::Stores::default();
+    if caches::serves(&client, gang_group, "workloads").await
         && caches::serves(&client, gang_group, "podgroups").await
     {
         let (workloads, events) = caches::watch_owned(&client, &caches.seen, Kind::GangWorkload);
         controller = controller.owns_stream(events);
         let (pod_groups, events) = caches::watch_owned(&client, &caches.seen, Kind::GangPodGroup);
         controller = controller.owns_stream(events);
-        Some(crate::gang::Stores {
+        gangs.native = Some(crate::gang::Native {
             workloads,
             pod_groups,
-        })
-    } else {
-        None
-    };
+        });
+    }
+    // The scheduler-plugins coscheduling PodGroups (`scheduling.x-k8s.io/v1alpha1`), when their
+    // CRD is installed (a job asking for Coscheduling is held without it).
+    if caches::serves(&client, "scheduling.x-k8s.io/v1alpha1", "podgroups").await {
+        let (groups, events) =
+            caches::watch_owned(&client, &caches.seen, Kind::CoschedulingPodGroup);
+        controller = controller.owns_stream(events);
+        gangs.coscheduling = Some(groups);
+    }
     if let Some(listener) = metrics_listener {
         tokio::spawn(crate::metrics::serve(
             listener,
@@ -403,6 +422,7 @@ pub async fn run(
         caches,
         resync: opts.resync,
         gangs,
+        coscheduling_scheduler_name: opts.coscheduling_scheduler_name,
         ..Context::new(client, metrics.clone())
     });
     let drive = controller
@@ -573,7 +593,9 @@ async fn observe_job(
         (obs.answering, obs.exited) = probed;
     }
     obs.queue = crate::queue::observe(&ctx.client, ctx.caches.kueue_listed(), job).await?;
-    obs.gang = crate::gang::observe(ctx.gangs.as_ref(), job);
+    obs.gang = crate::gang::observe(&ctx.gangs, job);
+    obs.scheduler_name = (job.spec.gang_scheduler() == crate::api::GangScheduler::Coscheduling)
+        .then(|| ctx.coscheduling_scheduler_name.clone());
     obs.gang_repairing = ctx.memories.repairing_other(job, |ns, name, uid| {
         ctx.jobs.as_ref().is_none_or(|jobs| {
             jobs.get(&ObjectRef::new(name).within(ns))
@@ -658,6 +680,7 @@ fn observe(
         refused: BTreeMap::new(),
         queue: Default::default(),
         gang: Default::default(),
+        scheduler_name: None,
         workload_refused: None,
         gang_repairing: None,
         answering: Default::default(),

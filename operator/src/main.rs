@@ -56,6 +56,10 @@ struct RunArgs {
     /// event and no timer of its own asks for it.
     #[arg(long, env = "DIPHOMA_RESYNC_SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
     resync_seconds: u64,
+    /// The `schedulerName` of the workers of jobs with `spec.gang.scheduler: Coscheduling`: the
+    /// second scheduler that runs the scheduler-plugins coscheduling plugin.
+    #[arg(long, env = "DIPHOMA_COSCHEDULING_SCHEDULER_NAME", default_value = diphoma_operator::controller::DEFAULT_COSCHEDULING_SCHEDULER_NAME)]
+    coscheduling_scheduler_name: String,
 }
 
 #[tokio::main]
@@ -104,6 +108,7 @@ async fn main() {
                 }),
                 network_policy: args.network_policy,
                 resync: std::time::Duration::from_secs(args.resync_seconds),
+                coscheduling_scheduler_name: args.coscheduling_scheduler_name,
             };
             tracing::info!(metrics = %metrics_addr, leader_election = opts.leader_election.is_some(), "diphoma-operator running");
             let stop = async {

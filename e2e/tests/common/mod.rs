@@ -204,6 +204,11 @@ pub fn trials<C: Send + Sync + 'static>(
 /// The in-process operator's safety-net resync ([`Ctx::start_operator`]): longer than any test.
 pub const OPERATOR_RESYNC: Duration = Duration::from_secs(3600);
 
+/// The name of the second scheduler (the scheduler-plugins coscheduling plugin) that the gang
+/// suite starts ([`ControlPlane::start_coscheduling`]) and the in-process operator names in
+/// coscheduled workers (not the operator's default, so that the option is what places them).
+pub const COSCHEDULING_SCHEDULER: &str = "diphoma-coscheduling";
+
 /// Where a test binary's operator runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OperatorMode {
@@ -323,6 +328,7 @@ impl Ctx {
         let client = self.operator_client.clone();
         let opts = diphoma_operator::controller::Options {
             resync: OPERATOR_RESYNC,
+            coscheduling_scheduler_name: COSCHEDULING_SCHEDULER.into(),
             ..Default::default()
         };
         let task = tokio::spawn(async move {

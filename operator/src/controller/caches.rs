@@ -43,8 +43,8 @@ use crate::plan::nodes::{LeaseSeen, observe_lease};
 
 pub use crate::build::Kind;
 
-/// The number of [`Kind`]s.
-const KINDS: usize = 12;
+/// The number of [`Kind`]s: one past the last variant.
+const KINDS: usize = Kind::CoschedulingPodGroup as usize + 1;
 
 /// The `resourceVersion` of an object as an integer (none: missing or not a number).
 pub fn resource_version(meta: &ObjectMeta) -> Option<u64> {

@@ -578,13 +578,16 @@ async fn a_gang_job_deleted_during_its_repair_is_yielded_to_no_more() {
                 writer.apply_watcher_event(&Ev::Apply(DeserializeGuard(Ok(other.clone()))));
             }
             let gangs = crate::gang::Stores {
-                workloads: reflector::store().0,
-                pod_groups: reflector::store().0,
+                native: Some(crate::gang::Native {
+                    workloads: reflector::store().0,
+                    pod_groups: reflector::store().0,
+                }),
+                coscheduling: None,
             };
             let ctx = Arc::new(Context {
                 caches: caches(&job, &objects),
                 jobs: Some(jobs),
-                gangs: Some(gangs),
+                gangs,
                 ..Context::new(client, Metrics::default())
             });
             let repairing = Memory {

@@ -20,6 +20,22 @@
 //!   under the same name, the one the workers name. The API server keeps a deleted PodGroup
 //!   while a pod names it (finalizer `scheduling.k8s.io/podgroup-protection`): the new one
 //!   follows once the job's workers are gone, and until then the old `minCount` places them.
+//!
+//! With `spec.gang.scheduler: Coscheduling` a second scheduler running the scheduler-plugins
+//! coscheduling plugin places them (`sigs.k8s.io/scheduler-plugins`, tested with v0.34.7):
+//! - the job owns a `scheduling.x-k8s.io/v1alpha1` `PodGroup` of the same name
+//!   ([`crate::build::coscheduling_pod_group`]) whose `minMember` is the ring's minimum; every
+//!   worker carries its label and names that scheduler (`schedulerName`, the operator's option);
+//! - the plugin turns a worker away (PreFilter) while fewer than `minMember` of the group exist,
+//!   holds each worker it found a node for at Permit until `minMember` of the group have one
+//!   (bound ones included: the replacement of a lost member of a bound gang passes at once),
+//!   and, when one cannot be placed, rejects those waiting (PostFilter): none is bound
+//!   ([`placeable`] reads its reasons). Replaced like the native objects when the minimum
+//!   changes.
+//!
+//! The operator's own rules are the same for both: a job whose gang API is not served is held
+//! (`GangSchedulerUnavailable`), a gang none of whose workers is bound yields to another gang's
+//! repair ([`hold`]), and `status.waiting` says why a gang waits ([`waiting`]).
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::scheduling::v1alpha2::{PodGroup, PodGroupSchedulingPolicy, Workload};
@@ -29,6 +45,7 @@ use super::Hold;
 use super::workers::Blocked;
 use crate::api::{DiphomaJob, GangScheduler, Phase};
 use crate::build;
+use crate::build::coscheduling::CoschedulingPodGroup;
 
 /// The job's gang objects as observed.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -36,14 +53,16 @@ pub enum Gang {
     /// The job asks for no gang scheduler.
     #[default]
     Off,
-    /// The job asks for Kubernetes' gang scheduling, but the API server does not serve
-    /// `scheduling.k8s.io/v1alpha2` Workloads and PodGroups (seen when the operator started).
+    /// The job asks for a gang scheduler whose API the API server does not serve (seen when the
+    /// operator started): `scheduling.k8s.io/v1alpha2` Workloads and PodGroups for
+    /// `Kubernetes`, `scheduling.x-k8s.io/v1alpha1` PodGroups for `Coscheduling`.
     Unserved,
     /// The job's gang objects (named [`build::gang_name`]), each if it exists.
     Observed {
-        /// The Workload.
+        /// The Workload (`Kubernetes`; none for `Coscheduling`).
         workload: Option<GroupView>,
-        /// The PodGroup.
+        /// The PodGroup: `scheduling.k8s.io/v1alpha2` for `Kubernetes`,
+        /// `scheduling.x-k8s.io/v1alpha1` for `Coscheduling`.
         pod_group: Option<GroupView>,
     },
 }
@@ -66,12 +85,12 @@ pub struct GroupView {
     /// Being deleted.
     pub deleting: bool,
     /// The gang policy's `minCount` (of the Workload's template [`build::GANG_TEMPLATE`]; none:
-    /// no such template, or not a gang).
+    /// no such template, or not a gang), or the coscheduling PodGroup's `minMember`.
     pub min_count: Option<i32>,
 }
 
-/// The view of `obj` for the job of UID `uid`, its gang policy `policy`.
-fn view<K: Resource>(obj: &K, uid: &str, policy: Option<&PodGroupSchedulingPolicy>) -> GroupView {
+/// The view of `obj` for the job of UID `uid`, its minimum `min_count`.
+fn view<K: Resource>(obj: &K, uid: &str, min_count: Option<i32>) -> GroupView {
     GroupView {
         name: obj.name_any(),
         owned: obj
@@ -79,8 +98,13 @@ fn view<K: Resource>(obj: &K, uid: &str, policy: Option<&PodGroupSchedulingPolic
             .iter()
             .any(|o| o.uid == uid && o.controller == Some(true)),
         deleting: obj.meta().deletion_timestamp.is_some(),
-        min_count: policy.and_then(|p| p.gang.as_ref()).map(|g| g.min_count),
+        min_count,
     }
+}
+
+/// The gang policy's `minCount`.
+fn min_count(policy: Option<&PodGroupSchedulingPolicy>) -> Option<i32> {
+    policy.and_then(|p| p.gang.as_ref()).map(|g| g.min_count)
 }
 
 /// The view of Workload `w` for the job of UID `uid`.
@@ -90,12 +114,17 @@ pub fn view_workload(w: &Workload, uid: &str) -> GroupView {
         .pod_group_templates
         .iter()
         .find(|t| t.name == build::GANG_TEMPLATE);
-    view(w, uid, template.map(|t| &t.scheduling_policy))
+    view(w, uid, min_count(template.map(|t| &t.scheduling_policy)))
 }
 
 /// The view of PodGroup `g` for the job of UID `uid`.
 pub fn view_pod_group(g: &PodGroup, uid: &str) -> GroupView {
-    view(g, uid, Some(&g.spec.scheduling_policy))
+    view(g, uid, min_count(Some(&g.spec.scheduling_policy)))
+}
+
+/// The view of coscheduling PodGroup `g` for the job of UID `uid`.
+pub fn view_coscheduling_pod_group(g: &CoschedulingPodGroup, uid: &str) -> GroupView {
+    view(g, uid, Some(g.spec.min_member))
 }
 
 /// What the controller does with one of the job's gang objects this reconcile.
@@ -117,6 +146,8 @@ pub struct GangPlan {
     pub workload: Step<Workload>,
     /// The PodGroup.
     pub pod_group: Step<PodGroup>,
+    /// The coscheduling PodGroup (`Coscheduling`).
+    pub coscheduling: Step<CoschedulingPodGroup>,
 }
 
 /// [`Hold::reason`] of a gang that yields to another gang's repair ([`hold`]).
@@ -128,8 +159,9 @@ pub const YIELDS: &str = "GangYields";
 pub const YIELD_LOOK_AGAIN: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The hold the gang puts on the job:
-/// - Kubernetes' gang scheduling asked for, but not served by the API server (the workers would
-///   be placed one by one, which the job asked not to be): reason `GangSchedulerUnavailable`;
+/// - a gang scheduler asked for whose API the API server does not serve (the workers would be
+///   placed one by one, which the job asked not to be): reason `GangSchedulerUnavailable`,
+///   naming what is missing;
 /// - none of its workers bound while another gang job is being repaired
 ///   ([`Observed::gang_repairing`](super::Observed)): reason [`YIELDS`]. Its waiting workers
 ///   would otherwise take the room freed by the other's lost worker whenever the scheduler
@@ -137,19 +169,30 @@ pub const YIELD_LOOK_AGAIN: std::time::Duration = std::time::Duration::from_secs
 ///   are deleted, as for a suspension, and created again once the repair is done: a running
 ///   ring comes before one that has not started.
 pub fn hold(job: &DiphomaJob, obs: &super::Observed) -> Option<Hold> {
-    if job.spec.gang_scheduler() != GangScheduler::Kubernetes {
+    let scheduler = job.spec.gang_scheduler();
+    if scheduler == GangScheduler::None {
         return None;
     }
     if obs.gang == Gang::Unserved {
+        let message = match scheduler {
+            GangScheduler::Coscheduling => {
+                "spec.gang.scheduler is Coscheduling, but the API server does not serve \
+                 scheduling.x-k8s.io/v1alpha1 PodGroups (install the scheduler-plugins \
+                 PodGroup CRD, podgroups.scheduling.x-k8s.io, and run its scheduler with the \
+                 Coscheduling plugin; the operator looks at start)"
+            }
+            _ => {
+                "spec.gang.scheduler is Kubernetes, but the API server does not serve \
+                 scheduling.k8s.io/v1alpha2 Workloads and PodGroups (Kubernetes 1.36: \
+                 feature gates GenericWorkload and GangScheduling on the API server, the \
+                 controller-manager and the scheduler, \
+                 --runtime-config=scheduling.k8s.io/v1alpha2=true; the operator looks at \
+                 start)"
+            }
+        };
         return Some(Hold {
             reason: "GangSchedulerUnavailable".into(),
-            message: "spec.gang.scheduler is Kubernetes, but the API server does not serve \
-                      scheduling.k8s.io/v1alpha2 Workloads and PodGroups (Kubernetes 1.36: \
-                      feature gates GenericWorkload and GangScheduling on the API server, the \
-                      controller-manager and the scheduler, \
-                      --runtime-config=scheduling.k8s.io/v1alpha2=true; the operator looks at \
-                      start)"
-                .into(),
+            message: message.into(),
         });
     }
     let other = obs.gang_repairing.as_ref()?;
@@ -167,27 +210,52 @@ pub fn hold(job: &DiphomaJob, obs: &super::Observed) -> Option<Hold> {
 /// `PodScheduled` condition after `pod group is unschedulable, `).
 pub const GANG_QUORUM: &str = "waiting for minCount pods from a gang to be scheduled";
 
+/// The reasons the coscheduling plugin (scheduler-plugins v0.34) gives a gang member it found a
+/// node for and then turned away, at Permit, for the rest of its gang: rejected while waiting
+/// when a sibling could not be placed (PostFilter), when a sibling's placement was undone
+/// (Unreserve), or at the end of its wait (the scheduler's "rejected due to timeout after
+/// waiting 10s at plugin Coscheduling").
+pub const COSCHEDULING_PERMIT: [&str; 3] = [
+    "optimistic rejection in PostFilter",
+    "rejection in Unreserve",
+    "at plugin Coscheduling",
+];
+
+/// The reasons the coscheduling plugin gives a gang member at PreFilter, before looking for a
+/// node, for its gang alone: too few of the group exist yet, or the group failed recently (its
+/// back-off, `podGroupBackoffSeconds`). (The member that found no node gets its own reason,
+/// followed by the plugin's `PodGroup … gets rejected due to Pod … is unschedulable even after
+/// PostFilter`.)
+pub const COSCHEDULING_GANG: [&str; 2] = ["cannot find enough sibling pods", "failed recently"];
+
 /// Whether `pod`, not bound, could be placed were the rest of its gang: the scheduler's last
-/// try found it a node and turned it away only for its gang ([`GANG_QUORUM`]), or nominated
-/// it a node (it waits there for a preemption, or at Permit).
+/// try found it a node and turned it away only for its gang ([`GANG_QUORUM`],
+/// [`COSCHEDULING_PERMIT`]), or nominated it a node (it waits there for a preemption, or at
+/// Permit).
 pub fn placeable(pod: &Pod) -> bool {
     let status = pod.status.as_ref();
     super::node_of(pod).is_none()
         && (status
             .and_then(|s| s.nominated_node_name.as_deref())
             .is_some_and(|n| !n.is_empty())
-            || super::workers::blocked(pod).is_some_and(|b| quorum_only(&b)))
+            || super::workers::blocked(pod).is_some_and(|b| placed_but_gang(&b)))
 }
 
-/// Whether the scheduler turned `b`'s worker away only for the rest of its gang.
+/// Whether the scheduler found `b`'s worker a node and turned it away for the rest of its gang.
+fn placed_but_gang(b: &Blocked) -> bool {
+    b.message.contains(GANG_QUORUM) || COSCHEDULING_PERMIT.iter().any(|m| b.message.contains(m))
+}
+
+/// Whether the scheduler turned `b`'s worker away only for the rest of its gang, not for a
+/// reason of its own (room, a taint...).
 fn quorum_only(b: &Blocked) -> bool {
-    b.message.contains(GANG_QUORUM)
+    placed_but_gang(b) || COSCHEDULING_GANG.iter().any(|m| b.message.contains(m))
 }
 
 /// Whether `job`'s gang was placed (a worker bound) and is now below its minimum with a live
 /// worker waiting for room: a repair that waiting gangs yield to ([`hold`]).
 pub fn repairing(job: &DiphomaJob, pods: &[Pod]) -> bool {
-    if job.spec.gang_scheduler() != GangScheduler::Kubernetes {
+    if job.spec.gang_scheduler() == GangScheduler::None {
         return false;
     }
     let live = live(pods);
@@ -217,15 +285,23 @@ pub fn gang_plan(job: &DiphomaJob, gang: &Gang, phase: Option<Phase>) -> GangPla
     else {
         return GangPlan::default();
     };
-    if job.spec.gang_scheduler() != GangScheduler::Kubernetes
-        || phase.is_some_and(Phase::is_terminal)
-    {
+    if phase.is_some_and(Phase::is_terminal) {
         return GangPlan::default();
     }
     let min = job.spec.min_workers();
-    GangPlan {
-        workload: step(workload.as_ref(), min, || build::gang_workload(job, min)),
-        pod_group: step(pod_group.as_ref(), min, || build::gang_pod_group(job, min)),
+    match job.spec.gang_scheduler() {
+        GangScheduler::None => GangPlan::default(),
+        GangScheduler::Kubernetes => GangPlan {
+            workload: step(workload.as_ref(), min, || build::gang_workload(job, min)),
+            pod_group: step(pod_group.as_ref(), min, || build::gang_pod_group(job, min)),
+            ..Default::default()
+        },
+        GangScheduler::Coscheduling => GangPlan {
+            coscheduling: step(pod_group.as_ref(), min, || {
+                build::coscheduling_pod_group(job, min)
+            }),
+            ..Default::default()
+        },
     }
 }
 
@@ -476,6 +552,188 @@ mod tests {
                 "gang of 3 waits: 0 of 3 workers can be placed, none is bound; waiting for the scheduler"
             )
         );
+    }
+
+    fn cosched_job(replicas: i32, min: Option<i32>) -> DiphomaJob {
+        let mut j = gang_job(replicas, min);
+        j.spec.gang = Some(GangSpec {
+            scheduler: GangScheduler::Coscheduling,
+        });
+        j
+    }
+
+    #[test]
+    fn a_coscheduled_gang_gets_one_pod_group_of_the_ring_minimum_replaced_when_it_changes() {
+        let j = cosched_job(4, Some(3));
+        let plan = gang_plan(&j, &Gang::NONE, Some(Phase::Pending));
+        // No native object; one scheduling.x-k8s.io PodGroup, named after the job, owned by it.
+        assert_eq!(
+            (&plan.workload, &plan.pod_group),
+            (&Step::Keep, &Step::Keep)
+        );
+        let Step::Create(g) = &plan.coscheduling else {
+            panic!("{plan:?}")
+        };
+        assert_eq!(g.name_any(), "train");
+        assert_eq!(g.spec.min_member, 3);
+        assert_eq!(g.spec.schedule_timeout_seconds, None);
+        assert_eq!(g.owner_references()[0].uid, "uid-1");
+        assert_eq!(g.owner_references()[0].controller, Some(true));
+        let json = serde_json::to_value(g).unwrap();
+        assert_eq!(json["apiVersion"], "scheduling.x-k8s.io/v1alpha1");
+        assert_eq!(json["kind"], "PodGroup");
+        assert_eq!(json["spec"], json!({"minMember": 3}));
+        let observed = |min: i32| Gang::Observed {
+            workload: None,
+            pod_group: Some(view_coscheduling_pod_group(
+                &build::coscheduling_pod_group(&j, min),
+                "uid-1",
+            )),
+        };
+        // In step: nothing to do; minReplicas moved: deleted, to be created again.
+        assert_eq!(
+            gang_plan(&j, &observed(3), Some(Phase::Running)),
+            GangPlan::default()
+        );
+        let plan = gang_plan(&j, &observed(2), Some(Phase::Running));
+        assert_eq!(plan.coscheduling, Step::Delete("train".into()));
+        // A fixed-size job's minimum is its replicas; a finished job's group is left alone.
+        let fixed = cosched_job(2, None);
+        let plan = gang_plan(&fixed, &Gang::NONE, None);
+        assert!(
+            matches!(&plan.coscheduling, Step::Create(g) if g.spec.min_member == 2),
+            "{plan:?}"
+        );
+        assert_eq!(
+            gang_plan(&fixed, &Gang::NONE, Some(Phase::Failed)),
+            GangPlan::default()
+        );
+    }
+
+    #[test]
+    fn coscheduled_workers_carry_the_pod_group_label_and_no_scheduling_group() {
+        let p = build::worker_pod(&cosched_job(2, None), 1, 0).unwrap();
+        assert_eq!(
+            p.labels().get(build::coscheduling::POD_GROUP_LABEL),
+            Some(&"train".to_owned())
+        );
+        assert!(p.spec.unwrap().scheduling_group.is_none());
+        let p = build::worker_pod(&gang_job(2, None), 1, 0).unwrap();
+        assert!(
+            !p.labels()
+                .contains_key(build::coscheduling::POD_GROUP_LABEL)
+        );
+    }
+
+    #[test]
+    fn without_the_pod_group_crd_a_coscheduled_job_is_held_naming_it() {
+        let j = cosched_job(2, None);
+        let with = |gang: Gang| super::super::Observed {
+            gang,
+            ..Default::default()
+        };
+        let h = hold(&j, &with(Gang::Unserved)).expect("held");
+        assert_eq!(h.reason, "GangSchedulerUnavailable");
+        assert!(
+            h.message.contains("scheduling.x-k8s.io/v1alpha1 PodGroups")
+                && h.message.contains("podgroups.scheduling.x-k8s.io"),
+            "{}",
+            h.message
+        );
+        assert!(hold(&j, &with(Gang::NONE)).is_none());
+        assert_eq!(gang_plan(&j, &Gang::Unserved, None), GangPlan::default());
+    }
+
+    #[test]
+    fn a_coscheduled_gang_waiting_says_how_many_the_plugin_placed_and_why_not_the_rest() {
+        let j = cosched_job(3, None);
+        let pod = |i: i32, message: &str| {
+            let mut p = build::worker_pod(&j, i, 0).unwrap();
+            p.status = Some(
+                serde_json::from_value(json!({"phase": "Pending", "conditions": [
+                    {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                     "message": message}]}))
+                .unwrap(),
+            );
+            p
+        };
+        // As the coscheduling plugin leaves a gang of 3 with room for 2: the two it held at
+        // Permit rejected when the third found no node (PostFilter), the third for room.
+        let pods = vec![
+            pod(0, "optimistic rejection in PostFilter"),
+            pod(
+                1,
+                "rejected due to timeout after waiting 10s at plugin Coscheduling",
+            ),
+            pod(
+                2,
+                "0/2 nodes are available: 2 Insufficient nvidia.com/gpu. PodGroup ns/train gets \
+                 rejected due to Pod train-worker-2 is unschedulable even after PostFilter",
+            ),
+        ];
+        assert!(placeable(&pods[0]) && placeable(&pods[1]) && !placeable(&pods[2]));
+        let blocked: Vec<Blocked> = pods
+            .iter()
+            .filter_map(crate::plan::workers::blocked)
+            .collect();
+        let w = waiting(&j, &pods, &blocked).unwrap();
+        assert!(
+            w.starts_with(
+                "gang of 3 waits: 2 of 3 workers can be placed, none is bound; train-worker-2: \
+                 Unschedulable: 0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+            ),
+            "{w}"
+        );
+        // Turned away at PreFilter, before any node was looked for, for its gang only (too few
+        // siblings; the group's back-off), as the scheduler words it: not placeable, and not
+        // the reason given while another worker has one of its own.
+        let early = [
+            pod(
+                0,
+                "0/2 nodes are available: pre-filter pod train-worker-0 cannot find enough \
+                 sibling pods, current pods number: 2, minMember of group: 3.",
+            ),
+            pod(
+                1,
+                "0/2 nodes are available: podGroup ns/train failed recently. preemption: not \
+                 eligible",
+            ),
+            pods[2].clone(),
+        ];
+        assert!(!placeable(&early[0]) && !placeable(&early[1]));
+        let blocked: Vec<Blocked> = early
+            .iter()
+            .filter_map(crate::plan::workers::blocked)
+            .collect();
+        let w = waiting(&j, &early, &blocked).unwrap();
+        assert!(
+            w.starts_with(
+                "gang of 3 waits: 0 of 3 workers can be placed, none is bound; train-worker-2: "
+            ),
+            "{w}"
+        );
+    }
+
+    #[test]
+    fn a_coscheduled_gang_yields_to_a_repair_and_its_repair_is_one() {
+        let j = cosched_job(3, None);
+        let pod = |i: i32, node: Option<&str>| {
+            let mut p = build::worker_pod(&j, i, 0).unwrap();
+            p.status = Some(serde_json::from_value(json!({"phase": "Pending"})).unwrap());
+            p.spec.as_mut().unwrap().node_name = node.map(str::to_owned);
+            p
+        };
+        assert!(super::repairing(
+            &j,
+            &[pod(0, Some("n0")), pod(1, Some("n1")), pod(2, None)]
+        ));
+        let waiting = super::super::Observed {
+            pods: vec![pod(0, None)],
+            gang: Gang::NONE,
+            gang_repairing: Some("ns/other".into()),
+            ..Default::default()
+        };
+        assert_eq!(hold(&j, &waiting).map(|h| h.reason), Some(YIELDS.into()));
     }
 
     /// A placed gang below its minimum with a worker waiting is being repaired; a gang with no

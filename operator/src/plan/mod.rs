@@ -99,6 +99,9 @@ pub struct Observed {
     pub queue: queue::Queue,
     /// The job's gang object, for a job with `spec.gang`.
     pub gang: gang::Gang,
+    /// The `schedulerName` the job's new workers get (the coscheduling scheduler's, for a job
+    /// with `spec.gang.scheduler: Coscheduling`; none: the pod template's).
+    pub scheduler_name: Option<String>,
     /// The API server's message when it refused to create the job's Kueue Workload at the
     /// last attempt (a ResourceQuota on Workloads, Kueue's validating webhook): the job's
     /// `Suspended` condition says so (reason `WorkloadRefused`) while it is retried. Recalled

@@ -38,6 +38,7 @@ fn obs(pods: Vec<Pod>, ring: Option<Membership>) -> Observed {
         refused: BTreeMap::new(),
         queue: Default::default(),
         gang: Default::default(),
+        scheduler_name: None,
         workload_refused: None,
         gang_repairing: None,
         answering: Default::default(),

@@ -181,6 +181,9 @@ pub fn workers<'a>(
                 }
             };
             build::avoid_nodes(&mut pod, &found.dead_nodes);
+            if let (Some(name), Some(spec)) = (&obs.scheduler_name, pod.spec.as_mut()) {
+                spec.scheduler_name = Some(name.clone());
+            }
             plan.events.push(
                 EventNote::normal(
                     "WorkerCreated",
@@ -293,5 +296,25 @@ mod tests {
         );
         // Worker 0 runs but is not Ready: starting, as is the new worker 1.
         assert_eq!(w.starting, 2);
+    }
+
+    #[test]
+    fn new_workers_name_the_scheduler_observed_for_the_job() {
+        let j = basic();
+        let mut plan = Plan::default();
+        let obs = Observed {
+            scheduler_name: Some("diphoma-coscheduling".into()),
+            ..Default::default()
+        };
+        workers(&j, &obs, &Found::default(), &mut plan);
+        assert!(!plan.create.is_empty());
+        for p in &plan.create {
+            let spec = p.spec.as_ref().unwrap();
+            assert_eq!(spec.scheduler_name.as_deref(), Some("diphoma-coscheduling"));
+        }
+        // None observed: the template's (here none: the default scheduler).
+        let mut plan = Plan::default();
+        workers(&j, &Observed::default(), &Found::default(), &mut plan);
+        assert_eq!(plan.create[0].spec.as_ref().unwrap().scheduler_name, None);
     }
 }
