@@ -167,3 +167,35 @@ def test_a_bad_segment_size_is_refused_by_name_at_init():
     p = launch(1, "staging.py", timeout=100, env=env)
     assert p.returncode != 0
     assert "DIPHOMA_STAGING_SEGMENT_BYTES='lots' is not a positive number of bytes" in p.stderr + p.stdout
+
+
+def test_pinned_buffers_grow_by_powers_of_two_up_to_the_segment_and_old_ones_are_kept(monkeypatch):
+    """The CUDA side's pinned segment buffers (``Stager._buffer``; plain CPU tensors stand in
+    for pinned ones here): made at first use, grown by powers of two (from 4 KiB) up to the
+    segment size, a replaced one kept until the next done event (its copies may still run)."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda n, dtype, pin_memory: empty(n, dtype=dtype))
+    stager = _staging.Stager(4 << 20)
+    sizes = [stager._buffer(0, 1, n).numel() for n in (100, 5000, 4 << 20, 1000)]
+    assert sizes == [4096, 8192, 4 << 20, 4 << 20]
+    assert [b.numel() for b in stager._retired] == [4096, 8192]
+    assert stager._pools[0][0] is None and stager._pools[0][2] is None
+    tiny = _staging.Stager(1)  # a segment is at least one element (up to 8 bytes)
+    assert [tiny._buffer(0, 0, n).numel() for n in (1, 8, 4)] == [1, 8, 8]
+
+
+def test_ddp_through_small_segments_trains_as_gloo(tmp_path):
+    """DDP's bucketed gradient all-reduces (asynchronous, waited on through their futures) cut
+    into 512-byte segments train to gloo's parameters at world 2 (the tolerance of
+    ``test_ddp.py``)."""
+    from test_ddp import GLOO_EXIT_ABORT, STEPS
+
+    out = {}
+    for backend in ("gloo", "diphoma"):
+        out[backend] = str(tmp_path / f"{backend}.pt")
+        env = {**os.environ, _staging.ENV_SEGMENT_BYTES: "512"}
+        proc = launch(2, "ddp_train.py", backend, str(STEPS), out[backend], env=env)
+        if backend == "gloo" and proc.returncode == 134 and GLOO_EXIT_ABORT in proc.stderr:
+            proc = launch(2, "ddp_train.py", backend, str(STEPS), out[backend], env=env)  # as test_ddp.py
+        check(proc)
+    torch.testing.assert_close(torch.load(out["diphoma"]), torch.load(out["gloo"]), atol=2e-5, rtol=1e-4)

@@ -143,16 +143,16 @@ class Completion:
 
 class Stager:
     """One process group's staging: its segment size, and per CUDA device a copy stream and
-    ``DEPTH`` pinned segment buffers (made at the first CUDA all-reduce on that device and
-    kept for the group's life, so no copy ever outlives its buffer)."""
+    ``DEPTH`` pinned segment buffers, kept for the group's life (each made at its first use,
+    as large as the segment that needs it, grown by powers of two up to the segment size; a
+    buffer replaced by a larger one is kept until the copies queued so far are done)."""
 
     def __init__(self, segment_bytes=SEGMENT_BYTES):
         self.segment_bytes = segment_bytes
-        # Every segment of a ring dtype of up to 8 bytes fits (at least one element).
-        self.buffer_bytes = max(segment_bytes, 8)
         self._lock = threading.Lock()
         self._streams = {}  # device index -> copy stream
-        self._pools = {}  # device index -> DEPTH pinned uint8 buffers
+        self._pools = {}  # device index -> DEPTH pinned uint8 buffers (None: not made yet)
+        self._retired = []  # buffers replaced by larger ones, kept until the next done event
         # (events, kept) of works whose copies may still run: device tensors of the staging
         # (casts, contiguous copies) are dropped once their events completed.
         self._pending = collections.deque()
@@ -164,12 +164,16 @@ class Stager:
                 stream = self._streams[device.index] = torch.cuda.Stream(device=device)
             return stream
 
-    def _pool(self, device):
-        pool = self._pools.get(device.index)
-        if pool is None:
-            pool = self._pools[device.index] = [
-                torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(DEPTH)]
-        return pool
+    def _buffer(self, index, slot, nbytes):
+        """Pinned buffer ``slot`` of device ``index``'s pool, of at least ``nbytes`` bytes."""
+        pool = self._pools.setdefault(index, [None] * DEPTH)
+        buffer = pool[slot]
+        if buffer is None or buffer.numel() < nbytes:
+            if buffer is not None:
+                self._retired.append(buffer)  # copies queued from or into it may still run
+            size = max(nbytes, min(self.segment_bytes, max(4096, 1 << (nbytes - 1).bit_length())))
+            buffer = pool[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        return buffer
 
     def ready(self, tensors):
         """On the caller's thread, at call time: an event recorded on the caller's current
@@ -208,8 +212,10 @@ class Stager:
                     if t.is_cpu:
                         sides.append(_HostSide(t, ring_dtype))
                     else:
-                        side = _CudaSide(t, ring_dtype, self._streams[t.device.index], self._pool(t.device),
-                                         counters.setdefault(t.device.index, [0]))
+                        index = t.device.index
+                        side = _CudaSide(t, ring_dtype, self._streams[index],
+                                         lambda slot, nbytes, index=index: self._buffer(index, slot, nbytes),
+                                         counters.setdefault(index, [0]))
                         sides.append(side)
                 order = [(k, start, count) for k, side in enumerate(sides)
                          for start, count in segments(side.numel, side.element_size, self.segment_bytes)]
@@ -234,7 +240,8 @@ class Stager:
             if completion is not None:
                 completion.done.append((self._streams[index], done))
         if events:
-            self._pending.append((events, sides))
+            self._pending.append((events, sides, self._retired))
+            self._retired = []
 
     def _release(self):
         """Drops the staging tensors of works whose copies have all completed (oldest first)."""
@@ -246,6 +253,7 @@ class Stager:
         for stream in self._streams.values():
             stream.synchronize()
         self._pending.clear()
+        self._retired = []
 
 
 class _HostSide:
@@ -281,14 +289,14 @@ class _HostSide:
 class _CudaSide:
     """A CUDA tensor's side of the pipeline, on the ring thread with its device's copy
     ``stream`` current: each segment is copied (cast first, when the ring's dtype differs) into
-    the next of the device's pinned ``pool`` buffers (``counter``: the device's segments so
-    far) with a non-blocking copy on the copy stream, whose event ``copy_in`` returns;
+    the next of the device's ``DEPTH`` pinned buffers (``buffer(slot, nbytes)``; ``counter``:
+    the device's segments of this all-reduce so far) with a non-blocking copy on the copy stream, whose event ``copy_in`` returns;
     ``copy_out`` queues the copy back (and the cast back) on the copy stream. A non-contiguous
     tensor goes through a contiguous device copy, written back by ``finish()`` on the copy
     stream."""
 
-    def __init__(self, t, ring_dtype, stream, pool, counter):
-        self.t, self.stream, self.pool, self.counter = t, stream, pool, counter
+    def __init__(self, t, ring_dtype, stream, buffer, counter):
+        self.t, self.stream, self.buffer, self.counter = t, stream, buffer, counter
         self.copied = not t.is_contiguous()
         self.ring_dtype = ring_dtype
         self.numel = t.numel()
@@ -308,9 +316,10 @@ class _CudaSide:
         if self.wire is not None:
             self.wire[start:start + count].copy_(source)  # the cast, on the device
             source = self.wire[start:start + count]
-        buffer = self.pool[self.counter[0] % DEPTH]
+        nbytes = count * self.element_size
+        buffer = self.buffer(self.counter[0] % DEPTH, nbytes)
         self.counter[0] += 1
-        host = buffer[: count * self.element_size].view(self.ring_dtype)
+        host = buffer[:nbytes].view(self.ring_dtype)
         host.copy_(source, non_blocking=True)  # device to pinned host, on the copy stream
         self.host[segment] = host
         copied = torch.cuda.Event()
