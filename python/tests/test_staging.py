@@ -160,6 +160,7 @@ def test_all_reduces_through_segments_of_a_few_hundred_bytes_are_exact(compressi
 def test_ranks_with_different_segment_sizes_fail_instead_of_hanging():
     p = check(launch(2, "staging.py", "--mismatch", timeout=100))
     assert p.stdout.count("mismatch refused") == 2, p.stdout
+    assert "DIPHOMA_STAGING_SEGMENT_BYTES" in p.stdout, p.stdout  # the hint names the variable
 
 
 def test_a_bad_segment_size_is_refused_by_name_at_init():

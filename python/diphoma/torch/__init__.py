@@ -360,8 +360,8 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                         f"ranks called different collectives or sizes: {found_by} received a frame of another size "
                         f"and left the ring, so this rank saw: {e}; this rank's collective number {seq} of the group "
                         f"had {mine or 'no tensor'} (check that every rank calls the same collectives, in the same "
-                        "order, with tensors of the same size and dtype, and has the same DIPHOMA_COMPRESSION and "
-                        "DIPHOMA_DATA_PLANE)")
+                        "order, with tensors of the same size and dtype, and has the same DIPHOMA_COMPRESSION, "
+                        "DIPHOMA_DATA_PLANE and DIPHOMA_STAGING_SEGMENT_BYTES)")
         except Exception as store_error:  # noqa: BLE001 - the store went away with rank 0: e as it is
             _log.debug("diphoma: the mismatch notice of collective %d: %s", seq, store_error)
         return e
