@@ -453,9 +453,10 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         CUDA tensors through pinned segments on a copy stream, whose copies overlap the ring's
         transfer; CPU tensors in place, segment by segment), then those whose plan all-gathers
         (simple staging, ``_InPlace``). The caller's thread never waits for its CUDA stream
-        here: the copy stream waits for an event recorded on it now. A data plane that takes
-        CUDA tensors (``nccl``) gets every tensor whole, unstaged (``_allreduce_whole``)."""
-        if self.plane_on_device:
+        here: the copy stream waits for an event recorded on it now. When the data plane
+        takes a CUDA tensor of the call on its device (``on_device``: the ``nccl`` plane, NCCL
+        inside the pod), every tensor of the call goes to it whole (``_allreduce_whole``)."""
+        if any(isinstance(t, torch.Tensor) and t.is_cuda and self.plane.on_device("allreduce", t) for t in tensors):
             return self._allreduce_whole(tensors, opts, what)
         for t in tensors:
             _check(t, what, wait_for_caller=False)
@@ -488,8 +489,9 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         return self._submit(job, tensors, opts, cuda)
 
     def _allreduce_whole(self, tensors, opts, what):
-        """The all-reduce of a data plane that takes CUDA tensors on their device (``nccl``):
-        each tensor in one plane collective, in place (``_view``: no staging, no segments)."""
+        """The all-reduce of a data plane that takes CUDA tensors on their device: each tensor
+        in one plane collective, in place (``_view``: on the device where the plane takes it
+        there, else staged whole through host memory; no segments)."""
         for t in tensors:
             _check(t, what)
         plans = [_ops.plan_reduction(what, t.dtype, _reduce_opts(opts), self.wire) for t in tensors]
