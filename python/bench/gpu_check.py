@@ -1,12 +1,20 @@
 """``make gpu-check``: the prepared GPU check of issue 27 (item 6), for a machine with one NVIDIA
 GPU. Prints a table, and exits 0 with "no CUDA device" where there is none.
 
-1. CUDA-tensor all_reduce through diphoma's host-staged ring (``diphoma.torch``: device to
-   pinned host memory, the ring, back) with 2 processes sharing the GPU, against gloo's CUDA
-   path (``ProcessGroupGloo``: the same copies, its own ring) in the same run: f32 and bf16,
-   1 KiB to 256 MiB, each result exact against a reference (integer values, exact in both
-   dtypes), median time per call and bus bandwidth; the bar (diphoma ≥ 1.3× gloo's throughput
-   from 16 MiB) printed as met or missed with the ratio.
+1. CUDA-tensor all_reduce through diphoma's pipelined host staging (``diphoma.torch._staging``:
+   4 MiB segments copied device to pinned host memory on a copy stream, each reduced around
+   the ring as soon as its copy is done, copied back on the copy stream while the ring reduces
+   the next) with 2 processes sharing the GPU, against gloo's CUDA path (``ProcessGroupGloo``:
+   one copy each way, its own ring, no overlap) in the same run, and against diphoma with one
+   segment per tensor (``DIPHOMA_STAGING_SEGMENT_BYTES`` = the largest size: the same copies,
+   not overlapped): f32 and bf16, 1 KiB to 256 MiB, each result exact against a reference
+   (integer values, exact in both dtypes), median time per call and bus bandwidth; the bar
+   (pipelined diphoma ≥ 1.3× gloo's throughput from 16 MiB) printed as met or missed with the
+   ratio. Before the table, each backend's stream order: the tensor written on a side stream
+   behind a ~50 ms GPU spin, ``all_reduce(async_op=True)``, then ``wait()`` (and the future's
+   ``wait()``) and a kernel adding 1 on that stream, with no host synchronisation in between:
+   exact only if the collective waited for the caller's stream before reading and ``wait()``
+   made the stream wait for the result.
 2. DDP ResNet-50 (torchvision, synthetic 32×32 images, batch 8 per rank) on CUDA with diphoma
    and with gloo: the same parameters within tolerance after the same steps, step time of
    each.
@@ -81,6 +89,10 @@ def part_allreduce(backend, out):
     dist.init_process_group(backend=backend)
     rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
     rows = []
+    try:
+        order = stream_order(dev, rank, world)
+    except Exception as e:  # noqa: BLE001 - reported in the table's header
+        order = f"{type(e).__name__}: {e}"[:200]
     for dtype in (torch.float32, torch.bfloat16):
         for size in SIZES:
             n = size // torch.tensor([], dtype=dtype).element_size()
@@ -109,9 +121,41 @@ def part_allreduce(backend, out):
                              "error": f"{type(e).__name__}: {e}"[:200]})
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(rows, f)
+            json.dump({"rows": rows, "stream_order": order}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def stream_order(dev, rank, world):
+    """The stream semantics of a CUDA all_reduce, without a host synchronisation between the
+    calls: on a side stream, a 64 MiB tensor is written by a kernel queued behind a GPU spin
+    (``torch.cuda._sleep``, about 50 ms), so a collective that read it without waiting for the
+    caller's stream would reduce zeros; after ``wait()`` (then, second round, the future's
+    ``wait()``) a kernel on that stream adds 1, so a result copied back after it would lose
+    the 1. True when every element is Σ(rank + 1) + 1 both times; None on the CPU (dry run)."""
+    import torch
+    import torch.distributed as dist
+
+    if dev.type != "cuda":
+        return None
+    n = (64 << 20) // 4
+    want = sum(r + 1 for r in range(world)) + 1
+    side = torch.cuda.Stream(dev)
+    ok = True
+    for use_future in (False, True):
+        with torch.cuda.stream(side):
+            t = torch.zeros(n, device=dev)
+            torch.cuda._sleep(100_000_000)  # cycles: tens of ms, queued before the write
+            t.fill_(rank + 1)
+            work = dist.all_reduce(t, async_op=True)
+            if use_future:
+                work.get_future().wait()
+            else:
+                work.wait()
+            t.add_(1)
+        side.synchronize()
+        ok = ok and bool(torch.equal(t, torch.full_like(t, want)))
+    return ok
 
 
 def resnet50():
@@ -215,21 +259,44 @@ def launch(args, timeout, env=None):
         return None, out
 
 
+# The all_reduce runs: (name, backend, DIPHOMA_STAGING_SEGMENT_BYTES or None for the default).
+RUNS = (("diphoma", "diphoma", None), ("one segment", "diphoma", str(max(SIZES, default=1 << 10))),
+        ("gloo", "gloo", None))
+
+
 def check_allreduce(tmp):
-    results, failed = {}, False
-    for backend in ("diphoma", "gloo"):
-        out = os.path.join(tmp, f"allreduce-{backend}.json")
-        rc, log = launch(["--nproc", "2", __file__, "--part", "allreduce", "--backend", backend, "--out", out], 240)
+    from diphoma.torch import _staging
+
+    results, order, failed = {}, {}, False
+    for name, backend, segment in RUNS:
+        out = os.path.join(tmp, f"allreduce-{name.replace(' ', '-')}.json")
+        env = dict(os.environ)
+        if segment is not None:
+            env[_staging.ENV_SEGMENT_BYTES] = segment
+        rc, log = launch(["--nproc", "2", __file__, "--part", "allreduce", "--backend", backend, "--out", out], 240,
+                         env=env)
         if rc != 0:
-            print(f"all_reduce with {backend}: exit {rc}\n{log[-3000:]}")
+            print(f"all_reduce with {name}: exit {rc}\n{log[-3000:]}")
             return False
         with open(out) as f:
-            results[backend] = {(r["dtype"], r["bytes"]): r for r in json.load(f)}
+            got = json.load(f)
+        results[name] = {(r["dtype"], r["bytes"]): r for r in got["rows"]}
+        order[name] = got["stream_order"]
     print("\n1. CUDA-tensor all_reduce, 2 processes sharing the GPU (bus bandwidth = 2·(n−1)/n · bytes / time)")
-    print(f"{'dtype':9} {'size':>8} {'exact':>6} {'diphoma ms':>11} {'GB/s':>7} {'gloo ms':>9} {'GB/s':>7} {'ratio':>6}  bar")
+    for name, _, _ in RUNS:
+        said = {True: "exact", False: "WRONG", None: "- (no GPU)"}.get(order[name], order[name])
+        print(f"   stream order with {name} (caller's stream waited for, wait() and the future ordering its stream): {said}")
+        failed |= order[name] is not None and order[name] is not True and name != "gloo"
+    print(f"   diphoma: pipelined, {human(_staging.SEGMENT_BYTES)} segments (segs); 1-seg: one segment per tensor, "
+          "the copies not overlapped")
+    print(f"{'dtype':9} {'size':>8} {'segs':>5} {'exact':>6} {'diphoma ms':>11} {'GB/s':>7} {'1-seg ms':>9} "
+          f"{'gloo ms':>9} {'GB/s':>7} {'ratio':>6}  bar")
     for key in sorted(results["diphoma"], key=lambda k: (k[0], k[1])):
         d, g = results["diphoma"][key], results["gloo"].get(key, {})
-        ok = d["exact"]
+        one = results["one segment"].get(key, {})
+        esize = 4 if key[0] == "float32" else 2
+        segs = len(_staging.segments(key[1] // esize, esize, _staging.SEGMENT_BYTES))
+        ok = d["exact"] and one.get("exact", False)
         failed |= not ok
         bw = lambda r: (key[1] / r["seconds"] / 1e9) if r.get("seconds") else None  # noqa: E731 (2·(n−1)/n = 1 at n = 2)
         ratio = (g["seconds"] / d["seconds"]) if d.get("seconds") and g.get("seconds") else None
@@ -237,10 +304,13 @@ def check_allreduce(tmp):
         if key[1] >= BAR_FROM and ratio is not None:
             bar = f"{'met' if ratio >= BAR else 'missed'} ({ratio:.2f}× vs {BAR}×)"
         fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
-        print(f"{key[0]:9} {human(key[1]):>8} {str(ok):>6} {fmt(d.get('seconds') and d['seconds'] * 1e3, '11.3f')} "
-              f"{fmt(bw(d), '7.2f')} {fmt(g.get('seconds') and g['seconds'] * 1e3, '9.3f')} {fmt(bw(g), '7.2f')} "
+        print(f"{key[0]:9} {human(key[1]):>8} {segs:>5} {str(ok):>6} "
+              f"{fmt(d.get('seconds') and d['seconds'] * 1e3, '11.3f')} {fmt(bw(d), '7.2f')} "
+              f"{fmt(one.get('seconds') and one['seconds'] * 1e3, '9.3f')} "
+              f"{fmt(g.get('seconds') and g['seconds'] * 1e3, '9.3f')} {fmt(bw(g), '7.2f')} "
               f"{fmt(ratio, '6.2f')}  {bar}{' gloo: ' + g['error'] if g.get('error') else ''}"
-              f"{' diphoma: ' + d['error'] if d.get('error') else ''}")
+              f"{' diphoma: ' + d['error'] if d.get('error') else ''}"
+              f"{' 1-seg: ' + one['error'] if one.get('error') else ''}")
     return not failed
 
 
@@ -332,8 +402,10 @@ def check_nccl(tmp):
             ok = False
             continue
         with open(out) as f:
-            rows = json.load(f)
-        print(f"\n4. {label}: all_reduce, ms per call (exact against the reference)")
+            got = json.load(f)  # part_allreduce's record: its rows and its stream-order check
+        rows, order = got["rows"], got["stream_order"]
+        said = {True: "exact", False: "WRONG"}.get(order, order)
+        print(f"\n4. {label}: all_reduce, ms per call (exact against the reference); stream order: {said}")
         for r in rows:
             ok &= r["exact"]
             ms = f"{r['seconds'] * 1e3:.3f}" if r.get("seconds") else "-"

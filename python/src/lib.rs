@@ -224,7 +224,8 @@ impl Ring {
                      collectives or sizes: this rank expected a frame of {want_len} bytes from \
                      its peer and received one of {len} (check that every rank calls the same \
                      collectives, in the same order, with tensors of the same size and dtype, \
-                     and has the same DIPHOMA_COMPRESSION and DIPHOMA_DATA_PLANE)",
+                     and has the same DIPHOMA_COMPRESSION, DIPHOMA_DATA_PLANE and \
+                     DIPHOMA_STAGING_SEGMENT_BYTES)",
                     self.generation, self.rank, self.world
                 ))
             }

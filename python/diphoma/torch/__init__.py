@@ -9,9 +9,16 @@ point to point and ``monitored_barrier`` go through torch's store, ``diphoma.tor
 ``new_group``/``DeviceMesh`` sub-groups get rings of their own members, ``_subring``). Each
 call is checked at once (CPU tensors, a dtype and op some path defines: otherwise
 ``diphoma.ConfigError`` naming the operation and what is wrong). CUDA tensors are taken by
-all-reduce, broadcast and all-gather (``HOST_STAGED``) through host memory: copied to pinned
-host buffers once the caller's current stream has run, reduced around the ring, copied back
-before the work completes. An
+all-reduce, broadcast and all-gather (``HOST_STAGED``) through host memory. An all-reduce is
+pipelined (``diphoma.torch._staging``): segments of ``DIPHOMA_STAGING_SEGMENT_BYTES`` (4 MiB)
+are copied device to host into pinned buffers on a copy stream, each reduced around the ring
+as soon as its copy is done and copied back on the copy stream, the copies of one segment
+overlapping the ring's transfer of the next; the copy stream waits for an event of the
+caller's current stream (no host synchronisation on the caller's thread), and ``wait()`` (and
+the work's CUDA-aware future) makes the caller's stream wait for the copies back. Broadcast,
+all-gather and the all-reduces whose plan all-gathers keep the simple staging
+(``_InPlace``): one blocking copy each way of the whole tensor, made once the caller's stream
+has run, not overlapped with the ring. An
 asynchronous call (``async_op=True``, and every call of DDP's reducer) then runs on the group's
 background thread, in call order, returning a ``Work`` whose future completes when the ring is
 done. A synchronous call (torch passes ``opts.asyncOp = False``: ``dist.all_reduce(t)``) runs
@@ -46,7 +53,7 @@ from torch.futures import Future
 import diphoma
 from diphoma import ConfigError, Follower, RingChanged, metrics
 from diphoma.run import free_ports
-from diphoma.torch import _ops, _plane
+from diphoma.torch import _ops, _plane, _staging
 from diphoma.torch._p2p import StoreP2P
 from diphoma.torch._watchdog import Watchdog, detection_seconds
 
@@ -78,11 +85,13 @@ HOST_STAGED = frozenset({"all_reduce", "all_reduce_coalesced", "reduce", "broadc
                          "all_gather_into_tensor", "all_gather_into_tensor_coalesced"})
 
 
-def _check(t, what):
+def _check(t, what, wait_for_caller=True):
     """Raises ConfigError naming collective ``what`` unless ``t`` is a dense CPU tensor, or a
     CUDA tensor of a collective in ``HOST_STAGED`` on a machine where CUDA is available. For a
     CUDA tensor it then waits for the caller's current CUDA stream (``_caller_stream_done``),
-    so that the ring reads what the work queued before the call wrote."""
+    so that the ring reads what the work queued before the call wrote, unless
+    ``wait_for_caller`` is false: the pipelined all-reduce (``diphoma.torch._staging``) has its
+    copy stream wait for an event of the caller's stream instead."""
     if not isinstance(t, torch.Tensor):
         raise ConfigError(f"diphoma: {what}: expected a tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
@@ -90,7 +99,8 @@ def _check(t, what):
     if t.is_cpu:
         return
     if t.device.type == "cuda" and what in HOST_STAGED and torch.cuda.is_available():
-        _caller_stream_done(t)
+        if wait_for_caller:
+            _caller_stream_done(t)
         return
     staged = ", ".join(sorted(HOST_STAGED))
     raise ConfigError(
@@ -102,7 +112,7 @@ def _check(t, what):
 def _caller_stream_done(t):
     """Blocks until the caller's current CUDA stream on ``t``'s device has run what was queued
     on it (the kernels that wrote ``t``): the collective may read ``t`` from another thread,
-    whose copies run on another stream."""
+    whose copies run on another stream (the simple staging of ``_InPlace``)."""
     torch.cuda.current_stream(t.device).synchronize()
 
 
@@ -130,9 +140,11 @@ class _InPlace:
     CPU tensor, or of a CUDA tensor a copy in pinned host memory, made here on the caller's
     thread (device to host, after ``_check`` waited for the caller's stream) and copied back
     to the device by ``done()`` before the collective's work completes (host to device, waited
-    for). One copy each way, not overlapped with the ring's transfer (gloo's CUDA path does
-    the same). With ``on_device`` (a data plane that takes CUDA tensors, ``nccl``) a CUDA
-    tensor is handled as a CPU one: itself when contiguous, else a contiguous copy on its device."""
+    for). The simple staging of broadcast, all-gather and the all-reduces whose plan
+    all-gathers: one copy each way, not overlapped with the ring's transfer (gloo's CUDA path
+    does the same). The other all-reduces are pipelined (``diphoma.torch._staging``). With
+    ``on_device`` (a data plane that takes CUDA tensors, ``nccl``) a CUDA tensor is handled as
+    a CPU one: itself when contiguous, else a contiguous copy on its device."""
 
     def __init__(self, t, on_device=False):
         self.t = t
@@ -175,7 +187,13 @@ class _Work(dist.Work):
 
     A collective that ran on the caller's thread returns its ``Work`` already completed
     (``done(result)`` before it is handed out): its future is made only if ``get_future()`` is
-    called, as torch's own ``all_reduce(async_op=False)`` never does."""
+    called, as torch's own ``all_reduce(async_op=False)`` never does.
+
+    A work whose CUDA tensors a copy stream writes back (the pipelined all-reduce,
+    ``diphoma.torch._staging``) has a ``cuda`` completion: ``wait()`` makes the caller's
+    current stream wait for the copies back (no host synchronisation with the GPU), and its
+    future is CUDA-aware (``Future(devices=...)``, completed with the copy streams current), so
+    that its waiters' streams wait for them too."""
 
     def __init__(self):
         super().__init__()
@@ -185,6 +203,17 @@ class _Work(dist.Work):
         self.error = None
         self.source = -1  # the sender, for a receive from any source
         self.call = None  # the tensors this rank passed, named by a CollectiveMismatch (``_describe``)
+        self.cuda = None  # a _staging.Completion: the copy streams' done events of its CUDA tensors
+
+    def _new_future(self):
+        return Future() if self.cuda is None else self.cuda.future()
+
+    def _complete(self, result):
+        """Completes the future of a queued work, on the group's thread."""
+        if self.cuda is None:
+            self.fut.set_result(result)
+        else:
+            self.cuda.complete(self.fut, result)
 
     def _source_rank(self):
         return self.source
@@ -196,6 +225,8 @@ class _Work(dist.Work):
     def wait(self, timeout=None):
         if not self.completed:
             self.fut.wait()
+        if self.cuda is not None:
+            self.cuda.wait()  # the caller's stream waits for the copies back
         if self.error is not None:
             raise self.error
         return True
@@ -208,8 +239,8 @@ class _Work(dist.Work):
 
     def get_future(self):
         if self.fut is None:
-            self.fut = Future()
-            self.fut.set_result(self.result)
+            self.fut = self._new_future()
+            self._complete(self.result)
         return self.fut
 
 
@@ -229,6 +260,8 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         # What moves the bytes: with processes > 1 per pod, a hierarchical all-reduce.
         self.plane = _plane.create(plane, ring, self._timeout, processes)
         self.wire = _ops.compression()  # float32 all-reduces' wire dtype (None: float32)
+        # The all-reduces' segments and CUDA copy streams (DIPHOMA_STAGING_SEGMENT_BYTES).
+        self._staging = _staging.Stager(_staging.segment_bytes())
         self._p2p = StoreP2P(store if store is not None else dist.HashStore(), self._timeout)
         self._coalesced = None  # the works since start_coalescing, while coalescing
         self._queue = queue.SimpleQueue()
@@ -254,6 +287,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             self._stopped = True
             self._queue.put(_STOP)
             self._thread.join()
+            self._staging.close()
             if self._watchdog is not None:
                 self._watchdog.stop()
             self.plane.close()
@@ -272,7 +306,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             self.blocked.completed()
             with self._count_lock:  # the ring is free: a synchronous call may run inline now
                 self._queued -= 1
-            work.fut.set_result(result)
+            work._complete(result)
 
     def _run(self, job, work, seq):
         """Runs ``job``, collective ``seq``; its error goes to ``work`` and becomes the group's
@@ -326,16 +360,18 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
                         f"ranks called different collectives or sizes: {found_by} received a frame of another size "
                         f"and left the ring, so this rank saw: {e}; this rank's collective number {seq} of the group "
                         f"had {mine or 'no tensor'} (check that every rank calls the same collectives, in the same "
-                        "order, with tensors of the same size and dtype, and has the same DIPHOMA_COMPRESSION and "
-                        "DIPHOMA_DATA_PLANE)")
+                        "order, with tensors of the same size and dtype, and has the same DIPHOMA_COMPRESSION, "
+                        "DIPHOMA_DATA_PLANE and DIPHOMA_STAGING_SEGMENT_BYTES)")
         except Exception as store_error:  # noqa: BLE001 - the store went away with rank 0: e as it is
             _log.debug("diphoma: the mismatch notice of collective %d: %s", seq, store_error)
         return e
 
-    def _submit(self, job, result, opts=None):
+    def _submit(self, job, result, opts=None, cuda=None):
         """Runs ``job`` in call order and returns its ``Work``: on the caller's thread when the
         caller will wait for it at once (``opts.asyncOp`` false, as torch sets it for
-        ``async_op=False``) and nothing is queued before it; else on the background thread."""
+        ``async_op=False``) and nothing is queued before it; else on the background thread.
+        ``cuda``: the ``_staging.Completion`` the job fills (CUDA tensors written back on a
+        copy stream)."""
         if self._stopped:
             raise ConfigError("diphoma: the process group is shut down")
         if self.error is not None:
@@ -343,6 +379,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             raise cls(f"an earlier collective of this group failed: {self.error}")
         work = _Work()
         work.call = result  # described only if the ranks' calls turn out to differ
+        work.cuda = cuda
         self.blocked.submitted()
         self._seq += 1
         seq = self._seq
@@ -350,7 +387,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
             inline = self._queued == 0 and not getattr(opts, "asyncOp", True)
             self._queued += 1
             if not inline:
-                work.fut = Future()
+                work.fut = work._new_future()
                 self._queue.put((job, work, result, seq))
         if self._coalesced is not None:
             self._coalesced.append(work)
@@ -411,6 +448,50 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
 
     # -- collectives -------------------------------------------------------------------
     def allreduce(self, tensors, opts=None, what="all_reduce"):
+        """``dist.all_reduce`` (also ``reduce`` and ``all_reduce_coalesced``): the tensors whose
+        plan the ring reduces go through one segmented pipeline (``diphoma.torch._staging``:
+        CUDA tensors through pinned segments on a copy stream, whose copies overlap the ring's
+        transfer; CPU tensors in place, segment by segment), then those whose plan all-gathers
+        (simple staging, ``_InPlace``). The caller's thread never waits for its CUDA stream
+        here: the copy stream waits for an event recorded on it now. When the data plane
+        takes a CUDA tensor of the call on its device (``on_device``: the ``nccl`` plane, NCCL
+        inside the pod), every tensor of the call goes to it whole (``_allreduce_whole``)."""
+        if any(isinstance(t, torch.Tensor) and t.is_cuda and self.plane.on_device("allreduce", t) for t in tensors):
+            return self._allreduce_whole(tensors, opts, what)
+        for t in tensors:
+            _check(t, what, wait_for_caller=False)
+        plans = [_ops.plan_reduction(what, t.dtype, _reduce_opts(opts), self.wire) for t in tensors]
+        piped = [(t, plan) for t, plan in zip(tensors, plans) if plan.kind in _staging.PIPELINED]
+        gathered = []
+        for t, plan in zip(tensors, plans):
+            if plan.kind not in _staging.PIPELINED:
+                if not t.is_cpu:
+                    _caller_stream_done(t)
+                gathered.append((_InPlace(t), plan))
+        ready = self._staging.ready([t for t, _ in piped])
+        devices = sorted({t.device for t in tensors if not t.is_cpu}, key=lambda d: d.index)
+        cuda = _staging.Completion(devices) if devices else None
+        entries = [(t, _ops.BY_NAME[plan.ring_dtype]) for t, plan in piped]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+        def reduce(host, k):
+            self._ring_reduce(self.plane.allreduce, host, piped[k][1].ring_op)
+
+        def job():
+            t0 = time.perf_counter()
+            self._staging.allreduce(entries, reduce, ready, cuda)
+            for v, plan in gathered:
+                self._allreduce_into(v.buf, plan)
+                v.done()
+            metrics.ALLREDUCE_SECONDS.observe(time.perf_counter() - t0)
+            metrics.ALLREDUCE_BYTES.inc(nbytes)
+
+        return self._submit(job, tensors, opts, cuda)
+
+    def _allreduce_whole(self, tensors, opts, what):
+        """The all-reduce of a data plane that takes CUDA tensors on their device: each tensor
+        in one plane collective, in place (``_view``: on the device where the plane takes it
+        there, else staged whole through host memory; no segments)."""
         for t in tensors:
             _check(t, what)
         plans = [_ops.plan_reduction(what, t.dtype, _reduce_opts(opts), self.wire) for t in tensors]
@@ -760,6 +841,7 @@ def _create(store, rank, size, timeout):
     ``init_process_group``'s ``timeout``. For a sub-group (``new_group``, ``DeviceMesh``): a
     ring of its members only (``_subring``). torch's ``store`` (this group's prefix) carries
     the sub-group's addresses and the point-to-point messages."""
+    _staging.segment_bytes()  # a bad DIPHOMA_STAGING_SEGMENT_BYTES is refused before joining a ring
     if dist.is_initialized() and not _HANDOFF:
         return ProcessGroupDiphoma(_subring(store, rank, size), rank, size, store, timeout)
     plane = _plane.chosen()
