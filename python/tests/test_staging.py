@@ -7,6 +7,7 @@ CUDA side (``_CudaSide``, the copy streams and events) runs only in ``make gpu-c
 (``python/bench/gpu_check.py``)."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -20,6 +21,9 @@ def test_segment_size_from_the_environment():
     assert _staging.segment_bytes({}) == _staging.SEGMENT_BYTES == 4 << 20
     assert _staging.segment_bytes({_staging.ENV_SEGMENT_BYTES: " "}) == 4 << 20
     assert _staging.segment_bytes({_staging.ENV_SEGMENT_BYTES: "300"}) == 300
+    # CPU tensors go whole (nothing to overlap) unless the variable is set.
+    assert _staging.host_segment_bytes({}) == sys.maxsize
+    assert _staging.host_segment_bytes({_staging.ENV_SEGMENT_BYTES: "300"}) == 300
     for bad in ("0", "-4", "4MiB", "1.5"):
         with pytest.raises(diphoma.ConfigError, match=f"DIPHOMA_STAGING_SEGMENT_BYTES='{bad}' is not a positive"):
             _staging.segment_bytes({_staging.ENV_SEGMENT_BYTES: bad})
@@ -89,7 +93,7 @@ def test_cpu_sides_reduce_segments_in_place_cast_and_written_back():
     a contiguous tensor is reduced in place (the segments are its views), a non-contiguous one
     through a copy written back, a widened one (int8 in int32) and a compressed one (float32 in
     bfloat16) through a cast per segment; the segments are handed over in order."""
-    stager = _staging.Stager(12)
+    stager = _staging.Stager(12, 12)
     plain = torch.arange(10, dtype=torch.float32)
     strided = torch.arange(14, dtype=torch.float64).view(7, 2).t()  # non-contiguous
     small = torch.tensor([1, -2, 3, 4, -5], dtype=torch.int8)
@@ -176,12 +180,12 @@ def test_pinned_buffers_grow_by_powers_of_two_up_to_the_segment_and_old_ones_are
     segment size, a replaced one kept until the next done event (its copies may still run)."""
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda n, dtype, pin_memory: empty(n, dtype=dtype))
-    stager = _staging.Stager(4 << 20)
+    stager = _staging.Stager(4 << 20, 4 << 20)
     sizes = [stager._buffer(0, 1, n).numel() for n in (100, 5000, 4 << 20, 1000)]
     assert sizes == [4096, 8192, 4 << 20, 4 << 20]
     assert [b.numel() for b in stager._retired] == [4096, 8192]
     assert stager._pools[0][0] is None and stager._pools[0][2] is None
-    tiny = _staging.Stager(1)  # a segment is at least one element (up to 8 bytes)
+    tiny = _staging.Stager(1, 1)  # a segment is at least one element (up to 8 bytes)
     assert [tiny._buffer(0, 0, n).numel() for n in (1, 8, 4)] == [1, 8, 8]
 
 

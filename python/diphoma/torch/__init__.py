@@ -261,7 +261,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         self.plane = _plane.create(plane, ring, self._timeout, processes)
         self.wire = _ops.compression()  # float32 all-reduces' wire dtype (None: float32)
         # The all-reduces' segments and CUDA copy streams (DIPHOMA_STAGING_SEGMENT_BYTES).
-        self._staging = _staging.Stager(_staging.segment_bytes())
+        self._staging = _staging.Stager(_staging.segment_bytes(), _staging.host_segment_bytes())
         self._p2p = StoreP2P(store if store is not None else dist.HashStore(), self._timeout)
         self._coalesced = None  # the works since start_coalescing, while coalescing
         self._queue = queue.SimpleQueue()

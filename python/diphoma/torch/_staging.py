@@ -32,13 +32,14 @@ A ``compress`` plan (float32 carried as bfloat16 under ``DIPHOMA_COMPRESSION=bf1
 the copy stream, before its copy to the host, and cast it back there after its copy back:
 under compression half the PCIe bytes of the float32 tensor.
 
-CPU tensors take the same segments and the same ``pipeline`` (``_HostSide``: a contiguous
-tensor is reduced in place, segment by segment; a cast is made per segment), so every rank
-issues the same ring collectives whatever its device, and the pipeline is tested on the CPU.
-Each segment is one ring collective: a few hundred microseconds more per 4 MiB on the CPU,
-where there is nothing to overlap. Every rank must use the same segment size (as for
-``DIPHOMA_COMPRESSION``): a rank that differs fails its first large all-reduce with
-``CollectiveMismatch``.
+CPU tensors take the same ``pipeline`` (``_HostSide``: a contiguous tensor is reduced in
+place; a cast is made per segment) in one segment, the whole tensor (``host_segment_bytes``):
+there is no copy to overlap, and each segment would be one ring collective more (a few hundred
+microseconds per 4 MiB). Where ``DIPHOMA_STAGING_SEGMENT_BYTES`` is set, CPU tensors are cut
+into its segments too, as CUDA tensors are: the pipeline's real path on the CPU (the tests
+run it so). Every rank must use the same segment sizes (as for ``DIPHOMA_COMPRESSION``; a group
+whose ranks hold CPU and CUDA tensors needs the variable set): a rank that differs fails its
+first large all-reduce with ``CollectiveMismatch``.
 
 Broadcast and all-gather keep the simple staging (``diphoma.torch._InPlace``: one blocking copy
 each way of the whole tensor, not overlapped), as do all-reduces whose plan all-gathers
@@ -48,6 +49,7 @@ each way of the whole tensor, not overlapped), as do all-reduces whose plan all-
 import collections
 import contextlib
 import os
+import sys
 import threading
 
 import torch
@@ -82,6 +84,12 @@ def segment_bytes(environ=os.environ):
         raise ConfigError(f"diphoma: {ENV_SEGMENT_BYTES}={raw!r} is not a positive number of bytes "
                           f"(the all-reduce staging segment; default {SEGMENT_BYTES})")
     return value
+
+
+def host_segment_bytes(environ=os.environ):
+    """The segment size of CPU tensors: the whole tensor (``sys.maxsize``) unless
+    ``DIPHOMA_STAGING_SEGMENT_BYTES`` is set, then that (``segment_bytes``)."""
+    return segment_bytes(environ) if environ.get(ENV_SEGMENT_BYTES, "").strip() else sys.maxsize
 
 
 def segments(numel, element_size, max_bytes):
@@ -147,8 +155,9 @@ class Stager:
     as large as the segment that needs it, grown by powers of two up to the segment size; a
     buffer replaced by a larger one is kept until the copies queued so far are done)."""
 
-    def __init__(self, segment_bytes=SEGMENT_BYTES):
+    def __init__(self, segment_bytes=SEGMENT_BYTES, host_segment_bytes=sys.maxsize):
         self.segment_bytes = segment_bytes
+        self.host_segment_bytes = host_segment_bytes  # CPU tensors' (``host_segment_bytes()``)
         self._lock = threading.Lock()
         self._streams = {}  # device index -> copy stream
         self._pools = {}  # device index -> DEPTH pinned uint8 buffers (None: not made yet)
@@ -218,7 +227,9 @@ class Stager:
                                          counters.setdefault(index, [0]))
                         sides.append(side)
                 order = [(k, start, count) for k, side in enumerate(sides)
-                         for start, count in segments(side.numel, side.element_size, self.segment_bytes)]
+                         for start, count in segments(side.numel, side.element_size,
+                                                      self.host_segment_bytes if isinstance(side, _HostSide)
+                                                      else self.segment_bytes)]
                 pipeline(order,
                          lambda s: sides[s[0]].copy_in(s),
                          lambda s: reduce(sides[s[0]].host[s], s[0]),
