@@ -451,7 +451,7 @@ class ProcessGroupDiphoma(dist.ProcessGroup):
         """``dist.all_reduce`` (also ``reduce`` and ``all_reduce_coalesced``): the tensors whose
         plan the ring reduces go through one segmented pipeline (``diphoma.torch._staging``:
         CUDA tensors through pinned segments on a copy stream, whose copies overlap the ring's
-        transfer; CPU tensors in place, segment by segment), then those whose plan all-gathers
+        transfer; CPU tensors in place, whole unless ``DIPHOMA_STAGING_SEGMENT_BYTES`` is set), then those whose plan all-gathers
         (simple staging, ``_InPlace``). The caller's thread never waits for its CUDA stream
         here: the copy stream waits for an event recorded on it now. When the data plane
         takes a CUDA tensor of the call on its device (``on_device``: the ``nccl`` plane, NCCL
