@@ -29,7 +29,7 @@ pub struct Native {
 }
 
 /// The stores of the gang objects this operator created, each when the API server serves its
-/// kind (seen at start), and the scheduler name coscheduled workers get.
+/// kind (seen at start).
 #[derive(Clone, Default)]
 pub struct Stores {
     /// `scheduling.k8s.io/v1alpha2` Workloads and PodGroups (`Kubernetes`).
