@@ -122,8 +122,10 @@ print(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
 ' "$WEBHOOK_PORT" "$CA_B64" >"$K/webhooks.json"
 
 # --- the manager ---
+# ElasticJobsViaWorkloadSlices (alpha): a DiphomaJob annotated kueue.x-k8s.io/elastic-job scales
+# through workload slices without stopping its workers.
 "$KBIN/kueue" --config="$K/config.yaml" --kubeconfig="$KUBECONFIG" \
-  --feature-gates=VisibilityOnDemand=false --zap-log-level="${KUEUE_LOG_LEVEL:-2}" >"$W/logs/kueue.log" 2>&1 &
+  --feature-gates=VisibilityOnDemand=false,ElasticJobsViaWorkloadSlices=true --zap-log-level="${KUEUE_LOG_LEVEL:-2}" >"$W/logs/kueue.log" 2>&1 &
 echo $! >"$W/kueue.pid"
 for ((i = 0; i < 300; i++)); do
   curl -fsS "http://127.0.0.1:${HEALTH_PORT}/readyz" >/dev/null 2>&1 && break

@@ -3,7 +3,8 @@
 //! `diphoma-worker train` workers under the in-process operator: suspension semantics
 //! (`activeDeadlineSeconds` does not run while suspended), `spec.managedBy`, admission behind a
 //! LocalQueue whose quota fits one job, preemption by a higher-priority job, and all-or-nothing
-//! admission (`waitForPodsReady`, on for the whole suite: the operator writes `PodsReady`). Prints the
+//! admission (`waitForPodsReady`, on for the whole suite: the operator writes `PodsReady`), and
+//! scaling through Kueue's workload slices (`ElasticJobsViaWorkloadSlices` on). Prints the
 //! admission latency (Workload admitted → ring formed) and the time a preempted job takes to
 //! resume.
 
@@ -53,6 +54,7 @@ fn main() -> Result<()> {
         suspending_an_admitted_job_releases_its_quota_to_the_next,
         under_wait_for_pods_ready_a_job_that_cannot_recover_is_requeued_and_the_queue_moves_on,
         an_admission_checks_pod_set_updates_reach_the_workers,
+        an_admitted_elastic_job_scales_through_workload_slices_without_stopping_its_workers,
     ];
     let trials = trials(&rt, &ctx, |c: &Ctx| &c.client, list);
     let conclusion = libtest_mimic::run(&sequential_args(), trials);
@@ -807,4 +809,154 @@ async fn suspending_an_admitted_job_releases_its_quota_to_the_next(
         ran.as_secs_f64()
     );
     Ok(())
+}
+
+/// The job's Workloads (its slices) by name: (count, finished reason, admitted).
+async fn slices_of(ctx: &Ctx, ns: &str) -> Result<Vec<(String, i64, Option<String>, bool)>> {
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(ctx.client.clone(), ns, &kueue("Workload", "workloads"));
+    let mut out: Vec<_> = api
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .map(|w| {
+            let count = w
+                .data
+                .pointer("/spec/podSets/0/count")
+                .and_then(Value::as_i64);
+            let finished = workload_condition(&w, "Finished").map(|(r, _)| r);
+            let admitted = workload_condition(&w, "Admitted").is_some();
+            (w.name_any(), count.unwrap_or_default(), finished, admitted)
+        })
+        .collect();
+    out.sort();
+    Ok(out)
+}
+
+/// Kueue's workload slices (its `ElasticJobsViaWorkloadSlices`, on in this suite) for a job
+/// annotated `kueue.x-k8s.io/elastic-job: "true"`, behind a quota of 2 GPUs: a scale-up of the
+/// admitted job is a new slice that Kueue admits in place of the old one (finished
+/// `WorkloadSliceReplaced`), a scale-down shrinks the admitted slice in place, and a scale-up
+/// past the quota is a slice admitted partially (its `minCount` is `minReplicas`). Worker 0
+/// is never restarted (Kueue finishes the old slice before it admits the new one: the job is
+/// not suspended in between), no
+/// failure is counted, the job is never suspended, and never more than the quota holds GPUs.
+/// On the old operator each scaling deleted the Workload and stopped every worker.
+async fn an_admitted_elastic_job_scales_through_workload_slices_without_stopping_its_workers(
+    ctx: Arc<Ctx>,
+    ns: String,
+) -> Result<()> {
+    queues(&ctx, &ns)?;
+    let elastic = json!({
+        "metadata": {"annotations": {"kueue.x-k8s.io/elastic-job": "true"}},
+        "spec": {"elastic": {"minReplicas": 1, "maxReplicas": 3}},
+    });
+    let job = training_job("el", 1, 1_000_000, merge(queued("low"), elastic));
+    apply_json(&ctx, &ns, &job.build())?;
+    let mut g = running_ring(&ctx, &ns, "el", 1, 0).await?.generation;
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ns);
+    let uid0 = pods.get("el-worker-0").await?.uid();
+    let scale = async |n: i32| -> Result<()> {
+        jobs(&ctx, &ns)
+            .patch(
+                "el",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"replicas": n}})),
+            )
+            .await?;
+        Ok(())
+    };
+    // Never suspended, never over quota, worker 0 never replaced.
+    let steady = async || -> Result<()> {
+        let holders = gpu_holders(&ctx, &ns).await?;
+        ensure!(holders.len() <= QUOTA, "over quota: {holders:?}");
+        let st = status(&ctx, &ns, "el").await?;
+        ensure!(
+            st.phase != Some(Phase::Suspended),
+            "suspended: {:?}",
+            condition(&st, "Suspended")
+        );
+        ensure!(
+            st.failures.total == 0,
+            "failures counted: {:?}",
+            st.failures
+        );
+        let now = pods.get_opt("el-worker-0").await?.and_then(|p| p.uid());
+        ensure!(now == uid0, "el-worker-0 was replaced");
+        Ok(())
+    };
+    // 1 → 2: a new slice, admitted in place of the first.
+    scale(2).await?;
+    let mut ring = None;
+    eventually(90, "a ring of 2 on a second slice", async || {
+        steady().await?;
+        let s = slices_of(&ctx, &ns).await?;
+        let replaced = s
+            .iter()
+            .any(|w| w.0 == "diphomajob-el" && w.2.as_deref() == Some("WorkloadSliceReplaced"));
+        ring = ring_of(&ctx, &ns, 2, g).await?;
+        Ok(replaced && ring.is_some())
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "{}\n{}",
+            last_words(&ctx, &ns, "el"),
+            kueue_says(&ctx, "el")
+        )
+    })?;
+    g = ring.take().unwrap();
+    let second = slices_of(&ctx, &ns).await?;
+    let second: Vec<_> = second.iter().filter(|w| w.2.is_none()).collect();
+    ensure!(
+        second.len() == 1 && second[0].1 == 2 && second[0].3,
+        "one admitted slice of 2: {second:?}"
+    );
+    let second = second[0].0.clone();
+    // 2 → 1: that slice shrinks in place (no new one); worker 1 goes.
+    scale(1).await?;
+    eventually(90, "a ring of 1 on the shrunk slice", async || {
+        steady().await?;
+        let s = slices_of(&ctx, &ns).await?;
+        let shrunk = s.iter().any(|w| w.0 == second && w.1 == 1 && w.2.is_none());
+        ring = ring_of(&ctx, &ns, 1, g).await?;
+        Ok(shrunk && ring.is_some() && s.len() == 2)
+    })
+    .await
+    .with_context(|| last_words(&ctx, &ns, "el"))?;
+    g = ring.take().unwrap();
+    // 1 → 3: past the quota of 2. The new slice (minCount 1) is admitted partially, at 2, in
+    // place of the shrunk one: the job runs 2 workers, worker 0 still the first.
+    scale(3).await?;
+    eventually(
+        90,
+        "a ring of 2 on a third slice admitted at 2",
+        async || {
+            steady().await?;
+            let s = slices_of(&ctx, &ns).await?;
+            let active: Vec<_> = s.iter().filter(|w| w.2.is_none()).collect();
+            ring = ring_of(&ctx, &ns, 2, g).await?;
+            Ok(s.len() == 3
+                && active.len() == 1
+                && active[0].1 == 3
+                && active[0].3
+                && ring.is_some())
+        },
+    )
+    .await
+    .with_context(|| last_words(&ctx, &ns, "el"))?;
+    println!("\nworkload slices: {:?}", slices_of(&ctx, &ns).await?);
+    Ok(())
+}
+
+/// The generation of `el`'s ring when it runs with `size` members at a generation above
+/// `after`, `Running`; none otherwise.
+async fn ring_of(ctx: &Ctx, ns: &str, size: usize, after: u64) -> Result<Option<u64>> {
+    let j = job_status(&ctx.client, ns, "el").await?;
+    let r = ring(&ctx.client, ns, "el").await?;
+    Ok(r.filter(|r| {
+        phase_of(&j) == Some(Phase::Running) && r.members.len() == size && r.generation > after
+    })
+    .map(|r| r.generation))
 }

@@ -6,9 +6,13 @@
 
 use std::collections::BTreeMap;
 
-use kube::api::{ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams};
+use diphoma_contract::LABEL_JOB_NAME;
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
+};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client, ResourceExt};
+use serde_json::json;
 
 use crate::api::{DiphomaJob, FIELD_MANAGER};
 use crate::build::Kind;
@@ -71,8 +75,7 @@ pub async fn observe(
     };
     let ns = job.namespace().unwrap_or_default();
     let read = Reader { client, stores };
-    let name = queue::workload_name(&job.name_any());
-    let object = read.get(Kueue::Workload, Some(&ns), &name).await?;
+    let objects = read.workloads_of(&ns, &job.name_any()).await?;
     let priority = match job.labels().get(queue::PRIORITY_CLASS_LABEL) {
         Some(class) => read
             .get(Kueue::PriorityClass, None, class)
@@ -81,24 +84,24 @@ pub async fn observe(
             .map(|v| v as i32),
         None => None,
     };
-    let Some(object) = object else {
-        return Ok(Queue::Queued {
-            queue: queue_name,
-            workload: None,
-            priority,
-        });
-    };
-    let value = serde_json::to_value(&*object).unwrap_or_default();
-    let mut flavors = BTreeMap::new();
-    for name in queue::assigned_flavors(&value) {
-        if let Some(f) = read.get(Kueue::Flavor, None, &name).await? {
-            flavors.insert(name, f.data.get("spec").cloned().unwrap_or_default());
+    let mut views: Vec<WorkloadView> = vec![];
+    for object in objects {
+        let value = serde_json::to_value(&*object).unwrap_or_default();
+        let mut flavors = BTreeMap::new();
+        for name in queue::assigned_flavors(&value) {
+            if let Some(f) = read.get(Kueue::Flavor, None, &name).await? {
+                flavors.insert(name, f.data.get("spec").cloned().unwrap_or_default());
+            }
         }
+        views.push(queue::view(
+            &value,
+            &job.uid().unwrap_or_default(),
+            &flavors,
+        ));
     }
-    let view: WorkloadView = queue::view(&value, &job.uid().unwrap_or_default(), &flavors);
     Ok(Queue::Queued {
         queue: queue_name,
-        workload: Some(Box::new(view)),
+        workload: queue::slices(views).map(Box::new),
         priority,
     })
 }
@@ -145,6 +148,36 @@ struct Reader<'a> {
 }
 
 impl Reader<'_> {
+    /// The Workloads of job `job` in namespace `ns` (label [`LABEL_JOB_NAME`]: its slices, and
+    /// one a deleted job of the same name left); none when Kueue's CRDs are not installed.
+    ///
+    /// Errors: [`Error::Observe`] when an API read fails.
+    async fn workloads_of(
+        &self,
+        ns: &str,
+        job: &str,
+    ) -> Result<Vec<std::sync::Arc<DynamicObject>>, Error> {
+        let of_job = |o: &DynamicObject| {
+            o.namespace().as_deref() == Some(ns)
+                && o.labels().get(LABEL_JOB_NAME).map(String::as_str) == Some(job)
+        };
+        if let Some(stores) = self.stores {
+            let all = Kueue::Workload.store(stores).state();
+            return Ok(all.into_iter().filter(|o| of_job(o)).collect());
+        }
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), ns, &Kueue::Workload.resource());
+        let params = ListParams::default().labels(&format!("{LABEL_JOB_NAME}={job}"));
+        match api.list(&params).await {
+            Ok(list) => Ok(list.items.into_iter().map(std::sync::Arc::new).collect()),
+            Err(kube::Error::Api(e)) if e.code == 404 => Ok(vec![]),
+            Err(source) => Err(Error::Observe {
+                what: Kueue::Workload.what(),
+                source,
+            }),
+        }
+    }
+
     /// Object `name` of `kind` (in namespace `ns`, none: cluster-scoped); none when there is
     /// none (a 404 too: Kueue's CRDs not installed).
     ///
@@ -189,8 +222,8 @@ pub fn refusal(e: &kube::core::Status) -> String {
     }
 }
 
-/// Carries out `plan` for `job`'s Workload: delete, create, set `spec.active`, patch its
-/// status.
+/// Carries out `plan` for `job`'s Workload: delete, create, resize, set `spec.active`, patch
+/// its status.
 ///
 /// Errors: [`Error::Workload`] naming the action and the Workload.
 pub async fn apply(
@@ -220,8 +253,29 @@ pub async fn apply(
         })?;
         written.note_some(KIND, created.as_ref());
     }
+    if let Some((name, count, min_count)) = &plan.resize {
+        let mut ops = vec![
+            json!({"op": "test", "path": "/spec/podSets/0/name", "value": queue::PODSET}),
+            json!({"op": "replace", "path": "/spec/podSets/0/count", "value": count}),
+        ];
+        if let Some(min) = min_count {
+            ops.push(json!({"op": "add", "path": "/spec/podSets/0/minCount", "value": min}));
+        }
+        let ops: json_patch::Patch = serde_json::from_value(json!(ops)).expect("a JSON patch");
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..Default::default()
+        };
+        let resized = api.patch(name, &params, &Patch::Json::<()>(ops)).await;
+        let resized = resized.map_err(|source| Error::Workload {
+            action: "resize",
+            name: name.clone(),
+            source,
+        })?;
+        written.note(KIND, &resized.metadata);
+    }
     if let Some((name, active)) = &plan.set_active {
-        let body = serde_json::json!({"spec": {"active": active}});
+        let body = json!({"spec": {"active": active}});
         let params = PatchParams {
             field_manager: Some(FIELD_MANAGER.into()),
             ..Default::default()
@@ -235,9 +289,9 @@ pub async fn apply(
         written.note(KIND, &set.metadata);
     }
     if let Some((name, status)) = &plan.patch_status {
-        let mut body = serde_json::json!({"status": status});
+        let mut body = json!({"status": status});
         if let Some(rv) = &plan.status_version {
-            body["metadata"] = serde_json::json!({"resourceVersion": rv});
+            body["metadata"] = json!({"resourceVersion": rv});
         }
         let params = PatchParams {
             field_manager: Some(FIELD_MANAGER.into()),

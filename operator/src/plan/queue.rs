@@ -22,7 +22,13 @@
 //!   own integrations: Kueue's `waitForPodsReady` (all-or-nothing admission) evicts a job whose
 //!   ring does not form, or does not re-form, within its timeouts;
 //! - a Workload that no longer matches the job (`replicas` or `minReplicas` changed: scaling
-//!   goes through Kueue) is deleted while the workers stop, and a new one is created;
+//!   goes through Kueue) is deleted while the workers stop, and a new one is created; unless the
+//!   job asks for Kueue's *workload slices* ([`ELASTIC_JOB_ANNOTATION`], Kueue's
+//!   `ElasticJobsViaWorkloadSlices`): then its running workers are kept, as Kueue's jobframework
+//!   keeps a batch Job's (`pkg/workloadslicing`, [`scaling`]): a scale-down or a Workload not
+//!   admitted yet is resized in place, a scale-up of an admitted one asks for a new *slice* that
+//!   Kueue admits in place of the old one (the old one `Finished`, `WorkloadSliceReplaced`),
+//!   and until then the workers run at the old size;
 //! - a finished job marks its Workload `Finished`, which releases the quota.
 
 use std::collections::BTreeMap;
@@ -47,6 +53,14 @@ pub const KUEUE_API_VERSION: &str = "kueue.x-k8s.io/v1beta2";
 pub const NO_WORKLOAD_YET: &str = "WorkloadCreated";
 /// Name of the Workload's only podSet.
 pub const PODSET: &str = "workers";
+/// The job annotation (value `"true"`) that asks for Kueue's workload slices: scaling an
+/// admitted job keeps its running workers. Kueue needs its feature gate
+/// `ElasticJobsViaWorkloadSlices` (alpha in v0.17) to admit a slice in place of the old one.
+pub const ELASTIC_JOB_ANNOTATION: &str = "kueue.x-k8s.io/elastic-job";
+/// The annotation of a new slice naming the slice it replaces (`<namespace>/<name>`).
+pub const REPLACEMENT_FOR: &str = "kueue.x-k8s.io/workload-slice-replacement-for";
+/// The annotation naming the first slice of the chain (Kueue's `WorkloadSliceNameAnnotation`).
+pub const SLICE_NAME: &str = "kueue.x-k8s.io/workload-slice-name";
 
 /// The job's Workload as the controller read it, with the flavors of its admission resolved.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -75,6 +89,15 @@ pub struct WorkloadView {
     /// `metadata.resourceVersion` as observed: the status patch is conditional on it, so that a
     /// plan made from a store behind Kueue's own writes is refused (409) and made again.
     pub resource_version: Option<String>,
+    /// `Finished` is True (the job finished, or a newer slice replaced this one).
+    pub finished: bool,
+    /// `metadata.creationTimestamp` (RFC 3339): slices are ordered by it.
+    pub created: String,
+    /// The [`REPLACEMENT_FOR`] annotation: the slice (`<namespace>/<name>`) this one replaces.
+    pub replacement_for: Option<String>,
+    /// The job's newer slice, not finished, that asks Kueue for the job's new size in place of
+    /// this one ([`slices`]; boxed: most Workloads have none).
+    pub replacement: Option<Box<WorkloadView>>,
 }
 
 /// What Kueue admitted the job's workers with.
@@ -131,6 +154,10 @@ pub struct QueuePlan {
     /// The Workload's `resourceVersion` [`QueuePlan::patch_status`] was planned from: the patch
     /// is conditional on it (a 409 when Kueue wrote meanwhile, and the plan is made again).
     pub status_version: Option<String>,
+    /// Resize the Workload of this name in place: its podSet's `count`, and `minCount` when
+    /// given (a Workload without quota reserved only: Kueue's webhook lets an admitted one
+    /// only shrink its count). A JSON patch that tests the podSet's name first.
+    pub resize: Option<(String, i32, Option<i32>)>,
     /// Set the Workload's `spec.active` (Kueue's way for a user to stop an admitted
     /// workload): false while the job is suspended (`runPolicy.suspend`), so that its quota
     /// is released, true again when it is resumed.
@@ -140,6 +167,168 @@ pub struct QueuePlan {
 /// The Workload's name: `diphomajob-<job>` (at most 51 + 11 characters, a DNS subdomain).
 pub fn workload_name(job: &str) -> String {
     format!("diphomajob-{job}")
+}
+
+/// The name of the job's workload slice created at the job's `generation` (a slice replacing
+/// the first Workload, [`workload_name`]).
+pub fn slice_name(job: &str, generation: i64) -> String {
+    format!("{}-{generation}", workload_name(job))
+}
+
+/// Whether the job asks for Kueue's workload slices ([`ELASTIC_JOB_ANNOTATION`] `"true"`).
+pub fn sliced(job: &DiphomaJob) -> bool {
+    job.annotations()
+        .get(ELASTIC_JOB_ANNOTATION)
+        .is_some_and(|v| v == "true")
+}
+
+/// The job's Workload from all of its Workloads read (`views`, any order): one not owned or
+/// being deleted first (the plan waits for it to go); else the oldest slice not finished, with
+/// the newest other one as its [`WorkloadView::replacement`]; else the newest finished one (a
+/// finished job's). Slices are ordered by creation, a slice before the one that replaces it, as
+/// Kueue's `FindNotFinishedWorkloads` orders them.
+pub fn slices(mut views: Vec<WorkloadView>) -> Option<WorkloadView> {
+    if let Some(i) = views.iter().position(|w| !w.owned || w.deleting) {
+        return Some(views.swap_remove(i));
+    }
+    views.sort_by(|a, b| {
+        a.created.cmp(&b.created).then_with(|| {
+            let replaces = |n: &WorkloadView, o: &WorkloadView| {
+                n.replacement_for
+                    .as_deref()
+                    .is_some_and(|r| r.rsplit('/').next() == Some(o.name.as_str()))
+            };
+            if replaces(b, a) {
+                std::cmp::Ordering::Less
+            } else if replaces(a, b) {
+                std::cmp::Ordering::Greater
+            } else {
+                a.name.cmp(&b.name)
+            }
+        })
+    });
+    let (mut active, mut finished): (Vec<_>, Vec<_>) = views.into_iter().partition(|w| !w.finished);
+    if active.is_empty() {
+        return finished.pop();
+    }
+    let mut current = active.remove(0);
+    current.replacement = active.pop().map(Box::new);
+    // Kueue finishes the replaced slice before it admits its replacement: in between, the
+    // replaced slice's admission still runs the workers (Kueue's jobframework does not suspend
+    // a job with slices whose Workload is not admitted).
+    let replaced = current
+        .replacement_for
+        .as_deref()
+        .and_then(|r| r.rsplit('/').next())
+        .filter(|_| current.admitted.is_none() && current.replacement.is_none());
+    if let Some(i) = replaced.and_then(|r| {
+        finished
+            .iter()
+            .position(|f| f.name == r && f.admitted.is_some())
+    }) {
+        let mut old = finished.swap_remove(i);
+        old.replacement = Some(Box::new(current));
+        return Some(old);
+    }
+    Some(current)
+}
+
+/// How the job's size reaches its Workload `w` in LocalQueue `queue`: Kueue's
+/// `EnsureWorkloadSlices` (v0.17) for a job that asks for slices ([`sliced`]), a new Workload
+/// otherwise.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Scaling {
+    /// The Workload matches the job's size and queue.
+    InStep,
+    /// A new Workload, once no worker runs: a job without slices, a move to another queue, or
+    /// `minReplicas` changed on a Workload with quota reserved (immutable there).
+    Replace,
+    /// Resize `w` in place ([`QueuePlan::resize`]): not admitted yet, or a scale-down.
+    Resize {
+        /// The podSet's new `count`.
+        count: i32,
+        /// Its new `minCount` (only while no quota is reserved).
+        min_count: Option<i32>,
+    },
+    /// A scale-up of a Workload with quota reserved: a new slice replacing `w`; the workers run
+    /// at `w`'s size until Kueue admits it.
+    NewSlice,
+    /// `w` has a newer slice and is finished (`OutOfSync`): it lost its reservation, was
+    /// evicted, or the newer one was admitted as its replacement.
+    FinishOld,
+    /// `w`'s newer slice waits for Kueue, resized in place to the job's count when given (it
+    /// has no quota reserved); `w` may be finished already (replaced, its replacement not yet
+    /// admitted: Kueue writes the two in turn).
+    Pending(Option<i32>),
+}
+
+/// See [`Scaling`]. Pure.
+pub fn scaling(job: &DiphomaJob, queue: &str, w: &WorkloadView) -> Scaling {
+    let want = job.spec.replicas;
+    let min = job.spec.bounds().0.min(want);
+    if let Some(next) = &w.replacement {
+        let resize = (!next.quota_reserved && next.count != want).then_some(want);
+        if w.finished {
+            return Scaling::Pending(resize); // replaced: its replacement is being admitted
+        }
+        let replaces_w = next
+            .replacement_for
+            .as_deref()
+            .is_some_and(|r| r.rsplit('/').next() == Some(w.name.as_str()));
+        let evicted = is_true(&w.conditions, "Evicted");
+        if !w.quota_reserved || evicted || (next.quota_reserved && replaces_w) {
+            return Scaling::FinishOld;
+        }
+        return Scaling::Pending(resize);
+    }
+    let w_min = w.min_count.unwrap_or(w.count);
+    if w.count == want && w_min == min && w.queue == queue {
+        return Scaling::InStep;
+    }
+    if !sliced(job) || w.queue != queue {
+        return Scaling::Replace;
+    }
+    if !w.quota_reserved {
+        let min_count = (w_min != min).then_some(min);
+        return Scaling::Resize {
+            count: want,
+            min_count,
+        };
+    }
+    if w_min != min {
+        return Scaling::Replace;
+    }
+    if want < w.count {
+        return Scaling::Resize {
+            count: want,
+            min_count: None,
+        };
+    }
+    Scaling::NewSlice
+}
+
+/// What `status.waiting` says while the job's newer slice waits for Kueue (a scale-up
+/// [`Scaling::Pending`]): its count and Kueue's reason. None otherwise.
+pub fn slice_waiting(job: &DiphomaJob, q: &Queue) -> Option<String> {
+    let Queue::Queued {
+        queue,
+        workload: Some(w),
+        ..
+    } = q
+    else {
+        return None;
+    };
+    let next = w.replacement.as_ref()?;
+    if !matches!(scaling(job, queue, w), Scaling::Pending(_)) {
+        return None;
+    }
+    let why = find(&next.conditions, "QuotaReserved")
+        .map(|c| format!(": {}", c.message))
+        .unwrap_or_default();
+    Some(format!(
+        "scaling to {} workers waits for Kueue to admit workload slice {}{why}",
+        next.count, next.name
+    ))
 }
 
 /// The LocalQueue the job is labelled with, if any.
@@ -208,7 +397,7 @@ pub fn hold(job: &DiphomaJob, q: &Queue) -> Option<Hold> {
     if let Some(e) = find(&w.conditions, "Evicted").filter(|c| c.status == "True") {
         return h(&e.reason, format!("evicted by Kueue: {}", e.message));
     }
-    if w.admitted.is_some() {
+    if w.admitted.is_some() || w.replacement.as_ref().is_some_and(|n| n.admitted.is_some()) {
         return None;
     }
     match find(&w.conditions, "QuotaReserved") {
@@ -246,7 +435,10 @@ pub fn admitted_view(job: &DiphomaJob, queue: &Queue) -> Option<DiphomaJob> {
     else {
         return None;
     };
-    let a = w.admitted.as_ref()?;
+    // A newer slice admitted runs the workers, while Kueue finishes the old one.
+    let a = (w.replacement.as_ref())
+        .and_then(|n| n.admitted.as_ref())
+        .or(w.admitted.as_ref())?;
     let mut job = job.clone();
     let (min, _) = job.spec.bounds();
     job.spec.replicas = a.count.clamp(min.min(job.spec.replicas), job.spec.replicas);
@@ -311,17 +503,40 @@ pub fn queue_plan(
         }
         return plan;
     }
-    let (min, _) = job.spec.bounds();
-    let matches = w.count == job.spec.replicas
-        && w.min_count.unwrap_or(w.count) == min.min(job.spec.replicas)
-        && w.queue == *queue;
-    if !matches {
+    match scaling(job, queue, w) {
+        Scaling::InStep => {}
         // Scaling (or a move to another queue) goes through Kueue: a new Workload, once the
         // workers admitted under the old one are gone.
-        if !running {
-            plan.delete = Some(w.name.clone());
+        Scaling::Replace => {
+            if !running {
+                plan.delete = Some(w.name.clone());
+            }
+            return plan;
         }
-        return plan;
+        Scaling::Resize { count, min_count } => {
+            plan.resize = Some((w.name.clone(), count, min_count));
+        }
+        Scaling::NewSlice => plan.create = Some(new_slice(job, queue, *priority, w)),
+        Scaling::FinishOld => {
+            let conds = set_condition(
+                &w.conditions,
+                "Finished",
+                "True",
+                "OutOfSync",
+                "The workload slice is out of sync with its parent job",
+                now,
+            );
+            plan.patch_status = Some((w.name.clone(), json!({"conditions": conds})));
+            plan.status_version = w.resource_version.clone();
+            return plan;
+        }
+        Scaling::Pending(resize) => {
+            let next = w.replacement.as_ref().expect("a pending slice");
+            plan.resize = resize.map(|count| (next.name.clone(), count, None));
+            if w.finished {
+                return plan; // nothing more is written on a finished slice
+            }
+        }
     }
     // A user's suspension deactivates the Workload (Kueue evicts it and releases its quota);
     // resuming activates it again.
@@ -420,8 +635,8 @@ pub fn pods_ready(
     (!same).then_some(next)
 }
 
-/// Whether the plan keeps the workload's spec out of step with the job: the job is held until
-/// the replacement is admitted.
+/// Whether the job's Workload is replaced ([`Scaling::Replace`]): the job is held until the
+/// new one is admitted.
 pub fn mismatched(job: &DiphomaJob, queue: &Queue) -> bool {
     let Queue::Queued {
         queue,
@@ -431,10 +646,7 @@ pub fn mismatched(job: &DiphomaJob, queue: &Queue) -> bool {
     else {
         return false;
     };
-    let (min, _) = job.spec.bounds();
-    w.count != job.spec.replicas
-        || w.min_count.unwrap_or(w.count) != min.min(job.spec.replicas)
-        || w.queue != *queue
+    w.owned && !w.deleting && scaling(job, queue, w) == Scaling::Replace
 }
 
 /// `conds` with condition `t` set (its `lastTransitionTime` moves only when its status does).
@@ -489,10 +701,17 @@ pub fn workload(job: &DiphomaJob, queue: &str, priority: Option<i32>) -> Value {
         build::MANAGED_BY.to_owned(),
     );
     labels.insert(diphoma_contract::LABEL_JOB_NAME.to_owned(), name.clone());
+    let annotations = sliced(job).then(|| {
+        BTreeMap::from([
+            (ELASTIC_JOB_ANNOTATION.to_owned(), "true".to_owned()),
+            (SLICE_NAME.to_owned(), workload_name(&name)),
+        ])
+    });
     let meta = ObjectMeta {
         name: Some(workload_name(&name)),
         namespace: job.namespace(),
         labels: Some(labels),
+        annotations,
         owner_references: job.controller_owner_ref(&()).map(|o| vec![o]),
         ..Default::default()
     };
@@ -502,6 +721,31 @@ pub fn workload(job: &DiphomaJob, queue: &str, priority: Option<i32>) -> Value {
         "metadata": meta,
         "spec": spec,
     })
+}
+
+/// A new workload slice of the job ([`workload`], named [`slice_name`] after the job's
+/// generation) that asks Kueue for the job's size in place of `old`: annotated
+/// [`REPLACEMENT_FOR`] `<namespace>/<old>` and with the chain's [`SLICE_NAME`], as Kueue's
+/// jobframework annotates a batch Job's (`prepareWorkloadSlice`).
+pub fn new_slice(
+    job: &DiphomaJob,
+    queue: &str,
+    priority: Option<i32>,
+    old: &WorkloadView,
+) -> Value {
+    let mut w = workload(job, queue, priority);
+    let name = job.name_any();
+    let ns = job.namespace().unwrap_or_default();
+    w["metadata"]["name"] = json!(slice_name(
+        &name,
+        job.metadata.generation.unwrap_or_default()
+    ));
+    w["metadata"]["annotations"] = json!({
+        ELASTIC_JOB_ANNOTATION: "true",
+        REPLACEMENT_FOR: format!("{ns}/{}", old.name),
+        SLICE_NAME: workload_name(&name),
+    });
+    w
 }
 
 /// The worker pod template as Kueue needs it: the first worker's spec, reduced to what
@@ -621,7 +865,10 @@ pub fn view(object: &Value, job_uid: &str, flavors: &BTreeMap<String, Value>) ->
                     .and_then(Value::as_str)
                     .unwrap_or_default()
                     .to_owned(),
-                count: int(assignment.and_then(|p| p.get("count"))).unwrap_or(count),
+                // A slice shrunk in place keeps its admission's count.
+                count: int(assignment.and_then(|p| p.get("count")))
+                    .unwrap_or(count)
+                    .min(count),
                 node_selector,
                 tolerations,
                 labels,
@@ -629,6 +876,7 @@ pub fn view(object: &Value, job_uid: &str, flavors: &BTreeMap<String, Value>) ->
                 flavors: assigned,
             }
         });
+    let finished = is_true(&conditions, "Finished");
     WorkloadView {
         name: s("/metadata/name").to_owned(),
         owned,
@@ -646,6 +894,14 @@ pub fn view(object: &Value, job_uid: &str, flavors: &BTreeMap<String, Value>) ->
             .pointer("/metadata/resourceVersion")
             .and_then(Value::as_str)
             .map(str::to_owned),
+        finished,
+        created: s("/metadata/creationTimestamp").to_owned(),
+        replacement_for: object
+            .pointer("/metadata/annotations")
+            .and_then(|a| a.get(REPLACEMENT_FOR))
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        replacement: None,
     }
 }
 
@@ -1036,5 +1292,199 @@ mod tests {
         let conds: Vec<Condition> =
             serde_json::from_value(done.patch_status.unwrap().1["conditions"].clone()).unwrap();
         assert!(is_true(&conds, "Finished"));
+    }
+
+    /// An admitted Workload of `count` workers (the podSet's count too), as Kueue writes it.
+    fn admitted_wl(j: &DiphomaJob, name: &str, count: i32, created: &str) -> WorkloadView {
+        let cond = |t: &str| json!({"type": t, "status": "True", "reason": t, "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"});
+        let mut w = wl(
+            j,
+            json!({"admission": {"clusterQueue": "cq", "podSetAssignments": [{"name": "workers", "count": count, "flavors": {}}]},
+                   "conditions": [cond("QuotaReserved"), cond("Admitted")]}),
+        );
+        w["metadata"]["name"] = json!(name);
+        w["metadata"]["creationTimestamp"] = json!(created);
+        w["spec"]["podSets"][0]["count"] = json!(count);
+        view(&w, "uid-1", &BTreeMap::new())
+    }
+
+    fn sliced_job(replicas: i32) -> DiphomaJob {
+        let mut j = elastic();
+        j.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(ELASTIC_JOB_ANNOTATION.into(), "true".into());
+        j.metadata.namespace = Some("ns".into());
+        j.metadata.generation = Some(7);
+        j.spec.replicas = replicas;
+        j
+    }
+
+    fn in_team(w: WorkloadView) -> Queue {
+        Queue::Queued {
+            queue: "team".into(),
+            workload: Some(Box::new(w)),
+            priority: None,
+        }
+    }
+
+    /// Kueue's `EnsureWorkloadSlices` for a job with slices: a scale-up of an admitted
+    /// Workload asks for a new slice and keeps the workers at the admitted size (not held);
+    /// a scale-down, or a Workload not admitted yet, is resized in place; `minReplicas`
+    /// changed on an admitted one, or a job without the annotation, replaces the Workload.
+    #[test]
+    fn a_sliced_job_scales_through_workload_slices_and_keeps_its_workers() {
+        let j = sliced_job(4);
+        let w = admitted_wl(&j, "diphomajob-train", 2, "2027-01-01T00:00:00Z");
+        assert_eq!(scaling(&j, "team", &w), Scaling::NewSlice);
+        let q = in_team(w.clone());
+        assert!(hold(&j, &q).is_none(), "the workers keep running");
+        assert!(!mismatched(&j, &q));
+        assert_eq!(admitted_view(&j, &q).unwrap().spec.replicas, 2);
+        let plan = queue_plan(&j, &q, &[], None, 2, t(0));
+        let slice = plan.create.expect("a new slice");
+        assert_eq!(slice["metadata"]["name"], "diphomajob-train-7");
+        let a = &slice["metadata"]["annotations"];
+        assert_eq!(a[REPLACEMENT_FOR], "ns/diphomajob-train");
+        assert_eq!(a[SLICE_NAME], "diphomajob-train");
+        assert_eq!(a[ELASTIC_JOB_ANNOTATION], "true");
+        assert_eq!(slice["spec"]["podSets"][0]["count"], 4);
+        // The first Workload of such a job is marked elastic too.
+        let first = workload(&j, "team", None);
+        assert_eq!(
+            first["metadata"]["annotations"][SLICE_NAME],
+            "diphomajob-train"
+        );
+        // A scale-down of the admitted Workload: its count shrinks in place.
+        let down = sliced_job(1);
+        let mut w2 = w.clone();
+        w2.min_count = Some(1);
+        w2.count = 3;
+        let mut down_min2 = down.clone();
+        down_min2.spec.elastic.as_mut().unwrap().min_replicas = 1;
+        assert_eq!(
+            queue_plan(&down_min2, &in_team(w2.clone()), &[], None, 1, t(0)).resize,
+            Some(("diphomajob-train".into(), 1, None))
+        );
+        // minReplicas changed on an admitted Workload: immutable there, so it is replaced.
+        let mut other_min = sliced_job(2);
+        other_min.spec.elastic.as_mut().unwrap().min_replicas = 1;
+        assert_eq!(scaling(&other_min, "team", &w), Scaling::Replace);
+        // Not admitted yet: count and minCount in place.
+        let pending = view(&wl(&j, json!({})), "uid-1", &BTreeMap::new());
+        assert_eq!(
+            scaling(&other_min, "team", &pending),
+            Scaling::Resize {
+                count: 2,
+                min_count: Some(1)
+            }
+        );
+        // Without the annotation, the Workload is replaced as before.
+        let mut plain = j.clone();
+        plain.metadata.annotations = None;
+        assert_eq!(scaling(&plain, "team", &w), Scaling::Replace);
+        assert!(mismatched(&plain, &in_team(w)));
+    }
+
+    /// Two slices: the old one runs the workers while the new one waits (resized in place to
+    /// the job's count, `status.waiting` says so), and is finished once Kueue admitted the new
+    /// one as its replacement, whose admission then runs the workers.
+    #[test]
+    fn the_old_slice_runs_until_kueue_admits_its_replacement() {
+        let j = sliced_job(4);
+        let mut old = admitted_wl(&j, "diphomajob-train", 2, "2027-01-01T00:00:00Z");
+        let mut next = wl(
+            &j,
+            json!({"conditions": [{"type": "QuotaReserved", "status": "False", "reason": "Pending",
+            "message": "couldn't assign flavors to pod set workers: insufficient quota", "lastTransitionTime": "2027-01-01T00:00:00Z"}]}),
+        );
+        next["metadata"]["name"] = json!("diphomajob-train-7");
+        next["metadata"]["creationTimestamp"] = json!("2027-01-01T00:00:00Z");
+        next["metadata"]["annotations"] = json!({REPLACEMENT_FOR: "ns/diphomajob-train"});
+        next["spec"]["podSets"][0]["count"] = json!(3);
+        let next = view(&next, "uid-1", &BTreeMap::new());
+        // Ordered by creation, the replaced slice first (same second: the annotation decides).
+        let current = slices(vec![next.clone(), old.clone()]).unwrap();
+        assert_eq!(current.name, "diphomajob-train");
+        assert_eq!(
+            current.replacement.as_ref().unwrap().name,
+            "diphomajob-train-7"
+        );
+        old.replacement = Some(Box::new(next.clone()));
+        let q = in_team(old.clone());
+        assert_eq!(scaling(&j, "team", &old), Scaling::Pending(Some(4)));
+        assert!(hold(&j, &q).is_none());
+        assert_eq!(admitted_view(&j, &q).unwrap().spec.replicas, 2);
+        let plan = queue_plan(&j, &q, &[], None, 2, t(0));
+        assert_eq!(plan.resize, Some(("diphomajob-train-7".into(), 4, None)));
+        assert!(plan.create.is_none());
+        let waiting = slice_waiting(&j, &q).unwrap();
+        assert!(
+            waiting.contains("diphomajob-train-7") && waiting.contains("insufficient quota"),
+            "{waiting}"
+        );
+        // Admitted as its replacement: the old slice is finished, the new admission runs.
+        let mut admitted = admitted_wl(&j, "diphomajob-train-7", 4, "2027-01-01T00:00:00Z");
+        admitted.replacement_for = Some("ns/diphomajob-train".into());
+        old.replacement = Some(Box::new(admitted));
+        let q = in_team(old.clone());
+        assert_eq!(admitted_view(&j, &q).unwrap().spec.replicas, 4);
+        let (name, patch) = queue_plan(&j, &q, &[], None, 2, t(0)).patch_status.unwrap();
+        assert_eq!(name, "diphomajob-train");
+        let conds: Vec<Condition> = serde_json::from_value(patch["conditions"].clone()).unwrap();
+        assert_eq!(
+            find(&conds, "Finished").map(|c| (c.status.as_str(), c.reason.as_str())),
+            Some(("True", "OutOfSync"))
+        );
+        // Kueue finished the old slice and has not admitted the new one yet: the old
+        // admission runs the workers meanwhile, and nothing is written on the old slice.
+        let mut replaced = old.clone();
+        replaced.finished = true;
+        replaced.replacement = None;
+        let mut waiting_next = next.clone();
+        waiting_next.replacement_for = Some("ns/diphomajob-train".into());
+        let current = slices(vec![replaced.clone(), waiting_next]).unwrap();
+        assert_eq!(current.name, "diphomajob-train");
+        let q = in_team(current.clone());
+        assert!(
+            hold(&j, &q).is_none(),
+            "not suspended between Kueue's two writes"
+        );
+        assert_eq!(admitted_view(&j, &q).unwrap().spec.replicas, 2);
+        let plan = queue_plan(&j, &q, &[], None, 2, t(0));
+        assert!(
+            plan.patch_status.is_none() && plan.create.is_none(),
+            "{plan:?}"
+        );
+        // Finished slices are history: the newest active one is the job's Workload.
+        let mut done = old.clone();
+        done.finished = true;
+        done.replacement = None;
+        let newest = admitted_wl(&j, "diphomajob-train-7", 4, "2027-01-01T00:00:05Z");
+        assert_eq!(
+            slices(vec![done.clone(), newest]).unwrap().name,
+            "diphomajob-train-7"
+        );
+        assert_eq!(
+            slices(vec![done]).unwrap().name,
+            "diphomajob-train",
+            "a finished job's"
+        );
+    }
+
+    /// A slice shrunk in place keeps its admission's count: the workers and `PodsReady` go by
+    /// the podSet's count.
+    #[test]
+    fn a_slice_shrunk_in_place_is_ready_at_its_new_count() {
+        let j = sliced_job(2);
+        let mut w = wl(
+            &j,
+            json!({"admission": {"clusterQueue": "cq", "podSetAssignments": [{"name": "workers", "count": 4, "flavors": {}}]},
+                   "conditions": [{"type": "Admitted", "status": "True", "reason": "Admitted", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"}]}),
+        );
+        w["spec"]["podSets"][0]["count"] = json!(2);
+        let v = view(&w, "uid-1", &BTreeMap::new());
+        assert_eq!(v.admitted.as_ref().unwrap().count, 2);
+        assert_eq!(pods_ready(&v, 2).map(|r| r.0), Some("True"));
     }
 }
