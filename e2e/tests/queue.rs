@@ -838,10 +838,11 @@ async fn slices_of(ctx: &Ctx, ns: &str) -> Result<Vec<(String, i64, Option<Strin
 /// annotated `kueue.x-k8s.io/elastic-job: "true"`, behind a quota of 2 GPUs: a scale-up of the
 /// admitted job is a new slice that Kueue admits in place of the old one (finished
 /// `WorkloadSliceReplaced`), a scale-down shrinks the admitted slice in place, and a scale-up
-/// past the quota is a slice admitted partially (its `minCount` is `minReplicas`). Worker 0
+/// past the quota is a slice admitted partially (its `minCount` is `minReplicas`); a changed
+/// `minReplicas` replaces the Workload (the workers stop) under a new name. Until then, worker 0
 /// is never restarted (Kueue finishes the old slice before it admits the new one: the job is
-/// not suspended in between), no
-/// failure is counted, the job is never suspended, and never more than the quota holds GPUs.
+/// not suspended in between), no failure is counted, the job is never suspended, and never
+/// more than the quota holds GPUs.
 /// On the old operator each scaling deleted the Workload and stopped every worker.
 async fn an_admitted_elastic_job_scales_through_workload_slices_without_stopping_its_workers(
     ctx: Arc<Ctx>,
@@ -944,6 +945,25 @@ async fn an_admitted_elastic_job_scales_through_workload_slices_without_stopping
                 && ring.is_some())
         },
     )
+    .await
+    .with_context(|| last_words(&ctx, &ns, "el"))?;
+    g = ring.take().unwrap();
+    // minReplicas changed on the admitted slice (immutable there): the Workload is replaced
+    // as for a job without slices, under a new name (the first one's is still taken by the
+    // finished first slice), and the job runs again once it is admitted.
+    jobs(&ctx, &ns)
+        .patch(
+            "el",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"elastic": {"minReplicas": 2}}})),
+        )
+        .await?;
+    eventually(120, "a ring of 2 on a new Workload", async || {
+        let s = slices_of(&ctx, &ns).await?;
+        let active: Vec<_> = s.iter().filter(|w| w.2.is_none()).collect();
+        ring = ring_of(&ctx, &ns, 2, g).await?;
+        Ok(active.len() == 1 && active[0].3 && !active[0].0.ends_with("-4") && ring.is_some())
+    })
     .await
     .with_context(|| last_words(&ctx, &ns, "el"))?;
     println!("\nworkload slices: {:?}", slices_of(&ctx, &ns).await?);

@@ -388,7 +388,12 @@ pub fn hold(job: &DiphomaJob, q: &Queue) -> Option<Hold> {
             "the job's size changed: its Kueue Workload is replaced and admitted again".into(),
         );
     }
-    let Some(w) = workload.as_ref().filter(|w| w.owned && !w.deleting) else {
+    // Every slice finished while the job runs on (the last one replaced): as none at all.
+    let Some(w) = workload
+        .as_ref()
+        .filter(|w| w.owned && !w.deleting)
+        .filter(|w| !w.finished || w.replacement.is_some())
+    else {
         return h(
             NO_WORKLOAD_YET,
             format!("waiting for Kueue to admit the job's Workload in LocalQueue {queue}"),
@@ -491,7 +496,20 @@ pub fn queue_plan(
         Some(w) if !w.owned || w.deleting => return plan, // wait for it to go
         Some(w) => w,
     };
-    if phase.is_some_and(Phase::is_terminal) {
+    let terminal = phase.is_some_and(Phase::is_terminal);
+    if w.finished && w.replacement.is_none() && !terminal {
+        // Every slice of a job that runs on finished (its last one replaced, and deleted): a
+        // new Workload, named as a slice (the first's name is still taken).
+        let classless = job.labels().contains_key(PRIORITY_CLASS_LABEL) && priority.is_none();
+        if !classless {
+            let mut fresh = workload(job, queue, *priority);
+            let generation = job.metadata.generation.unwrap_or_default();
+            fresh["metadata"]["name"] = json!(slice_name(&job.name_any(), generation));
+            plan.create = Some(fresh);
+        }
+        return plan;
+    }
+    if terminal {
         if !is_true(&w.conditions, "Finished") {
             let (reason, message) = match phase {
                 Some(Phase::Succeeded) => ("Succeeded", "the DiphomaJob succeeded"),
@@ -1455,6 +1473,20 @@ mod tests {
         assert!(
             plan.patch_status.is_none() && plan.create.is_none(),
             "{plan:?}"
+        );
+        // Every slice finished while the job runs (its last one replaced and deleted): held,
+        // and a new Workload is created under a slice's name.
+        let mut gone = old.clone();
+        gone.finished = true;
+        gone.replacement = None;
+        let q = in_team(gone);
+        assert_eq!(hold(&j, &q).unwrap().reason, NO_WORKLOAD_YET);
+        let fresh = queue_plan(&j, &q, &[], None, 0, t(0)).create.unwrap();
+        assert_eq!(fresh["metadata"]["name"], "diphomajob-train-7");
+        assert!(
+            fresh["metadata"]["annotations"]
+                .get(REPLACEMENT_FOR)
+                .is_none()
         );
         // Finished slices are history: the newest active one is the job's Workload.
         let mut done = old.clone();
