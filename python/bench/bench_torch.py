@@ -17,9 +17,23 @@ the Rust runtime (performance.md §1): 5 warm-up operations, k calibrated on ran
 back-to-back operations take about 20 ms, 20 samples of k operations, each sample the slowest
 rank's mean; rank 0 appends one JSON line per size with the median (s) and k.
 
+``DIPHOMA_COMPRESSION=bf16`` (ddp): the diphoma group carries every float32 all-reduce as
+bfloat16 (the backend's own); gloo gets DDP's ``bf16_compress_hook`` on the timed model (the
+like-for-like anchor), and its buckets' all_reduce is timed as that hook does it (cast to
+bfloat16, all_reduce, cast back).
+
+``BENCH_PARAMS=DIR`` (ddp): after the timing, the training-result check: a fresh model from the
+same seed (0) trained STEPS steps under DDP with the same communication (backend, compression,
+hook) on batches of a seed of each rank's own (so that the all-reduce matters); rank 0 saves its
+parameters to a file in DIR, named in the row (``params``), for report.py to compare contenders,
+and the largest |change| of a parameter in those steps (``params_change``, for scale).
+
 Every JSON line carries the backend, the world size, ``DIPHOMA_RING_PROTECTION`` (the
-diphoma ring's frame protection; gloo has none) and ``BENCH_LAYOUT`` (pods × processes, e.g.
-``2x2``, with `` flat`` under ``DIPHOMA_HIERARCHICAL=0``; absent for the other parts).
+diphoma ring's frame protection; gloo has none), ``DIPHOMA_COMPRESSION`` (``compression``: none or
+bf16), ``BENCH_LAYOUT`` (pods × processes, e.g. ``2x2``, with `` flat`` under
+``DIPHOMA_HIERARCHICAL=0``; absent for the other parts) and, inside worker/bench/netns.sh's
+namespace, the network profile (``profile``: ``NETNS_PROFILE``) and its rate (``rate_gbit``:
+``NETNS_RATE_GBIT``, null when unshaped).
 """
 
 import json
@@ -31,6 +45,7 @@ import time
 import torch
 import torch.distributed as dist
 import torchvision
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import diphoma.torch  # noqa: F401  registers "diphoma"
@@ -51,14 +66,43 @@ def timed(fns, n):
     return [statistics.median(ts) for ts in out]
 
 
-def ddp(model_name, steps, warmup):
-    def build(hook=None):
-        torch.manual_seed(0)
-        model = DDP(getattr(torchvision.models, model_name)(num_classes=10))
-        if hook:
-            model.register_comm_hook(None, hook)
-        return model, torch.optim.SGD(model.parameters(), lr=0.01)
+def compression():
+    """The run's wire compression of float32 all-reduces: ``none`` or ``bf16``."""
+    return (os.environ.get("DIPHOMA_COMPRESSION") or "none").strip().lower()
 
+
+def build(model_name, hook=None):
+    """DDP of a fresh torchvision ``model_name`` from seed 0 with comm hook ``hook``, and SGD."""
+    torch.manual_seed(0)
+    model = DDP(getattr(torchvision.models, model_name)(num_classes=10))
+    if hook:
+        model.register_comm_hook(None, hook)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def gloo_hook(backend):
+    """gloo's comm hook for the run's compression: DDP's bf16_compress_hook under bf16 (diphoma
+    compresses in the backend itself)."""
+    return bf16_compress_hook if backend == "gloo" and compression() == "bf16" else None
+
+
+def train_params(model_name, backend, steps):
+    """The training-result check (``BENCH_PARAMS``): a fresh model from seed 0 trained ``steps``
+    DDP steps with the run's communication, each rank on batches of its own seed (1 + rank);
+    its parameters afterwards (every rank holds the same) and the largest |change| of one."""
+    model, opt = build(model_name, gloo_hook(backend))
+    before = {k: v.detach().clone() for k, v in model.module.named_parameters()}
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    for _ in range(steps):
+        x, y = torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 10, (2,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    after = {k: v.detach().clone() for k, v in model.module.named_parameters()}
+    return after, max(float((after[k] - before[k]).abs().max()) for k in after)
+
+
+def ddp(model_name, backend, steps, warmup):
     buckets = {}  # bucket index -> numel, in the order of the last no-comm step (DDP rebuilds them after the first)
 
     def no_comm(state, bucket):
@@ -68,7 +112,7 @@ def ddp(model_name, steps, warmup):
         fut.set_result(bucket.buffer())
         return fut
 
-    (model, opt), (bare, bare_opt) = build(), build(no_comm)
+    (model, opt), (bare, bare_opt) = build(model_name, gloo_hook(backend)), build(model_name, no_comm)
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
 
     def stepper(m, o):
@@ -89,12 +133,20 @@ def ddp(model_name, steps, warmup):
             step()
 
     flat = torch.zeros(sum(p.numel() for p in model.parameters()))  # DDP's buckets hold every gradient
+    hook = gloo_hook(backend)
 
     def allreduce_buckets():
-        """The backend's all_reduce of buffers of DDP's bucket sizes, one after another."""
+        """The backend's all_reduce of buffers of DDP's bucket sizes, one after another (with
+        gloo's bf16 hook: as the hook does it, a bfloat16 copy reduced and copied back)."""
         offset = 0
         for n in buckets.values():
-            dist.all_reduce(flat[offset:offset + n])
+            b = flat[offset:offset + n]
+            if hook:
+                half = b.to(torch.bfloat16).div_(dist.get_world_size())
+                dist.all_reduce(half)
+                b.copy_(half)
+            else:
+                dist.all_reduce(b)
             offset += n
 
     fns = [step, local, hooked, allreduce_buckets]
@@ -104,6 +156,20 @@ def ddp(model_name, steps, warmup):
              "comm_share": max(0.0, 1 - without / with_comm), "no_comm_s": no_comm_s,
              "buckets_s": buckets_s, "buckets": list(buckets.values()), "steps": steps,
              "threads": torch.get_num_threads()}]
+
+
+def save_params(rows, model_name, backend, steps):
+    """``BENCH_PARAMS``: the training-result check's parameters, saved by rank 0 into that
+    directory and named in the row."""
+    params, change = train_params(model_name, backend, steps)
+    if dist.get_rank() == 0:
+        r = rows[0]
+        name = (f"{os.environ.get('NETNS_PROFILE') or 'plain'}_{model_name}_w{dist.get_world_size()}"
+                f"_r{os.environ.get('BENCH_ROUND', '0')}_{backend}-{os.environ.get('DIPHOMA_RING_PROTECTION') or 'none'}"
+                f"-{compression()}.pt")
+        r["params"] = os.path.join(os.environ["BENCH_PARAMS"], name)
+        r["params_steps"], r["params_change"] = steps, change
+        torch.save(params, r["params"])
 
 
 def allreduce(sizes):
@@ -134,7 +200,9 @@ def main():
     mode, backend = sys.argv[1], sys.argv[2]
     dist.init_process_group(backend=backend)
     if mode == "ddp":
-        rows = ddp(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        rows = ddp(sys.argv[3], backend, int(sys.argv[4]), int(sys.argv[5]))
+        if os.environ.get("BENCH_PARAMS"):
+            save_params(rows, sys.argv[3], backend, int(sys.argv[4]))
     else:
         rows = allreduce([int(s) for s in sys.argv[3].split(",")])
     protection = (os.environ.get("DIPHOMA_RING_PROTECTION") or "none") if backend == "diphoma" else "-"
@@ -142,7 +210,11 @@ def main():
         with open(sys.argv[-1], "a") as f:
             for r in rows:
                 layout = {"layout": os.environ["BENCH_LAYOUT"]} if os.environ.get("BENCH_LAYOUT") else {}
+                if os.environ.get("NETNS_PROFILE"):  # inside worker/bench/netns.sh's namespace
+                    rate = os.environ.get("NETNS_RATE_GBIT")
+                    layout.update(profile=os.environ["NETNS_PROFILE"], rate_gbit=float(rate) if rate else None)
                 f.write(json.dumps({**r, **layout, "backend": backend, "protection": protection,
+                                    "compression": compression(),
                                     "world": dist.get_world_size(),
                                     "round": int(os.environ.get("BENCH_ROUND", "0"))}) + "\n")
     dist.destroy_process_group()

@@ -4,8 +4,8 @@
 # machine sees a link of a cluster's rate. Everything stays in 127.0.0.0/8 inside the namespace;
 # the host's network is never touched and nothing else is ever a target.
 #
-#   netns.sh PROFILE CMD...   run CMD in a new namespace shaped as PROFILE (python/bench/run.sh)
-#   source netns.sh           the functions below (worker/bench/run.sh):
+#   netns.sh PROFILE CMD...   run CMD in a new namespace shaped as PROFILE (by hand)
+#   source netns.sh           the functions below (worker/bench/run.sh, python/bench/run.sh):
 #     netns_enter "$0" ARGS…  re-runs the calling script inside a new namespace (unshare -n);
 #                             the namespace goes away with its last process
 #     netns_cleanup           kills every process still in the namespace (the caller's EXIT
@@ -19,8 +19,9 @@
 # Profiles (Gbit/s that each rank can receive; a ring's link into rank r): loopback (unshaped),
 # 10g, 2.5g, 1g. Shaping is by destination address (a u32 filter on `ip dst 127.0.0.N/32` per
 # class), so each rank must listen on its own address and connect from it: the Rust bench binds
-# the address given by --hosts, gloo is given its device by GLOO_SOCKET_IFNAME=lo:rR (set per rank
-# by netns/sitecustomize.py), Open MPI by btl_tcp_if_include=mpiR (netns/mpi_rank.sh); the LD_PRELOAD
+# the address given by --hosts, gloo is given its device by GLOO_SOCKET_IFNAME=lo:rR and the ranks
+# of `python -m diphoma.run` their ring addresses in DIPHOMA_RING_ADDRESSES (both set per rank by
+# netns/sitecustomize.py), Open MPI by btl_tcp_if_include=mpiR (netns/mpi_rank.sh); the LD_PRELOAD
 # shim netns/srcbind.c binds each outgoing loopback connection to its process's own address, so
 # that the bytes a peer sends back on it are shaped as this rank's link too. This kernel has htb
 # and tbf but no netem: rate only, no added delay.
