@@ -838,7 +838,8 @@ async fn slices_of(ctx: &Ctx, ns: &str) -> Result<Vec<(String, i64, Option<Strin
 /// annotated `kueue.x-k8s.io/elastic-job: "true"`, behind a quota of 2 GPUs: a scale-up of the
 /// admitted job is a new slice that Kueue admits in place of the old one (finished
 /// `WorkloadSliceReplaced`), a scale-down shrinks the admitted slice in place, and a scale-up
-/// past the quota is a slice admitted partially (its `minCount` is `minReplicas`); a changed
+/// past the quota is a slice admitted partially (its `minCount` is `minReplicas`), which the
+/// job's `status.waiting` says; a changed
 /// `minReplicas` replaces the Workload (the workers stop) under a new name. Until then, worker 0
 /// is never restarted (Kueue finishes the old slice before it admits the new one: the job is
 /// not suspended in between), no failure is counted, the job is never suspended, and never
@@ -938,7 +939,13 @@ async fn an_admitted_elastic_job_scales_through_workload_slices_without_stopping
             let s = slices_of(&ctx, &ns).await?;
             let active: Vec<_> = s.iter().filter(|w| w.2.is_none()).collect();
             ring = ring_of(&ctx, &ns, 2, g).await?;
-            Ok(s.len() == 3
+            // The status says the job runs fewer than asked, and why.
+            let st = status(&ctx, &ns, "el").await?;
+            let said = st
+                .waiting
+                .is_some_and(|w| w.starts_with("running 2 of 3 workers"));
+            Ok(said
+                && s.len() == 3
                 && active.len() == 1
                 && active[0].1 == 3
                 && active[0].3

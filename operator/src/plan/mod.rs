@@ -393,9 +393,10 @@ pub fn plan(job: &DiphomaJob, obs: &Observed, memory: &memory::Memory) -> (Plan,
     // the class (created after the job: no event of the job's says so).
     let (phase, ready) = (plan.status.phase, plan.status.ready_replicas);
     plan.queue = queue::queue_plan(job, &obs.queue, &obs.pods, phase, ready, obs.now);
-    // A scale-up that waits for Kueue's workload slice: the workers run at the old size.
+    // Fewer workers than asked because of Kueue: a scale-up that waits for its workload slice
+    // (the workers run at the old size), or a partial admission.
     if plan.status.waiting.is_none() && phase.is_some_and(|p| !p.is_terminal()) {
-        plan.status.waiting = queue::slice_waiting(job, &obs.queue);
+        plan.status.waiting = queue::queue_waiting(job, &obs.queue);
     }
     let running = plan.status.phase.is_some_and(|p| !p.is_terminal());
     if running

@@ -188,8 +188,13 @@ pub fn sliced(job: &DiphomaJob) -> bool {
 /// finished job's). Slices are ordered by creation, a slice before the one that replaces it, as
 /// Kueue's `FindNotFinishedWorkloads` orders them.
 pub fn slices(mut views: Vec<WorkloadView>) -> Option<WorkloadView> {
-    if let Some(i) = views.iter().position(|w| !w.owned || w.deleting) {
+    if let Some(i) = views.iter().position(|w| !w.owned) {
         return Some(views.swap_remove(i));
+    }
+    // Being deleted: a dropped slice is passed over; a replaced Workload blocks until gone.
+    let (mut deleting, mut views): (Vec<_>, Vec<_>) = views.into_iter().partition(|w| w.deleting);
+    if views.iter().all(|w| w.finished) && !deleting.is_empty() {
+        return deleting.pop();
     }
     views.sort_by(|a, b| {
         a.created.cmp(&b.created).then_with(|| {
@@ -256,6 +261,9 @@ pub enum Scaling {
     /// `w` has a newer slice and is finished (`OutOfSync`): it lost its reservation, was
     /// evicted, or the newer one was admitted as its replacement.
     FinishOld,
+    /// `w`'s newer slice, not admitted yet, is no longer needed (the job was scaled back to
+    /// `w`'s count or below): it is deleted.
+    DropPending,
     /// `w`'s newer slice waits for Kueue, resized in place to the job's count when given (it
     /// has no quota reserved); `w` may be finished already (replaced, its replacement not yet
     /// admitted: Kueue writes the two in turn).
@@ -268,6 +276,9 @@ pub fn scaling(job: &DiphomaJob, queue: &str, w: &WorkloadView) -> Scaling {
     let min = job.spec.bounds().0.min(want);
     if let Some(next) = &w.replacement {
         let resize = (!next.quota_reserved && next.count != want).then_some(want);
+        if !next.quota_reserved && !w.finished && want <= w.count {
+            return Scaling::DropPending; // scaled back: the old slice covers it
+        }
         if w.finished {
             return Scaling::Pending(resize); // replaced: its replacement is being admitted
         }
@@ -307,9 +318,11 @@ pub fn scaling(job: &DiphomaJob, queue: &str, w: &WorkloadView) -> Scaling {
     Scaling::NewSlice
 }
 
-/// What `status.waiting` says while the job's newer slice waits for Kueue (a scale-up
-/// [`Scaling::Pending`]): its count and Kueue's reason. None otherwise.
-pub fn slice_waiting(job: &DiphomaJob, q: &Queue) -> Option<String> {
+/// What `status.waiting` says of an admitted job that runs fewer workers than `replicas`
+/// because of Kueue: its newer slice waits for Kueue (a scale-up, [`Scaling::Pending`]), with
+/// Kueue's reason; or Kueue admitted fewer (partial admission, down to `minReplicas`), which
+/// Kueue never grows by itself. None otherwise.
+pub fn queue_waiting(job: &DiphomaJob, q: &Queue) -> Option<String> {
     let Queue::Queued {
         queue,
         workload: Some(w),
@@ -318,17 +331,34 @@ pub fn slice_waiting(job: &DiphomaJob, q: &Queue) -> Option<String> {
     else {
         return None;
     };
-    let next = w.replacement.as_ref()?;
-    if !matches!(scaling(job, queue, w), Scaling::Pending(_)) {
-        return None;
+    if let Some(next) = &w.replacement
+        && matches!(scaling(job, queue, w), Scaling::Pending(_))
+    {
+        let why = find(&next.conditions, "QuotaReserved")
+            .map(|c| format!(": {}", c.message))
+            .unwrap_or_default();
+        return Some(format!(
+            "scaling to {} workers waits for Kueue to admit workload slice {}{why}",
+            next.count, next.name
+        ));
     }
-    let why = find(&next.conditions, "QuotaReserved")
-        .map(|c| format!(": {}", c.message))
-        .unwrap_or_default();
-    Some(format!(
-        "scaling to {} workers waits for Kueue to admit workload slice {}{why}",
-        next.count, next.name
-    ))
+    let admitted = admitted_view(job, q)?.spec.replicas;
+    let name = match w.replacement.as_ref().filter(|n| n.admitted.is_some()) {
+        Some(n) => &n.name,
+        None => &w.name,
+    };
+    let again = if sliced(job) {
+        "scale the job down to it and up again to ask for more"
+    } else {
+        "Kueue does not grow an admitted Workload"
+    };
+    (admitted < job.spec.replicas).then(|| {
+        format!(
+            "running {admitted} of {} workers: Kueue admitted Workload {name} partially \
+             (down to minReplicas); {again}",
+            job.spec.replicas
+        )
+    })
 }
 
 /// The LocalQueue the job is labelled with, if any.
@@ -547,6 +577,9 @@ pub fn queue_plan(
             plan.patch_status = Some((w.name.clone(), json!({"conditions": conds})));
             plan.status_version = w.resource_version.clone();
             return plan;
+        }
+        Scaling::DropPending => {
+            plan.delete = w.replacement.as_ref().map(|n| n.name.clone());
         }
         Scaling::Pending(resize) => {
             let next = w.replacement.as_ref().expect("a pending slice");
@@ -1436,11 +1469,27 @@ mod tests {
         let plan = queue_plan(&j, &q, &[], None, 2, t(0));
         assert_eq!(plan.resize, Some(("diphomajob-train-7".into(), 4, None)));
         assert!(plan.create.is_none());
-        let waiting = slice_waiting(&j, &q).unwrap();
+        let waiting = queue_waiting(&j, &q).unwrap();
         assert!(
             waiting.contains("diphomajob-train-7") && waiting.contains("insufficient quota"),
             "{waiting}"
         );
+        // Scaled back to the running size: the pending slice is dropped, and a slice being
+        // deleted is passed over (the job is not held for it).
+        let back = sliced_job(2);
+        assert_eq!(scaling(&back, "team", &old), Scaling::DropPending);
+        let plan = queue_plan(&back, &q, &[], None, 2, t(0));
+        assert_eq!(plan.delete.as_deref(), Some("diphomajob-train-7"));
+        let mut dropping = next.clone();
+        dropping.deleting = true;
+        let mut alone = old.clone();
+        alone.replacement = None;
+        let current = slices(vec![alone.clone(), dropping]).unwrap();
+        assert_eq!(
+            (current.name.as_str(), current.replacement.is_none()),
+            ("diphomajob-train", true)
+        );
+        assert!(hold(&back, &in_team(current)).is_none());
         // Admitted as its replacement: the old slice is finished, the new admission runs.
         let mut admitted = admitted_wl(&j, "diphomajob-train-7", 4, "2027-01-01T00:00:00Z");
         admitted.replacement_for = Some("ns/diphomajob-train".into());
@@ -1502,6 +1551,32 @@ mod tests {
             "diphomajob-train",
             "a finished job's"
         );
+    }
+
+    /// Kueue admitted fewer workers than `replicas` (partial admission): the job runs them and
+    /// `status.waiting` says so; Kueue never grows the Workload by itself.
+    #[test]
+    fn a_partial_admission_is_said_in_the_status() {
+        let mut j = sliced_job(3);
+        j.spec.elastic.as_mut().unwrap().min_replicas = 1;
+        let w = admitted_wl(&j, "diphomajob-train-7", 1, "2027-01-01T00:00:00Z");
+        let mut w3 = w.clone();
+        w3.count = 3;
+        let q = in_team(w3);
+        let said = queue_waiting(&j, &q).unwrap();
+        assert!(
+            said.starts_with(
+                "running 1 of 3 workers: Kueue admitted Workload diphomajob-train-7 partially"
+            ),
+            "{said}"
+        );
+        let full = in_team(admitted_wl(
+            &j,
+            "diphomajob-train-7",
+            3,
+            "2027-01-01T00:00:00Z",
+        ));
+        assert_eq!(queue_waiting(&j, &full), None);
     }
 
     /// A slice shrunk in place keeps its admission's count: the workers and `PodsReady` go by
