@@ -297,12 +297,19 @@ pub async fn apply(
             field_manager: Some(FIELD_MANAGER.into()),
             ..Default::default()
         };
-        let patched = api.patch_status(name, &params, &Patch::Merge(&body)).await;
-        let patched = patched.map_err(|source| Error::Workload {
-            action: "patch status of",
-            name: name.clone(),
-            source,
-        })?;
+        let patched = match api.patch_status(name, &params, &Patch::Merge(&body)).await {
+            // Kueue wrote the Workload since it was read (its watch event reconciles the job
+            // again, with the plan made from Kueue's write): not a failure.
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                tracing::debug!(workload = %name, "Kueue wrote the Workload meanwhile: planned again");
+                return Ok(());
+            }
+            patched => patched.map_err(|source| Error::Workload {
+                action: "patch status of",
+                name: name.clone(),
+                source,
+            })?,
+        };
         written.note(KIND, &patched.metadata);
     }
     Ok(())
