@@ -182,11 +182,15 @@ pub fn sliced(job: &DiphomaJob) -> bool {
         .is_some_and(|v| v == "true")
 }
 
-/// The job's Workload from all of its Workloads read (`views`, any order): one not owned or
-/// being deleted first (the plan waits for it to go); else the oldest slice not finished, with
-/// the newest other one as its [`WorkloadView::replacement`]; else the newest finished one (a
-/// finished job's). Slices are ordered by creation, a slice before the one that replaces it, as
-/// Kueue's `FindNotFinishedWorkloads` orders them.
+/// The job's Workload from all of its Workloads read (`views`, any order): one not owned
+/// first (a deleted job's of the same name: the plan waits for it to go); else the oldest
+/// slice not finished, with the newest other one as its [`WorkloadView::replacement`] (slices
+/// being deleted are passed over: a dropped slice); else one being deleted (a replaced
+/// Workload: the plan waits for it to go); else the newest finished one (a finished job's).
+/// Slices are ordered by creation, a slice before the one that replaces it, as Kueue's
+/// `FindNotFinishedWorkloads` orders them. Between Kueue's two writes of a replacement (the
+/// old slice finished, the new one not admitted yet and never admitted or evicted before),
+/// the finished old slice is returned with the new one as its replacement.
 pub fn slices(mut views: Vec<WorkloadView>) -> Option<WorkloadView> {
     if let Some(i) = views.iter().position(|w| !w.owned) {
         return Some(views.swap_remove(i));
@@ -225,7 +229,12 @@ pub fn slices(mut views: Vec<WorkloadView>) -> Option<WorkloadView> {
         .replacement_for
         .as_deref()
         .and_then(|r| r.rsplit('/').next())
-        .filter(|_| current.admitted.is_none() && current.replacement.is_none());
+        .filter(|_| current.admitted.is_none() && current.replacement.is_none())
+        // Not a replacement evicted since (its admission cleared): that one holds the job.
+        .filter(|_| {
+            find(&current.conditions, "Admitted").is_none()
+                && find(&current.conditions, "Evicted").is_none()
+        });
     if let Some(i) = replaced.and_then(|r| {
         finished
             .iter()
@@ -1510,7 +1519,7 @@ mod tests {
         replaced.replacement = None;
         let mut waiting_next = next.clone();
         waiting_next.replacement_for = Some("ns/diphomajob-train".into());
-        let current = slices(vec![replaced.clone(), waiting_next]).unwrap();
+        let current = slices(vec![replaced.clone(), waiting_next.clone()]).unwrap();
         assert_eq!(current.name, "diphomajob-train");
         let q = in_team(current.clone());
         assert!(
@@ -1523,6 +1532,16 @@ mod tests {
             plan.patch_status.is_none() && plan.create.is_none(),
             "{plan:?}"
         );
+        // The replacement, admitted once, evicted and requeued since (admission cleared): the
+        // replaced slice's stale admission does not run the workers; the job is held.
+        let mut evicted = waiting_next.clone();
+        evicted.conditions = serde_json::from_value(json!([
+            {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"},
+            {"type": "Admitted", "status": "False", "reason": "NoReservation", "message": "", "lastTransitionTime": "2027-01-01T00:00:00Z"}]))
+        .unwrap();
+        let current = slices(vec![replaced.clone(), evicted]).unwrap();
+        assert_eq!(current.name, "diphomajob-train-7");
+        assert!(hold(&j, &in_team(current)).is_some());
         // Every slice finished while the job runs (its last one replaced and deleted): held,
         // and a new Workload is created under a slice's name.
         let mut gone = old.clone();
