@@ -59,7 +59,8 @@ pub struct Stores {
 }
 
 /// The job's place in Kueue: [`Queue::NotQueued`] without [`queue::QUEUE_LABEL`]; else its
-/// Workload (if any), the value of its WorkloadPriorityClass (none: no label, or no such class)
+/// Workload (if any: of all its Workloads, its workload slices, the one [`queue::slices`]
+/// picks, with the newer slice that replaces it), the value of its WorkloadPriorityClass (none: no label, or no such class)
 /// and the flavors of its admission resolved. Read from `stores` (no API request) once their
 /// watches have listed; else (Kueue not served when the operator started, or its lists not
 /// complete yet: a job must not be planned from an empty store) by API reads.
