@@ -254,6 +254,10 @@ pub async fn apply(
         })?;
         written.note_some(KIND, created.as_ref());
     }
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    };
     if let Some((name, count, min_count)) = &plan.resize {
         let mut ops = vec![
             json!({"op": "test", "path": "/spec/podSets/0/name", "value": queue::PODSET}),
@@ -263,10 +267,6 @@ pub async fn apply(
             ops.push(json!({"op": "add", "path": "/spec/podSets/0/minCount", "value": min}));
         }
         let ops: json_patch::Patch = serde_json::from_value(json!(ops)).expect("a JSON patch");
-        let params = PatchParams {
-            field_manager: Some(FIELD_MANAGER.into()),
-            ..Default::default()
-        };
         let resized = api.patch(name, &params, &Patch::Json::<()>(ops)).await;
         let resized = resized.map_err(|source| Error::Workload {
             action: "resize",
@@ -277,10 +277,6 @@ pub async fn apply(
     }
     if let Some((name, active)) = &plan.set_active {
         let body = json!({"spec": {"active": active}});
-        let params = PatchParams {
-            field_manager: Some(FIELD_MANAGER.into()),
-            ..Default::default()
-        };
         let set = api.patch(name, &params, &Patch::Merge(&body)).await;
         let set = set.map_err(|source| Error::Workload {
             action: "set spec.active of",
@@ -294,10 +290,6 @@ pub async fn apply(
         if let Some(rv) = &plan.status_version {
             body["metadata"] = json!({"resourceVersion": rv});
         }
-        let params = PatchParams {
-            field_manager: Some(FIELD_MANAGER.into()),
-            ..Default::default()
-        };
         let patched = match api.patch_status(name, &params, &Patch::Merge(&body)).await {
             // Kueue wrote the Workload since it was read (its watch event reconciles the job
             // again, with the plan made from Kueue's write): not a failure.

@@ -100,6 +100,14 @@ pub struct WorkloadView {
     pub replacement: Option<Box<WorkloadView>>,
 }
 
+impl WorkloadView {
+    /// Whether this slice replaces the Workload named `name` (its [`REPLACEMENT_FOR`]
+    /// annotation, `<namespace>/<name>`; the namespace is the job's).
+    pub fn replaces(&self, name: &str) -> bool {
+        (self.replacement_for.as_deref()).is_some_and(|r| r.rsplit('/').next() == Some(name))
+    }
+}
+
 /// What Kueue admitted the job's workers with.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Admission {
@@ -202,14 +210,9 @@ pub fn slices(mut views: Vec<WorkloadView>) -> Option<WorkloadView> {
     }
     views.sort_by(|a, b| {
         a.created.cmp(&b.created).then_with(|| {
-            let replaces = |n: &WorkloadView, o: &WorkloadView| {
-                n.replacement_for
-                    .as_deref()
-                    .is_some_and(|r| r.rsplit('/').next() == Some(o.name.as_str()))
-            };
-            if replaces(b, a) {
+            if b.replaces(&a.name) {
                 std::cmp::Ordering::Less
-            } else if replaces(a, b) {
+            } else if a.replaces(&b.name) {
                 std::cmp::Ordering::Greater
             } else {
                 a.name.cmp(&b.name)
@@ -225,21 +228,14 @@ pub fn slices(mut views: Vec<WorkloadView>) -> Option<WorkloadView> {
     // Kueue finishes the replaced slice before it admits its replacement: in between, the
     // replaced slice's admission still runs the workers (Kueue's jobframework does not suspend
     // a job with slices whose Workload is not admitted).
-    let replaced = current
-        .replacement_for
-        .as_deref()
-        .and_then(|r| r.rsplit('/').next())
-        .filter(|_| current.admitted.is_none() && current.replacement.is_none())
-        // Not a replacement evicted since (its admission cleared): that one holds the job.
-        .filter(|_| {
-            find(&current.conditions, "Admitted").is_none()
-                && find(&current.conditions, "Evicted").is_none()
-        });
-    if let Some(i) = replaced.and_then(|r| {
-        finished
-            .iter()
-            .position(|f| f.name == r && f.admitted.is_some())
-    }) {
+    // Not a replacement evicted since (its admission cleared): that one holds the job.
+    let between = current.admitted.is_none()
+        && current.replacement.is_none()
+        && find(&current.conditions, "Admitted").is_none()
+        && find(&current.conditions, "Evicted").is_none();
+    let replaced = (finished.iter())
+        .position(|f| between && current.replaces(&f.name) && f.admitted.is_some());
+    if let Some(i) = replaced {
         let mut old = finished.swap_remove(i);
         old.replacement = Some(Box::new(current));
         return Some(old);
@@ -291,12 +287,8 @@ pub fn scaling(job: &DiphomaJob, queue: &str, w: &WorkloadView) -> Scaling {
         if w.finished {
             return Scaling::Pending(resize); // replaced: its replacement is being admitted
         }
-        let replaces_w = next
-            .replacement_for
-            .as_deref()
-            .is_some_and(|r| r.rsplit('/').next() == Some(w.name.as_str()));
         let evicted = is_true(&w.conditions, "Evicted");
-        if !w.quota_reserved || evicted || (next.quota_reserved && replaces_w) {
+        if !w.quota_reserved || evicted || (next.quota_reserved && next.replaces(&w.name)) {
             return Scaling::FinishOld;
         }
         return Scaling::Pending(resize);
@@ -524,9 +516,10 @@ pub fn queue_plan(
     let running = workers
         .iter()
         .any(|p| !matches!(super::pod_phase(p), "Succeeded" | "Failed"));
+    // No Workload is created while the job's priority class is not found.
+    let classless = job.labels().contains_key(PRIORITY_CLASS_LABEL) && priority.is_none();
     let w = match current {
         None => {
-            let classless = job.labels().contains_key(PRIORITY_CLASS_LABEL) && priority.is_none();
             if !phase.is_some_and(Phase::is_terminal) && !classless {
                 plan.create = Some(workload(job, queue, *priority));
             }
@@ -539,7 +532,6 @@ pub fn queue_plan(
     if w.finished && w.replacement.is_none() && !terminal {
         // Every slice of a job that runs on finished (its last one replaced, and deleted): a
         // new Workload, named as a slice (the first's name is still taken).
-        let classless = job.labels().contains_key(PRIORITY_CLASS_LABEL) && priority.is_none();
         if !classless {
             let mut fresh = workload(job, queue, *priority);
             let generation = job.metadata.generation.unwrap_or_default();
