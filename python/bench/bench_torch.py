@@ -9,7 +9,13 @@ bucketing, copies and hooks: the step any backend's step contains) and STEPS of 
 ``all_reduce`` of buffers of DDP's bucket sizes one after another (the communication alone,
 outside backward), so load that comes and goes hits all alike; every step starts on a barrier.
 Rank 0 appends one JSON line to OUT: the median of each (s) and the bucket sizes (elements);
-the communication share is 1 − no_sync / step.
+the communication share is 1 − no_sync / step. Runs without a comm hook of their own (all but
+gloo's bf16 pair) also time STEPS of a third DDP model whose comm hook is DDP's own ``allreduce_hook`` with a clock around it (the bucket timeline):
+per step, when each bucket's all_reduce was submitted and when it completed, and when backward
+returned; the row gets the medians of that step (``traced_s``), of backward's end minus the last
+bucket's submission (``exposed_s``: communication no computation hides), of the other buckets'
+submission-to-completion times summed (``hidden_s``) and the last bucket's size
+(``last_bucket``, elements).
 
 ``allreduce BACKEND SIZES OUT``: ``torch.distributed.all_reduce`` (sum, in place) of float32
 tensors of each size in SIZES (bytes, comma-separated), timed as ``diphoma-worker bench`` times
@@ -45,7 +51,7 @@ import time
 import torch
 import torch.distributed as dist
 import torchvision
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, bf16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import diphoma.torch  # noqa: F401  registers "diphoma"
@@ -150,12 +156,42 @@ def ddp(model_name, backend, steps, warmup):
             offset += n
 
     fns = [step, local, hooked, allreduce_buckets]
+    timeline = []  # per traced step: (backward's start, its end, [(submitted, completed, numel)])
+    if hook is None:  # the bucket timeline under DDP's own all-reduce hook
+        events = []
+
+        def clocked(state, bucket):
+            t0, n = time.perf_counter(), bucket.buffer().numel()
+
+            def completed(fut):
+                events.append((t0, time.perf_counter(), n))
+                return fut.value()
+            return allreduce_hook(None, bucket).then(completed)
+
+        tm, to = build(model_name, clocked)
+
+        def traced_step():
+            events.clear()
+            to.zero_grad()
+            loss = torch.nn.functional.cross_entropy(tm(x), y)
+            t1 = time.perf_counter()
+            loss.backward()
+            timeline.append((t1, time.perf_counter(), sorted(events)))
+            to.step()
+        fns.append(traced_step)
     timed(fns, warmup)
-    with_comm, without, no_comm_s, buckets_s = timed(fns, steps)
-    return [{"kind": "ddp", "model": model_name, "step_s": with_comm, "compute_s": without,
-             "comm_share": max(0.0, 1 - without / with_comm), "no_comm_s": no_comm_s,
-             "buckets_s": buckets_s, "buckets": list(buckets.values()), "steps": steps,
-             "threads": torch.get_num_threads()}]
+    del timeline[:]
+    with_comm, without, no_comm_s, buckets_s, *traced = timed(fns, steps)
+    row = {"kind": "ddp", "model": model_name, "step_s": with_comm, "compute_s": without,
+           "comm_share": max(0.0, 1 - without / with_comm), "no_comm_s": no_comm_s,
+           "buckets_s": buckets_s, "buckets": list(buckets.values()), "steps": steps,
+           "threads": torch.get_num_threads()}
+    if traced and all(ev for _, _, ev in timeline):
+        row.update(traced_s=traced[0],
+                   exposed_s=statistics.median(end - ev[-1][0] for _, end, ev in timeline),
+                   hidden_s=statistics.median(sum(b - a for a, b, _ in ev[:-1]) for _, _, ev in timeline),
+                   last_bucket=timeline[0][2][-1][2])
+    return [row]
 
 
 def save_params(rows, model_name, backend, steps):

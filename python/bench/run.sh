@@ -7,7 +7,9 @@
 #   and ResNet-50, synthetic 32×32 images, batch 2 per rank, world 2 and 4; step time,
 #   communication share, ratio to gloo; and where the step goes: DDP with a comm hook that
 #   communicates nothing, and the backend's all_reduce of DDP's buckets alone (their serial sum),
-#   beside the physical floor (below); and the bf16 pair (below);
+#   beside the physical floor (below); the bucket timeline (DDP's own all-reduce hook with a
+#   clock around it: what backward hides, what the last bucket leaves exposed, what backward
+#   loses to the hidden all-reduces); and the bf16 pair (below);
 # - torch.distributed.all_reduce from Python (gloo, diphoma integrity, diphoma none) against the
 #   Rust `diphoma-worker bench` (integrity, none) at the protocol's sizes, timed alike (the
 #   binding's overhead);
