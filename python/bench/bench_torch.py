@@ -14,8 +14,9 @@ gloo's bf16 pair) also time STEPS of a third DDP model whose comm hook is DDP's 
 per step, when each bucket's all_reduce was submitted and when it completed, and when backward
 returned; the row gets the medians of that step (``traced_s``), of backward's end minus the last
 bucket's submission (``exposed_s``: communication no computation hides), of the other buckets'
-submission-to-completion times summed (``hidden_s``) and the last bucket's size
-(``last_bucket``, elements).
+submission-to-completion times summed (``hidden_s``), the last bucket's size
+(``last_bucket``, elements) and the CPU time the process's other threads (the backend's: every
+rank runs with one intra-op thread) used in the step (``backend_cpu_s``).
 
 ``allreduce BACKEND SIZES OUT``: ``torch.distributed.all_reduce`` (sum, in place) of float32
 tensors of each size in SIZES (bytes, comma-separated), timed as ``diphoma-worker bench`` times
@@ -156,7 +157,7 @@ def ddp(model_name, backend, steps, warmup):
             offset += n
 
     fns = [step, local, hooked, allreduce_buckets]
-    timeline = []  # per traced step: (backward's start, its end, [(submitted, completed, numel)])
+    timeline = []  # per traced step: (backward's start, its end, [(submitted, completed, numel)], other threads' CPU s)
     if hook is None:  # the bucket timeline under DDP's own all-reduce hook
         events = []
 
@@ -172,12 +173,15 @@ def ddp(model_name, backend, steps, warmup):
 
         def traced_step():
             events.clear()
+            cpu, own = time.process_time(), time.thread_time()
             to.zero_grad()
             loss = torch.nn.functional.cross_entropy(tm(x), y)
             t1 = time.perf_counter()
             loss.backward()
-            timeline.append((t1, time.perf_counter(), sorted(events)))
+            t2 = time.perf_counter()
             to.step()
+            # CPU time of the process's other threads in the step: the backend's (OMP_NUM_THREADS=1)
+            timeline.append((t1, t2, sorted(events), time.process_time() - cpu - (time.thread_time() - own)))
         fns.append(traced_step)
     timed(fns, warmup)
     del timeline[:]
@@ -186,11 +190,12 @@ def ddp(model_name, backend, steps, warmup):
            "comm_share": max(0.0, 1 - without / with_comm), "no_comm_s": no_comm_s,
            "buckets_s": buckets_s, "buckets": list(buckets.values()), "steps": steps,
            "threads": torch.get_num_threads()}
-    if traced and all(ev for _, _, ev in timeline):
+    if traced and all(ev for _, _, ev, _ in timeline):
         row.update(traced_s=traced[0],
-                   exposed_s=statistics.median(end - ev[-1][0] for _, end, ev in timeline),
-                   hidden_s=statistics.median(sum(b - a for a, b, _ in ev[:-1]) for _, _, ev in timeline),
-                   last_bucket=timeline[0][2][-1][2])
+                   exposed_s=statistics.median(end - ev[-1][0] for _, end, ev, _ in timeline),
+                   hidden_s=statistics.median(sum(b - a for a, b, _ in ev[:-1]) for _, _, ev, _ in timeline),
+                   last_bucket=timeline[0][2][-1][2],
+                   backend_cpu_s=statistics.median(c for *_, c in timeline))
     return [row]
 
 

@@ -198,21 +198,22 @@ def ddp_section(rows, title, rate=None, rate_what="", shaped=False):
                 "medians over rounds (ms): its step; the last bucket's size and its exposed communication, from "
                 "its submission (backward has no gradient left to compute) to backward's end; the other buckets' "
                 "all_reduce during backward, submission to completion, summed; the same share of the buckets' "
-                "all_reduce alone (the serial column above × their share of the bytes); and what backward lost "
+                "all_reduce alone (the serial column above × their share of the bytes); what backward lost "
                 "to them: traced step − DDP with no comm − exposed (on cores that backward and the all-reduces "
-                "share, the CPU the hidden all-reduces take).", "",
+                "share, the CPU the hidden all-reduces take); and the CPU time the backend's threads used in "
+                "the step (the process's CPU time less the training thread's; one intra-op thread per rank).", "",
                 "| model | world | backend | DDP, no comm | step, hook timed | last bucket (MB) | exposed | "
-                "other buckets during backward | the same alone | backward's loss |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "other buckets during backward | the same alone | backward's loss | backend threads' CPU |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for m, w, n, rs in traced:
             if not rs:
                 continue
-            md = {k: med(rs, k) for k in ("no_comm_s", "traced_s", "exposed_s", "hidden_s", "buckets_s")}
+            md = {k: med(rs, k) for k in ("no_comm_s", "traced_s", "exposed_s", "hidden_s", "buckets_s", "backend_cpu_s")}
             last, total = rs[0]["last_bucket"], sum(rs[0]["buckets"])
             alone = md["buckets_s"] * (1 - last / total) if total else None
             out.append(f"| {m} | {w} | {n} | {ms(md['no_comm_s'])} | {ms(md['traced_s'])} | {last * 4 / 1e6:.1f} | "
                        f"{ms(md['exposed_s'])} | {ms(md['hidden_s'])} | {ms(alone)} | "
-                       f"{(md['traced_s'] - md['no_comm_s'] - md['exposed_s']) * 1e3:+.0f} |")
+                       f"{(md['traced_s'] - md['no_comm_s'] - md['exposed_s']) * 1e3:+.0f} | {ms(md['backend_cpu_s'])} |")
     out += ["", f"{sub} Bars (issue 30; printed, not asserted)", "",
             "A cell is link-bound when the link time of its f32 gradient bytes is at least its compute-only step "
             "(DDP with no comm, median over the contenders)" + ("" if shaped else "; on unshaped loopback no cell is") +
