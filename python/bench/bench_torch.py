@@ -10,9 +10,10 @@ bucketing, copies and hooks: the step any backend's step contains) and STEPS of 
 outside backward), so load that comes and goes hits all alike; every step starts on a barrier.
 Rank 0 appends one JSON line to OUT: the median of each (s) and the bucket sizes (elements);
 the communication share is 1 − no_sync / step. Runs without a comm hook of their own (all but
-gloo's bf16 pair) also time STEPS of a third DDP model whose comm hook is DDP's own ``allreduce_hook`` with a clock around it (the bucket timeline):
-per step, when each bucket's all_reduce was submitted and when it completed, and when backward
-returned; the row gets the medians of that step (``traced_s``), of backward's end minus the last
+gloo's bf16 pair) also time STEPS of a third DDP model whose comm hook is DDP's own
+``allreduce_hook`` (it divides by the world size, then all-reduces) with a clock around it (the
+bucket timeline): per step, when each bucket's all_reduce was submitted and when it completed,
+and when backward returned; the row gets the medians of that step (``traced_s``), of backward's end minus the last
 bucket's submission (``exposed_s``: communication no computation hides), of the other buckets'
 submission-to-completion times summed (``hidden_s``), the last bucket's size
 (``last_bucket``, elements) and the CPU time the process's other threads (the backend's: every
