@@ -158,7 +158,7 @@ def ddp(model_name, backend, steps, warmup):
             offset += n
 
     fns = [step, local, hooked, allreduce_buckets]
-    timeline = []  # per traced step: (backward's start, its end, [(submitted, completed, numel)], other threads' CPU s)
+    timeline = []  # per traced step: (backward's end, [(submitted, completed, numel)], other threads' CPU s)
     if hook is None:  # the bucket timeline under DDP's own all-reduce hook
         events = []
 
@@ -176,26 +176,24 @@ def ddp(model_name, backend, steps, warmup):
             events.clear()
             cpu, own = time.process_time(), time.thread_time()
             to.zero_grad()
-            loss = torch.nn.functional.cross_entropy(tm(x), y)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
+            torch.nn.functional.cross_entropy(tm(x), y).backward()
+            end = time.perf_counter()
             to.step()
             # CPU time of the process's other threads in the step: the backend's (OMP_NUM_THREADS=1)
-            timeline.append((t1, t2, sorted(events), time.process_time() - cpu - (time.thread_time() - own)))
+            timeline.append((end, sorted(events), time.process_time() - cpu - (time.thread_time() - own)))
         fns.append(traced_step)
     timed(fns, warmup)
-    del timeline[:]
+    timeline.clear()
     with_comm, without, no_comm_s, buckets_s, *traced = timed(fns, steps)
     row = {"kind": "ddp", "model": model_name, "step_s": with_comm, "compute_s": without,
            "comm_share": max(0.0, 1 - without / with_comm), "no_comm_s": no_comm_s,
            "buckets_s": buckets_s, "buckets": list(buckets.values()), "steps": steps,
            "threads": torch.get_num_threads()}
-    if traced and all(ev for _, _, ev, _ in timeline):
+    if traced and all(ev for _, ev, _ in timeline):
         row.update(traced_s=traced[0],
-                   exposed_s=statistics.median(end - ev[-1][0] for _, end, ev, _ in timeline),
-                   hidden_s=statistics.median(sum(b - a for a, b, _ in ev[:-1]) for _, _, ev, _ in timeline),
-                   last_bucket=timeline[0][2][-1][2],
+                   exposed_s=statistics.median(end - ev[-1][0] for end, ev, _ in timeline),
+                   hidden_s=statistics.median(sum(b - a for a, b, _ in ev[:-1]) for _, ev, _ in timeline),
+                   last_bucket=timeline[0][1][-1][2],
                    backend_cpu_s=statistics.median(c for *_, c in timeline))
     return [row]
 
