@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=$(bash python/venv.sh test)
-out=target/wheels-test
+out="${CARGO_TARGET_DIR:-target}/wheels-test"  # beside the build: outside the repository when CARGO_TARGET_DIR is
 rm -rf "$out"
 "$venv/bin/maturin" build --quiet -m python/Cargo.toml --profile dev -o "$out" >&2
 "$venv/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$out"/diphoma-*.whl >&2

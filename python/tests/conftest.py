@@ -7,12 +7,6 @@ import sys
 
 import pytest
 
-# The ranks of a test share the launcher's stdout. Unbuffered (PYTHONUNBUFFERED, set on some
-# machines and CI runners), print() writes each piece with a write of its own, so two ranks'
-# lines interleave mid-line ("started started1 3"); buffered, print(..., flush=True) is one write,
-# which a pipe keeps whole. The tests parse those lines, so their processes run buffered.
-os.environ.pop("PYTHONUNBUFFERED", None)
-
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 
 
