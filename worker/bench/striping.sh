@@ -28,13 +28,14 @@ busy() { awk '/^cpu /{print $2+$3+$4+$7+$8, $5+$6}' /proc/stat; }  # busy and id
 ring() {  # N P: every link of an N-rank ring at once, P streams each; one table row
   local n=$1 par=$2 r src dst pids=() b0 b1
   for ((r = 0; r < n; r++)); do
-    iperf3 -s -1 -B "${addrs[r]}" -p $((5300 + r)) >/dev/null 2>&1 & pids+=($!)
+    # bounded: a server whose client never came must not hold the run
+    timeout $((SECS + 15)) iperf3 -s -1 -B "${addrs[r]}" -p $((5300 + r)) >/dev/null 2>&1 & pids+=($!)
   done
   sleep 0.3
   b0=$(busy)
   for ((r = 0; r < n; r++)); do
     src=${addrs[(r + n - 1) % n]}; dst=${addrs[r]}
-    iperf3 -c "$dst" -B "$src" -p $((5300 + r)) -P "$par" -t "$SECS" -O 0.5 -J >"$tmp/$r.json" 2>/dev/null &
+    timeout $((SECS + 15)) iperf3 -c "$dst" -B "$src" -p $((5300 + r)) -P "$par" -t "$SECS" -O 0.5 -J >"$tmp/$r.json" 2>/dev/null &
   done
   wait "${pids[@]}" 2>/dev/null || true
   wait
