@@ -26,10 +26,10 @@ trap 'netns_cleanup; rm -rf "$tmp"' EXIT
 busy() { awk '/^cpu /{print $2+$3+$4+$7+$8, $5+$6}' /proc/stat; }  # busy and idle jiffies
 
 ring() {  # N P: every link of an N-rank ring at once, P streams each; one table row
-  local n=$1 par=$2 r src dst pids=() b0 b1
+  local n=$1 par=$2 r src dst b0 b1
   for ((r = 0; r < n; r++)); do
     # bounded: a server whose client never came must not hold the run
-    timeout $((SECS + 15)) iperf3 -s -1 -B "${addrs[r]}" -p $((5300 + r)) >/dev/null 2>&1 & pids+=($!)
+    timeout $((SECS + 15)) iperf3 -s -1 -B "${addrs[r]}" -p $((5300 + r)) >/dev/null 2>&1 &
   done
   sleep 0.3
   b0=$(busy)
@@ -37,8 +37,7 @@ ring() {  # N P: every link of an N-rank ring at once, P streams each; one table
     src=${addrs[(r + n - 1) % n]}; dst=${addrs[r]}
     timeout $((SECS + 15)) iperf3 -c "$dst" -B "$src" -p $((5300 + r)) -P "$par" -t "$SECS" -O 0.5 -J >"$tmp/$r.json" 2>/dev/null &
   done
-  wait "${pids[@]}" 2>/dev/null || true
-  wait
+  wait  # the clients, and the servers they ended
   b1=$(busy)
   python3 - "$tmp" "$n" "$par" "${NETNS_RATE_GBIT:-}" "$NETNS_PROFILE" "$b0" "$b1" <<'EOF'
 import json, sys
